@@ -1,0 +1,6 @@
+"""The ``pspf`` command line; importing this package registers every subcommand."""
+
+from cli import commands
+from cli.main import cli
+
+__all__ = ["cli", "commands"]

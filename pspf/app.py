@@ -1,0 +1,97 @@
+"""``App`` declares what a stream app consumes and how; it does no I/O and runs no loop.
+
+``pspf run module:attr`` loads an App (or a zero-argument function returning one) and hands it
+to a worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from pspf.codec import ValueDecoder
+from pspf.context import Context
+from pspf.errors import ConfigError
+from pspf.keys import check_name
+
+HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
+
+
+class Handler(msgspec.Struct, frozen=True):
+    """A registered handler: its topic, function and the decoder for its declared value type."""
+
+    topic: str
+    func: Callable[..., Any]
+    is_async: bool
+    decoder: ValueDecoder
+
+
+class App:
+    """A stream application; its name is its consumer group and names its state.
+
+    Example:
+        app = App("order-totals")
+
+        @app.handler("orders")
+        def add(order: dict, ctx: Context) -> None:
+            ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = check_name("app", name)
+        self.handlers: dict[str, Handler] = {}
+
+    def handler(self, topic: str) -> Callable[[HandlerFunc], HandlerFunc]:
+        """Register ``func(value, ctx)`` for the entries of ``topic``.
+
+        The annotation of the first parameter, when present, is the value type: entries are
+        decoded into it (a msgspec Struct, dict, list, ...). ``async def`` handlers are awaited.
+        """
+        check_name("topic", topic)
+
+        def register(func: HandlerFunc) -> HandlerFunc:
+            if topic in self.handlers:
+                raise ConfigError(f"app {self.name!r} already has a handler for topic {topic!r}")
+            self.handlers[topic] = Handler(
+                topic=topic,
+                func=func,
+                is_async=inspect.iscoroutinefunction(func),
+                decoder=ValueDecoder(_value_type(func)),
+            )
+            return func
+
+        return register
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self.handlers)
+
+    def __repr__(self) -> str:
+        return f"App({self.name!r}, topics={self.topics})"
+
+
+def _value_type(func: Callable[..., Any]) -> Any:
+    """The declared type of the handler's first parameter, ``Any`` when not annotated."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot inspect handler {func!r}: {exc}") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != 2:
+        raise ConfigError(f"handler {func.__qualname__} must take two positional parameters (value, ctx)")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as exc:
+        raise ConfigError(f"cannot resolve the annotations of {func.__qualname__}: {exc}") from None
+    value_type = hints.get(positional[0].name, Any)
+    try:
+        ValueDecoder(value_type)
+    except TypeError as exc:
+        raise ConfigError(
+            f"handler {func.__qualname__}: msgspec cannot decode into {value_type!r}: {exc}"
+        ) from None
+    return value_type

@@ -1,0 +1,324 @@
+"""Every round trip PSPF makes to Redis or Valkey, one method each.
+
+Replies stay bytes (never ``decode_responses``) so a binary value cannot poison a batch, the
+protocol is pinned to RESP2 because the stream replies are parsed here, and redis-py's own retries
+are off: re-sending an XREADGROUP whose reply was lost would hide delivered entries, so the worker
+reconnects itself and re-reads its pending entries instead. Redis errors are translated here, in one
+place, into PSPF's error types.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any, NamedTuple, cast
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pspf import keys
+from pspf.errors import BrokerError, BrokerUnavailable, LeaseLost, NotFound
+from pspf.settings import RedisSettings, mask_url
+
+log = logging.getLogger(__name__)
+
+Fields = dict[bytes, bytes]
+#: One entry as read: its id and its fields, or None for an entry deleted while pending.
+RawEntry = tuple[bytes, Fields | None]
+
+_CLAIM_COUNT = 1000
+
+
+class AckRequest(NamedTuple):
+    """Entries of one topic partition to acknowledge under a lease."""
+
+    stream: str
+    group: str
+    lease_key: str
+    lease_value: str
+    ids: Sequence[bytes]
+
+
+class ServerInfo(NamedTuple):
+    """What the connected server is and what it lacks for PSPF's guarantees."""
+
+    version: str
+    warnings: list[str]
+
+
+def _script(name: str) -> str:
+    return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
+
+
+class Broker:
+    """A connection pool to one Redis or Valkey server and the commands PSPF sends it."""
+
+    def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
+        self.url = mask_url(settings.url)
+        self.client = redis.Redis.from_url(
+            settings.url,
+            protocol=2,
+            decode_responses=False,
+            socket_connect_timeout=settings.connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
+        )
+        # Stream replies are parsed by _entries below, which keeps deleted entries visible.
+        for command in ("XREADGROUP", "XAUTOCLAIM"):
+            self.client.response_callbacks.pop(command, None)
+        self._ack = self.client.register_script(_script("ack"))
+        self._lease_acquire = self.client.register_script(_script("lease_acquire"))
+        self._lease_renew = self.client.register_script(_script("lease_renew"))
+        self._lease_release = self.client.register_script(_script("lease_release"))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _command(self, *args: Any) -> Any:
+        return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+    @contextmanager
+    def translate_errors(self) -> Iterator[None]:
+        """Turn redis-py exceptions into PSPF errors with a message a user can act on."""
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+        except redis.ResponseError as exc:
+            text = str(exc)
+            if text.startswith("LEASE_LOST"):
+                raise LeaseLost(text) from exc
+            if text.startswith("NOGROUP"):
+                raise BrokerError(f"consumer group missing: {text}") from exc
+            if text.startswith("WRONGTYPE"):
+                raise BrokerError(f"a PSPF key holds the wrong Redis type: {text}") from exc
+            raise BrokerError(f"Redis refused a command: {text}") from exc
+        except redis.RedisError as exc:
+            raise BrokerError(f"Redis error: {exc}") from exc
+
+    # -- server ---------------------------------------------------------------------------------
+
+    def check_server(self) -> ServerInfo:
+        """Check that the server has what PSPF needs and say what weakens the guarantee.
+
+        Features are detected, not inferred from a version: Valkey reports its own versions.
+        """
+        with self.translate_errors():
+            info = self.client.info("server")
+            if self._command("COMMAND", "INFO", "XAUTOCLAIM") in ([None], [], None):
+                raise BrokerError(
+                    f"the server at {self.url} lacks XAUTOCLAIM: PSPF needs Redis >= 6.2 or Valkey"
+                )
+        version = str(info.get("valkey_version") or info.get("redis_version") or "unknown")
+        return ServerInfo(version, self._guarantee_warnings())
+
+    def _guarantee_warnings(self) -> list[str]:
+        try:
+            config = self.client.config_get("*")
+        except redis.RedisError:
+            return ["cannot read the server's CONFIG; persistence and eviction are unchecked"]
+        text = {_text(k): _text(v) for k, v in config.items()}
+        warnings = []
+        if text.get("appendonly") != "yes" and not text.get("save"):
+            warnings.append(
+                "the server persists nothing (appendonly no, no save points): "
+                "a server restart loses every stream"
+            )
+        policy = text.get("maxmemory-policy", "noeviction")
+        if policy != "noeviction":
+            warnings.append(f"maxmemory-policy is {policy}: the server may evict streams")
+        return warnings
+
+    # -- topics ---------------------------------------------------------------------------------
+
+    def create_topic(self, topic: str, partitions: int) -> bool:
+        """Record a topic; False when it exists already with the same partition count."""
+        with self.translate_errors():
+            created = self.client.hsetnx(keys.topic_key(topic), "partitions", partitions)
+            self.client.sadd(keys.TOPICS_KEY, topic)
+        if not created:
+            existing = self.topic_partitions(topic)
+            if existing != partitions:
+                raise BrokerError(f"topic {topic!r} exists with {existing} partitions")
+        return bool(created)
+
+    def topic_partitions(self, topic: str) -> int:
+        """The partition count of a topic; NotFound when it was never created."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.topic_key(topic), "partitions")
+        if raw is None:
+            raise NotFound(
+                f"topic {topic!r} does not exist; create it with `pspf topic create {topic} --partitions N`"
+            )
+        return int(raw)
+
+    def list_topics(self) -> list[str]:
+        with self.translate_errors():
+            return sorted(_text(t) for t in self.client.smembers(keys.TOPICS_KEY))
+
+    def register_app(self, app: str, topics: list[str], partitions: int) -> None:
+        """Record what an app reads, so operators can find its state by app name alone."""
+        with self.translate_errors():
+            self.client.hset(
+                keys.app_key(app), mapping={"topics": ",".join(topics), "partitions": partitions}
+            )
+            self.client.sadd(keys.APPS_KEY, app)
+
+    def app_partitions(self, app: str) -> int:
+        """The partition count an app was last run with; NotFound if it never ran here."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), "partitions")
+        if raw is None:
+            raise NotFound(f"app {app!r} has never run against the broker at {self.url}")
+        return int(raw)
+
+    def stream_info(self, stream: str) -> tuple[int, bytes | None, list[dict[str, Any]]]:
+        """Length, last entry id and consumer groups of a stream (zero and none if absent)."""
+        with self.translate_errors():
+            if not self.client.exists(stream):
+                return 0, None, []
+            info = self.client.xinfo_stream(stream)
+            groups = self.client.xinfo_groups(stream)
+        return int(info["length"]), info.get("last-generated-id"), groups
+
+    # -- consuming ------------------------------------------------------------------------------
+
+    def ensure_group(self, stream: str, group: str, start_id: str) -> None:
+        """Create the consumer group (and the stream) unless it exists."""
+        with self.translate_errors():
+            try:
+                self.client.xgroup_create(stream, group, id=start_id, mkstream=True)
+            except redis.ResponseError as exc:
+                if not str(exc).startswith("BUSYGROUP"):
+                    raise
+
+    def read_group(
+        self,
+        group: str,
+        consumer: str,
+        streams: dict[str, str],
+        count: int,
+        block_ms: int | None,
+    ) -> list[tuple[bytes, list[RawEntry]]]:
+        """One XREADGROUP; ``streams`` maps a stream to ``>`` (new entries) or an id (own PEL)."""
+        args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+        if block_ms is not None:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", *streams.keys(), *streams.values()]
+        with self.translate_errors():
+            reply = self._command(*args)
+        if not reply:
+            return []
+        return [(stream, _entries(entries)) for stream, entries in reply]
+
+    def delivery_counts(
+        self, stream: str, group: str, consumer: str, first: bytes, last: bytes, count: int
+    ) -> dict[bytes, int]:
+        """How often each pending entry in [first, last] was delivered (XPENDING)."""
+        with self.translate_errors():
+            rows = self.client.xpending_range(stream, group, first, last, count, consumer)
+        return {row["message_id"]: int(row["times_delivered"]) for row in cast(list[dict[str, Any]], rows)}
+
+    def claim_all(self, stream: str, group: str, consumer: str) -> int:
+        """Move every pending entry of the group in ``stream`` to ``consumer`` (on takeover).
+
+        Follows the XAUTOCLAIM cursor in bounded steps. Entries deleted while pending are dropped
+        from the PEL by Redis 7 and returned as a third element; they are counted and logged.
+        """
+        claimed = 0
+        cursor = b"0-0"
+        while True:
+            with self.translate_errors():
+                reply = self._command(
+                    "XAUTOCLAIM", stream, group, consumer, 0, cursor, "COUNT", _CLAIM_COUNT, "JUSTID"
+                )
+            cursor, ids = reply[0], reply[1]
+            claimed += len(ids)
+            if len(reply) > 2 and reply[2]:
+                log.warning(
+                    "entries deleted while pending, lost before processing stream=%s ids=%s",
+                    stream,
+                    [i.decode() for i in reply[2]],
+                )
+            if cursor in (b"0-0", "0-0"):
+                return claimed
+
+    def ack(self, requests: Sequence[AckRequest]) -> list[int | LeaseLost]:
+        """Acknowledge several partitions' batches in ONE pipelined round trip.
+
+        Each partition's XACK runs in a Lua call that checks its lease, so one lost lease
+        refuses only that partition's acknowledgement.
+        """
+        if not requests:
+            return []
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for r in requests:
+                self._ack(keys=[r.stream, r.lease_key], args=[r.group, r.lease_value, *r.ids], client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        results: list[int | LeaseLost] = []
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                if str(reply).startswith("LEASE_LOST"):
+                    results.append(LeaseLost(str(reply)))
+                    continue
+                with self.translate_errors():
+                    raise reply
+            results.append(int(reply))
+        return results
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def acquire_lease(self, lease_key: str, fence_key: str, owner: str, ttl_ms: int) -> str | None:
+        """Take a free lease; its value (owner and fencing token), or None when it is held."""
+        with self.translate_errors():
+            value = self._lease_acquire(keys=[lease_key, fence_key], args=[owner, ttl_ms])
+        return None if value is None else bytes(value).decode()
+
+    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_ms: int) -> list[bool]:
+        """Extend leases (key, value) in one round trip; False where a lease is lost."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in leases:
+                self._lease_renew(keys=[key], args=[value, ttl_ms], client=pipe)
+            return [bool(r) for r in pipe.execute()]
+
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
+        """Give leases up so a standby takes the partitions at once."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in leases:
+                self._lease_release(keys=[key], args=[value], client=pipe)
+            pipe.execute()
+
+    # -- producing ------------------------------------------------------------------------------
+
+    def add_entries(self, entries: Sequence[tuple[str, Fields]]) -> list[bytes]:
+        """XADD many entries in one pipelined round trip; their ids, in order."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for stream, fields in entries:
+                pipe.xadd(stream, fields)  # type: ignore[arg-type]
+            return list(pipe.execute())
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entries(raw: list[Any]) -> list[RawEntry]:
+    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields."""
+    parsed: list[RawEntry] = []
+    for entry_id, flat in raw:
+        if flat is None:
+            parsed.append((entry_id, None))
+        else:
+            it = iter(flat)
+            parsed.append((entry_id, dict(zip(it, it, strict=True))))
+    return parsed

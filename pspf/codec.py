@@ -1,0 +1,97 @@
+"""The entry wire format and the reusable msgspec codecs.
+
+An entry is a Redis stream entry with the fields
+
+- ``key``: the partition and state key, UTF-8 (optional);
+- ``value``: the payload bytes, JSON unless ``encoding`` says ``msgpack``;
+- ``headers``: a JSON object of strings (optional);
+- ``encoding``: ``json`` (default) or ``msgpack`` (optional).
+
+An entry without a ``value`` field is a flat record: its whole field map is the value, so
+``XADD 'pspf:{orders:0}' * user u1 amount 3`` is a valid input. Flat values are text, so a typed
+handler receives them converted leniently (``"3"`` becomes ``3`` for an ``int`` field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pspf.errors import ConfigError, DecodeError
+
+KEY = b"key"
+VALUE = b"value"
+HEADERS = b"headers"
+ENCODING = b"encoding"
+MSGPACK = b"msgpack"
+
+json_encoder = msgspec.json.Encoder()
+state_encoder = msgspec.msgpack.Encoder()
+state_decoder: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(dict[str, Any])
+_headers_decoder = msgspec.json.Decoder(dict[str, str])
+
+
+class ValueDecoder:
+    """Turns an entry's fields into the value a handler declared; built once per handler."""
+
+    __slots__ = ("_json", "_msgpack", "_typed", "value_type")
+
+    def __init__(self, value_type: Any = Any) -> None:
+        self.value_type = value_type
+        self._json: msgspec.json.Decoder[Any] = msgspec.json.Decoder(value_type)
+        self._msgpack: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
+        self._typed = value_type is not Any
+
+    def decode(self, fields: dict[bytes, bytes]) -> Any:
+        """Decode the value of one entry, raising DecodeError with the reason."""
+        raw = fields.get(VALUE)
+        try:
+            if raw is None:
+                return self._flat(fields)
+            if fields.get(ENCODING) == MSGPACK:
+                return self._msgpack.decode(raw)
+            return self._json.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            raise DecodeError(f"cannot decode value: {exc}") from None
+
+    def _flat(self, fields: dict[bytes, bytes]) -> Any:
+        record = {name.decode(): value.decode() for name, value in fields.items()}
+        if not record:
+            raise DecodeError("cannot decode value: the entry has no fields")
+        if not self._typed:
+            return record
+        return msgspec.convert(record, self.value_type, strict=False)
+
+
+def decode_headers(raw: bytes | None) -> dict[str, str]:
+    """The headers of an entry; an unreadable headers field is a DecodeError."""
+    if raw is None:
+        return {}
+    try:
+        return _headers_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"cannot decode headers: {exc}") from None
+
+
+def encode_value(value: Any) -> bytes:
+    """JSON bytes for a value to produce; bytes pass unchanged (they are taken as JSON already)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    try:
+        return json_encoder.encode(value)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ConfigError(f"cannot encode value as JSON: {exc}") from None
+
+
+def entry_fields(
+    value: bytes, key: str | None = None, headers: dict[str, str] | None = None
+) -> dict[bytes, bytes]:
+    """The stream fields of one entry in the wire format."""
+    fields: dict[bytes, bytes] = {}
+    if key is not None:
+        fields[KEY] = key.encode()
+    fields[VALUE] = value
+    if headers:
+        fields[HEADERS] = json_encoder.encode(headers)
+    return fields

@@ -1,0 +1,82 @@
+"""The ``Context`` a handler receives with each entry."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pspf import codec
+from pspf.errors import StateError
+
+
+class StateSource(Protocol):
+    """Where a context loads its key's state from: the batch in hand, on top of the store."""
+
+    def base(self, key: str) -> bytes | None: ...
+
+
+class Context:
+    """What a handler knows about its entry, and ``state``: the entry's key's state in the app.
+
+    ``ctx.state`` is a dict of values msgspec can encode. Changes join the batch's commit only if
+    the handler returns; if it raises, they are dropped. Entries without a key share the state of
+    the empty key ``""`` within their partition.
+    """
+
+    __slots__ = (
+        "_base",
+        "_headers",
+        "_id",
+        "_source",
+        "_state",
+        "delivery_count",
+        "key",
+        "partition",
+        "topic",
+    )
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        entry_id: bytes,
+        key: str,
+        delivery_count: int,
+        headers: bytes | None,
+        source: StateSource,
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.key = key
+        self.delivery_count = delivery_count
+        self._id = entry_id
+        self._headers = headers
+        self._source = source
+        self._state: dict[str, Any] | None = None
+        self._base: bytes | None = None
+
+    @property
+    def id(self) -> str:
+        """The entry's stream id, ``ms-seq``."""
+        return self._id.decode()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The entry's headers (empty when it has none)."""
+        return codec.decode_headers(self._headers)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The state of this entry's key, loaded on first use."""
+        if self._state is None:
+            self._base = base = self._source.base(self.key)
+            if base is None:
+                self._state = {}
+            else:
+                try:
+                    self._state = codec.state_decoder.decode(base)
+                except Exception as exc:
+                    raise StateError(f"stored state of key {self.key!r} cannot be read: {exc}") from exc
+        return self._state
+
+    def __repr__(self) -> str:
+        return f"Context(topic={self.topic!r}, partition={self.partition}, id={self.id!r}, key={self.key!r})"

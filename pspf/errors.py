@@ -1,0 +1,61 @@
+"""The one exception tree of PSPF.
+
+Every error a user can cause or meet is a ``PSPFError``; the CLI prints its message on one line and
+exits with its ``exit_code``, so scripts can tell a bad argument from an unreachable broker.
+"""
+
+from __future__ import annotations
+
+
+class PSPFError(Exception):
+    """Root of every error PSPF raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(PSPFError):
+    """Bad settings, arguments or input given by the user."""
+
+    exit_code = 2
+
+
+class BrokerError(PSPFError):
+    """Redis is unreachable, refused a command, or lacks a needed feature."""
+
+    exit_code = 3
+
+
+class BrokerUnavailable(BrokerError):
+    """The connection to Redis failed or timed out; a worker reconnects with backoff."""
+
+
+class LeaseLost(BrokerError):
+    """The partition lease is no longer ours: another worker may own the partition now."""
+
+
+class StateError(PSPFError):
+    """A state store cannot be opened, read or committed."""
+
+    exit_code = 5
+
+
+class StoreLocked(StateError):
+    """Another process has the state store open."""
+
+
+class CheckpointRegression(StateError):
+    """A checkpoint would move backwards: a bug guard, never expected in operation."""
+
+
+class DecodeError(PSPFError):
+    """An entry cannot become the value type its handler declares."""
+
+
+class NotFound(PSPFError):
+    """A topic, app or key does not exist."""
+
+    exit_code = 4
+
+
+class NonRetryableError(PSPFError):
+    """Raised by a handler to say that retrying the entry cannot help."""

@@ -1,0 +1,88 @@
+"""Redis key names, the partition function and stream ids.
+
+This is the only module that formats Redis key names. Every key that belongs to one topic
+partition carries the hash tag ``{topic:partition}``, so one Lua call or MULTI can touch the
+stream, its lease and (later) its DLQ together, also on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import NamedTuple
+
+from pspf.errors import ConfigError
+
+PREFIX = "pspf"
+TOPICS_KEY = f"{PREFIX}:topics"
+APPS_KEY = f"{PREFIX}:apps"
+MAX_PARTITIONS = 1024
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` if it is a valid topic or app name, else raise ConfigError.
+
+    Names are limited to letters, digits, ``.``, ``_`` and ``-`` so they can never break a key's
+    hash tag or a file name under the state directory.
+    """
+    if not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"invalid {kind} name {name!r}: use 1-200 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """The partition of a key: CRC32 of its UTF-8 bytes modulo the partition count."""
+    return zlib.crc32(key) % partitions
+
+
+def topic_key(topic: str) -> str:
+    """Hash holding a topic's metadata (its partition count)."""
+    return f"{PREFIX}:topic:{{{topic}}}"
+
+
+def app_key(app: str) -> str:
+    """Hash holding what a running app reads (its topics and partition count)."""
+    return f"{PREFIX}:app:{{{app}}}"
+
+
+def stream_key(topic: str, partition: int) -> str:
+    """The stream of one topic partition, e.g. ``pspf:{orders:0}``."""
+    return f"{PREFIX}:{{{topic}:{partition}}}"
+
+
+def lease_key(topic: str, partition: int, group: str) -> str:
+    """The lease a worker of ``group`` holds on a topic partition (value: owner and token)."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:lease:{group}"
+
+
+def fence_key(topic: str, partition: int, group: str) -> str:
+    """Counter that hands out increasing fencing tokens for a lease."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:fence:{group}"
+
+
+class StreamId(NamedTuple):
+    """A stream entry id; compares as the integer pair ``(ms, seq)``, never as a string."""
+
+    ms: int
+    seq: int
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> StreamId:
+        """Parse ``b"1700000000000-3"``; raise ConfigError when it is not a stream id."""
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        ms, sep, seq = text.partition("-")
+        try:
+            return cls(int(ms), int(seq) if sep else 0)
+        except ValueError:
+            raise ConfigError(f"invalid stream id {text!r}: expected MS-SEQ") from None
+
+    def __str__(self) -> str:
+        return f"{self.ms}-{self.seq}"
+
+
+ZERO_ID = StreamId(0, 0)

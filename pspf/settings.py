@@ -1,0 +1,141 @@
+"""The one settings object, loaded as defaults < ``PSPF_*`` environment < CLI flags < code.
+
+Each setting that a user may set from outside the code has one environment variable, listed in
+``ENV_VARS``; the CLI builds its options from the same table, so the flag ``--batch-size`` and
+the variable ``PSPF_BATCH_SIZE`` can never drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+from pspf.errors import ConfigError
+
+Engine = Literal["sqlite", "memory"]
+Durability = Literal["normal", "fsync"]
+StartFrom = Literal["earliest", "latest"]
+
+
+class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How to reach the broker."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+    def __repr__(self) -> str:
+        return f"RedisSettings(url={mask_url(self.url)!r}, connect_timeout_s={self.connect_timeout_s})"
+
+
+class ConsumerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How a worker reads, owns and acknowledges partitions."""
+
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
+    block_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 1000
+    consumer_name: str | None = None
+    start_from: StartFrom = "earliest"
+    lease_ttl_ms: Annotated[int, msgspec.Meta(ge=500)] = 10_000
+    retry_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 1000
+
+
+class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where and how state is kept."""
+
+    dir: str = "./state"
+    engine: Engine = "sqlite"
+    durability: Durability = "normal"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker or a CLI command needs to know, validated once."""
+
+    redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
+    consumer: ConsumerSettings = msgspec.field(default_factory=ConsumerSettings)
+    state: StateSettings = msgspec.field(default_factory=StateSettings)
+
+    @classmethod
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Build settings from defaults, then ``PSPF_*`` variables, then ``overrides``.
+
+        ``overrides`` maps environment variable names (``PSPF_BATCH_SIZE``) to values; a value of
+        None means "not given" and leaves the lower layer in place.
+        """
+        environ = os.environ if environ is None else environ
+        layered: dict[str, Any] = {name: environ[name] for name in ENV_VARS if name in environ}
+        for name, value in (overrides or {}).items():
+            if name not in ENV_VARS:
+                raise ConfigError(f"unknown setting {name!r}")
+            if value is not None:
+                layered[name] = value
+        tree: dict[str, dict[str, Any]] = {}
+        for name, value in layered.items():
+            group, field = ENV_VARS[name]
+            tree.setdefault(group, {})[field] = value
+        try:
+            settings = msgspec.convert(tree, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid setting: {_name_error(str(exc))}") from None
+        check_broker_url(settings.redis.url)
+        return settings
+
+
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "PSPF_BROKER": ("redis", "url"),
+    "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
+    "PSPF_BLOCK_MS": ("consumer", "block_ms"),
+    "PSPF_CONSUMER": ("consumer", "consumer_name"),
+    "PSPF_START_FROM": ("consumer", "start_from"),
+    "PSPF_LEASE_TTL_MS": ("consumer", "lease_ttl_ms"),
+    "PSPF_RETRY_DELAY_MS": ("consumer", "retry_delay_ms"),
+    "PSPF_STATE_DIR": ("state", "dir"),
+    "PSPF_STORE": ("state", "engine"),
+    "PSPF_DURABILITY": ("state", "durability"),
+}
+
+
+def _name_error(message: str) -> str:
+    """Replace msgspec's ``$.consumer.batch_size`` path by the variable a user can set."""
+    for name, (group, field) in ENV_VARS.items():
+        message = message.replace(f"`$.{group}.{field}`", f"{name} ({field.replace('_', '-')})")
+    return message
+
+
+def check_broker_url(url: str) -> None:
+    """Raise ConfigError unless ``url`` is a redis://, rediss:// or unix:// URL we can use."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it validates the port number
+    except ValueError as exc:
+        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"invalid broker URL {mask_url(url)!r}: scheme must be redis://, rediss:// or unix://"
+        )
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"invalid broker URL {mask_url(url)!r}: unix:// needs a socket path")
+        return
+    if not parts.hostname:
+        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: no host")
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: database must be a number")
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ``***``, safe to log or print."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    user = unquote(parts.username or "")
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()

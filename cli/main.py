@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 import traceback
@@ -171,8 +172,8 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
         logging.getLogger("pspf").setLevel(logging.INFO)
     app = load_app(target)
     worker = Worker(app, settings)
-    worker.install_signal_handlers()
-    summary = worker.run(until_idle=until_idle)
+    with worker.signals_handled():
+        summary = worker.run(until_idle=until_idle)
     click.echo(
         f"processed {summary.handled} entries ({summary.skipped} already done, {summary.failed} failures)",
         err=True,
@@ -199,10 +200,33 @@ def load_app(target: str) -> App:
     except AttributeError:
         raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}") from None
     if not isinstance(found, App) and callable(found):
-        found = found()
+        found = _call_factory(target, found)
     if not isinstance(found, App):
-        raise ConfigError(f"{target} is {type(found).__name__}, not a pspf.App (or a function returning one)")
+        raise ConfigError(
+            f"{target} is a {type(found).__name__}, not a pspf.App (or a function returning one)"
+        )
     return found
+
+
+def _call_factory(target: str, factory: Callable[..., Any]) -> Any:
+    try:
+        required = [
+            p
+            for p in inspect.signature(factory).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        required = []
+    if required:
+        raise ConfigError(
+            f"{target} takes arguments; point pspf run at an App or a function without arguments"
+        )
+    try:
+        return factory()
+    except PSPFError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"calling {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def service_for(obj: CliState, broker: str | None, state_dir: Path | None = None) -> Service:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -36,7 +36,9 @@ from pspf.broker import AckRequest, Broker, RawEntry
 from pspf.context import Context
 from pspf.errors import DecodeError, LeaseLost, StateError
 from pspf.keys import ZERO_ID, StreamId
-from state_stores import StateStore
+
+if TYPE_CHECKING:
+    from state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

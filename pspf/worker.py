@@ -14,12 +14,15 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import msgspec
 
+import state_stores
 from pspf import keys
 from pspf.app import App
 from pspf.broker import Broker
@@ -27,11 +30,13 @@ from pspf.errors import BrokerUnavailable, ConfigError, StateError, StoreLocked
 from pspf.ownership import Leases, PartitionLeases
 from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, StreamCursor
 from pspf.settings import Settings
-from state_stores import StateStore, open_store
+
+if TYPE_CHECKING:
+    from state_stores import StateStore
 
 log = logging.getLogger(__name__)
 
-StoreFactory = Callable[[str, int], StateStore]
+StoreFactory = Callable[[str, int], "StateStore"]
 
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
@@ -111,8 +116,9 @@ class Worker:
         """Ask the worker to finish the batch in hand and return from ``run``."""
         self._stopping.set()
 
-    def install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM stops gracefully; a second one exits at once."""
+    @contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        """Within the block, the first SIGINT/SIGTERM stops gracefully and a second exits at once."""
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             self._signals += 1
@@ -121,8 +127,12 @@ class Worker:
             log.info("signal %s: finishing the batch in hand, then stopping", signal.Signals(signum).name)
             self.stop()
 
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _start(self) -> None:
         info = self.broker.check_server()
@@ -255,7 +265,7 @@ class Worker:
 
     def _open_store(self, group: str, partition: int) -> StateStore:
         state = self.settings.state
-        return open_store(state.engine, state.dir, group, partition, durability=state.durability)
+        return state_stores.open_store(state.engine, state.dir, group, partition, durability=state.durability)
 
 
 def _add(summary: RunSummary, result: CycleResult) -> None:

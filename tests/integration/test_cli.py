@@ -1,0 +1,189 @@
+"""The pspf command through click's CliRunner: happy paths and every user error path."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from cli import cli
+from pspf.keys import stream_key
+from tests.conftest import Names, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def invoke(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
+    for name in ("PSPF_BROKER", "PSPF_STATE_DIR", "PSPF_UNTIL_IDLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    base_env = {"PSPF_BROKER": redis_url, "PSPF_STATE_DIR": str(tmp_path / "state"), "PSPF_BLOCK_MS": "100"}
+
+    def run(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Result:
+        return CliRunner().invoke(cli, list(args), input=input, env={**base_env, **(env or {})})
+
+    return run
+
+
+def one_line_error(result: Result) -> str:
+    """The CLI's error output: exactly one line, no traceback."""
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_topic_produce_run_state_round_trip(
+    invoke: Callable[..., Result], names: Names, rclient: Any
+) -> None:
+    topic, app = names.topic(), names.app()
+    assert invoke("topic", "create", topic, "--partitions", "4").exit_code == 0
+    again = invoke("topic", "create", topic, "--partitions", "4")
+    assert again.exit_code == 0 and "already exists" in again.output
+    listed = json.loads(invoke("topic", "list", "--json").output)
+    assert {"name": topic, "partitions": 4} in listed
+
+    single = invoke("produce", topic, "--key", "u1", '{"amount": 3}')
+    assert single.exit_code == 0, single.output
+    lines = "".join(json.dumps({"user": f"u{i % 7}", "amount": i}) + "\n" for i in range(1, 301))
+    many = invoke("produce", topic, "--key-field", "user", input=lines)
+    assert many.exit_code == 0, many.output
+    assert "300 entries written" in many.output
+    # Each entry sits in the partition its key maps to.
+    for p in range(4):
+        for _, fields in rclient.xrange(stream_key(topic, p)):
+            assert zlib.crc32(fields[b"key"]) % 4 == p
+
+    described = json.loads(invoke("topic", "describe", topic, "--json").output)
+    assert described["length"] == 301
+
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app}
+    ran = invoke("run", "tests.integration.cli_apps:make", "--until-idle", env=env)
+    assert ran.exit_code == 0, ran.output
+    assert "processed 301 entries" in ran.output
+
+    got = invoke("state", "get", app, "u1", "--json")
+    assert got.exit_code == 0, got.output
+    want_u1 = 3 + sum(i for i in range(1, 301) if i % 7 == 1)
+    assert json.loads(got.output) == {"total": want_u1, "count": 1 + len(range(1, 301, 7))}
+    human = invoke("state", "get", app, "u1")
+    assert f"total: {want_u1}" in human.output
+    keys = json.loads(invoke("state", "list", app, "--json").output)
+    assert keys == sorted(f"u{i}" for i in range(7))
+
+
+def test_produce_large_ndjson_file(
+    invoke: Callable[..., Result], names: Names, tmp_path: Path, rclient: Any
+) -> None:
+    topic = names.topic()
+    invoke("topic", "create", topic, "--partitions", "2")
+    path = tmp_path / "orders.ndjson"
+    path.write_text("".join(json.dumps({"user": f"u{i % 100}", "amount": 1}) + "\n" for i in range(20_000)))
+    result = invoke("produce", topic, "--key-field", "user", "--file", str(path))
+    assert result.exit_code == 0, result.output
+    assert rclient.xlen(stream_key(topic, 0)) + rclient.xlen(stream_key(topic, 1)) == 20_000
+
+
+@pytest.mark.parametrize(
+    ("target", "exit_code", "message"),
+    [
+        ("no_such_module_xyz:main", 2, "cannot import module 'no_such_module_xyz'"),
+        ("tests.integration.cli_apps:nope", 2, "has no attribute 'nope'"),
+        ("tests.integration.cli_apps:not_an_app", 2, "is a int, not a pspf.App"),
+        ("tests.integration.cli_apps:needs_arguments", 2, "takes arguments"),
+        ("tests.integration.cli_apps:broken_factory", 2, "database password missing"),
+        ("tests.integration.cli_apps", 2, "MODULE:ATTRIBUTE"),
+    ],
+)
+def test_run_target_errors(invoke: Callable[..., Result], target: str, exit_code: int, message: str) -> None:
+    result = invoke("run", target)
+    assert result.exit_code == exit_code
+    assert message in one_line_error(result)
+
+
+def test_run_unreachable_broker(invoke: Callable[..., Result], names: Names) -> None:
+    env = {"PSPF_TEST_TOPIC": names.topic(), "PSPF_TEST_APP": names.app()}
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = invoke("run", "tests.integration.cli_apps:make", "--broker", url, env=env)
+    assert result.exit_code == 3
+    assert "cannot reach Redis" in one_line_error(result)
+
+
+@pytest.mark.parametrize("url", ["http://localhost:6379", "redis://localhost:port/0", "redis://h/x"])
+def test_run_malformed_broker_url(invoke: Callable[..., Result], names: Names, url: str) -> None:
+    env = {"PSPF_TEST_TOPIC": names.topic(), "PSPF_TEST_APP": names.app()}
+    result = invoke("run", "tests.integration.cli_apps:make", "--broker", url, env=env)
+    assert result.exit_code == 2
+    assert "invalid broker URL" in one_line_error(result)
+
+
+def test_run_topic_that_does_not_exist(invoke: Callable[..., Result], names: Names) -> None:
+    topic = names.topic()
+    result = invoke(
+        "run", "tests.integration.cli_apps:make", env={"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": "x"}
+    )
+    assert result.exit_code == 4
+    assert f"topic '{topic}' does not exist" in one_line_error(result)
+
+
+def test_run_state_dir_not_writable(invoke: Callable[..., Result], names: Names, tmp_path: Path) -> None:
+    topic = names.topic()
+    invoke("topic", "create", topic)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": names.app()}
+    result = invoke("run", "tests.integration.cli_apps:make", "--state-dir", str(blocker / "state"), env=env)
+    assert result.exit_code == 5
+    assert "is not writable" in one_line_error(result)
+
+
+def test_verbose_shows_the_traceback(invoke: Callable[..., Result]) -> None:
+    result = invoke("-v", "run", "no_such_module_xyz:main")
+    assert result.exit_code == 2
+    assert "Traceback" in result.output
+
+
+def test_produce_errors(invoke: Callable[..., Result], names: Names, rclient: Any) -> None:
+    missing = invoke("produce", names.topic(), '{"a": 1}')
+    assert missing.exit_code == 4
+    assert "does not exist" in one_line_error(missing)
+
+    topic = names.topic()
+    invoke("topic", "create", topic)
+    bad_json = invoke("produce", topic, "{nope")
+    assert bad_json.exit_code == 2 and "invalid JSON" in one_line_error(bad_json)
+
+    lines = '{"user": "a", "amount": 1}\n{"user": "b", "amount": 2}\n{"amount": 3}\n{"user": "c"}\n'
+    partial = invoke("produce", topic, "--key-field", "user", input=lines)
+    assert partial.exit_code == 2
+    assert "line 3: no field 'user' (2 entries written before it)" in one_line_error(partial)
+    assert rclient.xlen(stream_key(topic, 0)) == 2  # the good lines before it are kept
+
+    usage = invoke("produce", topic, '{"a": 1}', "--key-field", "user")
+    assert usage.exit_code == 2
+
+
+def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:
+    bad_name = invoke("topic", "create", "no spaces")
+    assert bad_name.exit_code == 2 and "invalid topic name" in one_line_error(bad_name)
+    zero = invoke("topic", "create", names.topic(), "--partitions", "0")
+    assert zero.exit_code == 2 and "partitions must be" in one_line_error(zero)
+    topic = names.topic()
+    invoke("topic", "create", topic, "--partitions", "2")
+    clash = invoke("topic", "create", topic, "--partitions", "3")
+    assert clash.exit_code == 3 and "exists with 2 partitions" in one_line_error(clash)
+    unknown = invoke("topic", "describe", names.topic())
+    assert unknown.exit_code == 4
+
+
+def test_state_errors(invoke: Callable[..., Result], names: Names) -> None:
+    never_ran = invoke("state", "get", names.app(), "u1")
+    assert never_ran.exit_code == 4 and "has never run" in one_line_error(never_ran)
+    no_state = invoke("state", "list", names.app())
+    assert no_state.exit_code == 4 and "no state for app" in one_line_error(no_state)

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from pspf import keys
+from pspf.errors import ConfigError
+from pspf.keys import StreamId
+
+
+@pytest.mark.parametrize(
+    ("lower", "higher"),
+    [("9-0", "10-0"), ("1-9", "1-10"), ("99-99", "100-0"), ("1700000000000-9", "1700000000000-10")],
+)
+def test_stream_ids_compare_as_integer_pairs_across_digit_boundaries(lower: str, higher: str) -> None:
+    assert lower > higher  # as strings the order is wrong ...
+    assert StreamId.parse(lower) < StreamId.parse(higher)  # ... as (ms, seq) it is right
+    assert StreamId.parse(higher.encode()) > StreamId.parse(lower.encode())
+
+
+def test_stream_id_round_trips_and_rejects_garbage() -> None:
+    assert str(StreamId.parse(b"1700-3")) == "1700-3"
+    assert StreamId.parse("42") == StreamId(42, 0)
+    for bad in ("", "x-1", "1-y", "1-2-3", "-"):
+        with pytest.raises(ConfigError, match="invalid stream id"):
+            StreamId.parse(bad)
+
+
+def test_partition_is_crc32_of_the_key_bytes_mod_p() -> None:
+    for key in ("u1", "user-42", "ключ", ""):
+        for partitions in (1, 4, 7):
+            assert keys.partition_for(key.encode(), partitions) == zlib.crc32(key.encode()) % partitions
+    # A fixed value other producers (Spark, other languages) can check against.
+    # Fixed values (CRC-32/ISO-HDLC, as zlib and java.util.zip.CRC32) other producers can check.
+    assert keys.partition_for(b"u1", 4) == 2
+    assert keys.partition_for(b"order-42", 16) == 14
+
+
+def test_every_partition_key_shares_one_hash_tag() -> None:
+    stream = keys.stream_key("orders", 3)
+    assert stream == "pspf:{orders:3}"
+    for name in (keys.lease_key("orders", 3, "app"), keys.fence_key("orders", 3, "app")):
+        assert name.startswith("pspf:{orders:3}:")
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "a{b", "a}b", "-lead", "x" * 201, "a:b"])
+def test_names_that_would_break_keys_or_paths_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="invalid topic name"):
+        keys.check_name("topic", bad)
+
+
+def test_valid_names_pass() -> None:
+    for good in ("orders", "order-totals", "a.b_c-1", "9lives"):
+        assert keys.check_name("app", good) == good

@@ -98,6 +98,9 @@ class Worker:
     def run(self, until_idle: bool = False) -> RunSummary:
         """Process until stopped (or, with ``until_idle``, until nothing is left to read)."""
         summary = RunSummary()
+        if until_idle:
+            # "Nothing left to read" needs only a short look, not a full blocking read.
+            self.processor.block_ms = min(self.processor.block_ms, 100)
         self._start()
         try:
             self._loop(until_idle, summary)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from pspf import keys
@@ -255,11 +256,13 @@ class Broker:
         """
         if not requests:
             return []
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for r in requests:
-                self._ack(keys=[r.stream, r.lease_key], args=[r.group, r.lease_value, *r.ids], client=pipe)
-            replies = pipe.execute(raise_on_error=False)
+        replies = self._run_ack_scripts(requests)
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            # The server lost its script cache (a restart): load it and send the batch again,
+            # which is safe because XACK of an acknowledged entry changes nothing.
+            with self.translate_errors():
+                self.client.script_load(self._ack.script)
+            replies = self._run_ack_scripts(requests)
         results: list[int | LeaseLost] = []
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
@@ -270,6 +273,15 @@ class Broker:
                     raise reply
             results.append(int(reply))
         return results
+
+    def _run_ack_scripts(self, requests: Sequence[AckRequest]) -> list[Any]:
+        # EVALSHA straight into the pipeline: redis-py's Script objects would add a SCRIPT
+        # EXISTS round trip to every pipeline.
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for r in requests:
+                pipe.evalsha(self._ack.sha, 2, r.stream, r.lease_key, r.group, r.lease_value, *r.ids)
+            return list(pipe.execute(raise_on_error=False))
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -64,8 +64,12 @@ class StreamCursor:
     retry_at: float = 0.0
 
     def rewind(self) -> None:
-        """Re-read own pending entries from the checkpoint: after a failure or a lost connection."""
-        self.pending_after = self.checkpoint or ZERO_ID
+        """Re-read all own pending entries: after a failure or a lost connection.
+
+        From the start, not from the checkpoint: entries at or below it may be pending too when
+        their acknowledgement was lost; reading them again acknowledges them.
+        """
+        self.pending_after = ZERO_ID
 
 
 @dataclass(slots=True, eq=False)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pspf import App, Context, Producer, Settings, Worker
+from pspf.broker import Broker
+from pspf.errors import BrokerUnavailable
 from pspf.keys import stream_key
 from pspf.service import Service
 from pspf.worker import RunSummary
@@ -80,3 +83,38 @@ def test_worker_survives_a_redis_restart_with_exact_state(
     client = own_server.client()
     for p in range(2):
         assert client.xpending(stream_key("orders", p), "restart-app")["pending"] == 0
+
+
+def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [("k", {"n": 1})] * 500)
+    app = App(names.app())
+
+    @app.handler(topic)
+    def count(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
+
+    real_ack = Broker.ack
+    failures = []
+
+    def ack_lost_once(self: Broker, requests: Any) -> Any:
+        if not failures:
+            failures.append(len(requests[0].ids))
+            raise BrokerUnavailable("connection dropped before the acknowledgement")
+        return real_ack(self, requests)
+
+    monkeypatch.setattr(Broker, "ack", ack_lost_once)
+    settings = make_settings(PSPF_BATCH_SIZE=100)
+    summary = Worker(app, settings).run(until_idle=True)
+
+    assert failures == [100]
+    assert summary.skipped == 100  # committed before the drop: acknowledged, not re-applied
+    assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
+    assert Service(settings).state_get(app.name, "k") == {"count": 500}

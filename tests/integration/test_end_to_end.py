@@ -166,3 +166,52 @@ def test_flat_records_from_any_redis_client(
     settings = make_settings()
     Worker(app, settings).run(until_idle=True)
     assert Service(settings).state_get(app.name, "u1") == {"total": 12}
+
+
+def test_start_from_latest_reads_only_new_entries(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+) -> None:
+    topic = make_topic(2)
+    produce(topic, order_records(100, 10, seed=1))
+    app = typed_totals_app(names.app(), topic)
+    settings = make_settings(PSPF_START_FROM="latest")
+
+    assert Worker(app, settings).run(until_idle=True).handled == 0
+    later = order_records(30, 10, seed=2)
+    produce(topic, later)
+    assert Worker(app, settings).run(until_idle=True).handled == 30
+
+    state = all_state(settings, app.name, 2)
+    assert {k: (v["total"], v["count"]) for k, v in state.items()} == expected_totals(later)
+
+
+def test_handler_failure_stops_only_its_partition_until_it_succeeds(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [(f"k{i % 3}", {"seq": i}) for i in range(20)])
+    app = App(names.app())
+    attempts: Counter[int] = Counter()
+
+    @app.handler(topic)
+    def record(value: dict[str, int], ctx: Context) -> None:
+        ctx.state.setdefault("seq", []).append(value["seq"])
+        attempts[value["seq"]] += 1
+        if value["seq"] == 7 and attempts[7] < 3:
+            raise RuntimeError("flaky downstream")
+
+    Worker(app, make_settings(PSPF_RETRY_DELAY_MS=10)).run(until_idle=True)
+
+    assert attempts[7] == 3  # retried until it succeeded
+    assert all(attempts[i] == 1 for i in range(20) if i != 7)  # the others ran exactly once
+    state = all_state(make_settings(), app.name, 1)
+    # The failed attempts' writes were dropped; order per key is kept.
+    assert state == {f"k{k}": {"seq": [i for i in range(20) if i % 3 == k]} for k in range(3)}
+    assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0

@@ -327,10 +327,13 @@ def _text(value: bytes | str | None) -> str:
 def _entries(raw: list[Any]) -> list[RawEntry]:
     """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields."""
     parsed: list[RawEntry] = []
+    append = parsed.append
     for entry_id, flat in raw:
         if flat is None:
-            parsed.append((entry_id, None))
+            append((entry_id, None))
+        elif len(flat) == 4:  # the common key + value entry, without building an iterator
+            append((entry_id, {flat[0]: flat[1], flat[2]: flat[3]}))
         else:
             it = iter(flat)
-            parsed.append((entry_id, dict(zip(it, it, strict=True))))
+            append((entry_id, dict(zip(it, it, strict=True))))
     return parsed

@@ -150,14 +150,14 @@ def _state_result(ctx: Context) -> bytes | None:
 class _Screened(NamedTuple):
     """Entries of one stream read in this cycle, sorted into what needs a handler and not."""
 
-    todo: list[tuple[StreamId, bytes, dict[bytes, bytes]]]
+    todo: list[tuple[bytes, dict[bytes, bytes]]]
     done_ids: list[bytes]
     lost: int
 
 
 class _StreamOutcome(NamedTuple):
     cursor: StreamCursor
-    applied: list[tuple[StreamId, bytes]]
+    applied: list[bytes]
     ack_ids: list[bytes]
     failed: bool
 
@@ -209,10 +209,13 @@ class BatchProcessor:
 
     # -- the cycle ------------------------------------------------------------------------------
 
-    def run_once(self) -> CycleResult:
-        """One cycle: read, skip done, decode, handle, commit, acknowledge."""
+    def run_once(self, block: bool = True) -> CycleResult:
+        """One cycle: read, skip done, decode, handle, commit, acknowledge.
+
+        With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
+        """
         result = CycleResult()
-        reply = self._read()
+        reply = self._read(block)
         by_partition: dict[int, list[tuple[StreamCursor, list[RawEntry], dict[bytes, int]]]] = {}
         for stream, entries, counts in reply:
             cursor = self._by_stream[stream]
@@ -242,7 +245,7 @@ class BatchProcessor:
 
     # -- step 1: read -------------------------------------------------------------------------
 
-    def _read(self) -> list[tuple[str, list[RawEntry], dict[bytes, int]]]:
+    def _read(self, block: bool) -> list[tuple[str, list[RawEntry], dict[bytes, int]]]:
         now = time.monotonic()
         ready = [c for c in self._by_stream.values() if c.retry_at <= now]
         if not ready:
@@ -264,8 +267,8 @@ class BatchProcessor:
                 self._by_stream[stream].pending_after = None
         live = {c.stream: ">" for c in ready if c.pending_after is None}
         if live:
-            block = None if out else self.block_ms
-            for stream_b, entries in self.broker.read_group(group, consumer, live, count, block):
+            block_ms = self.block_ms if block and not out else None
+            for stream_b, entries in self.broker.read_group(group, consumer, live, count, block_ms):
                 if entries:
                     out.append((stream_b.decode(), entries, {}))
         return out
@@ -299,47 +302,54 @@ class BatchProcessor:
             failed = len(applied) < len(screened.todo)
             result.handled += len(applied)
             result.failed += int(failed)
-            ack_ids = screened.done_ids + [id_b for _, id_b in applied]
+            ack_ids = screened.done_ids + applied
             outcomes.append(_StreamOutcome(cursor, applied, ack_ids, failed))
         return outcomes
 
     @staticmethod
     def _screen(cursor: StreamCursor, entries: list[RawEntry]) -> _Screened:
-        todo = []
+        # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix: only
+        # those ids need parsing.
         done_ids = []
-        lost = 0
+        start = 0
         checkpoint = cursor.checkpoint
-        for id_b, fields in entries:
-            entry_id = StreamId.parse(id_b)
+        if checkpoint is not None:
+            while start < len(entries) and StreamId.parse(entries[start][0]) <= checkpoint:
+                done_ids.append(entries[start][0])
+                start += 1
+        rest = entries[start:]
+        if all(fields is not None for _, fields in rest):
+            return _Screened(rest, done_ids, 0)  # type: ignore[arg-type]
+        todo = []
+        lost = 0
+        for id_b, fields in rest:
             if fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
                     cursor.topic,
                     cursor.partition,
-                    entry_id,
+                    id_b.decode(),
                 )
                 done_ids.append(id_b)
                 lost += 1
-            elif checkpoint is not None and entry_id <= checkpoint:
-                done_ids.append(id_b)
             else:
-                todo.append((entry_id, id_b, fields))
+                todo.append((id_b, fields))
         return _Screened(todo, done_ids, lost)
 
     def _run_sync(
         self,
         handler: Handler,
         cursor: StreamCursor,
-        todo: list[tuple[StreamId, bytes, dict[bytes, bytes]]],
+        todo: list[tuple[bytes, dict[bytes, bytes]]],
         counts: dict[bytes, int],
         batch: PartitionBatch,
-    ) -> list[tuple[StreamId, bytes]]:
+    ) -> list[bytes]:
         """Run entries in id order until the first failure; return the applied ones."""
         applied = []
         overlay = batch.overlay
         decode, func = handler.decoder.decode, handler.func
         topic, partition = cursor.topic, cursor.partition
-        for entry_id, id_b, fields in todo:
+        for id_b, fields in todo:
             try:
                 ctx = Context(
                     topic,
@@ -353,24 +363,24 @@ class BatchProcessor:
                 func(decode(fields), ctx)
                 new = _state_result(ctx)
             except Exception as exc:
-                self._log_failure(cursor, entry_id, exc)
+                self._log_failure(cursor, id_b, exc)
                 break
             if new is not _UNCHANGED:
                 overlay[ctx.key] = new
-            applied.append((entry_id, id_b))
+            applied.append(id_b)
         return applied
 
     def _run_async(
         self,
         handler: Handler,
         cursor: StreamCursor,
-        todo: list[tuple[StreamId, bytes, dict[bytes, bytes]]],
+        todo: list[tuple[bytes, dict[bytes, bytes]]],
         counts: dict[bytes, int],
         batch: PartitionBatch,
-    ) -> list[tuple[StreamId, bytes]]:
+    ) -> list[bytes]:
         """Run one chain per key concurrently; keep the id-ordered prefix before the first failure."""
         chains: dict[str, list[int]] = {}
-        for index, (_, _, fields) in enumerate(todo):
+        for index, (_, fields) in enumerate(todo):
             try:
                 key = _key(fields)
             except DecodeError:
@@ -385,7 +395,7 @@ class BatchProcessor:
             for index in indexes:
                 if index > first_failure:
                     return
-                entry_id, id_b, fields = todo[index]
+                id_b, fields = todo[index]
                 try:
                     ctx = Context(
                         cursor.topic,
@@ -399,7 +409,7 @@ class BatchProcessor:
                     await handler.func(handler.decoder.decode(fields), ctx)
                     new = _state_result(ctx)
                 except Exception as exc:
-                    self._log_failure(cursor, entry_id, exc)
+                    self._log_failure(cursor, id_b, exc)
                     first_failure = min(first_failure, index)
                     return
                 if new is not _UNCHANGED:
@@ -417,16 +427,16 @@ class BatchProcessor:
             key, new = results[index]
             if new is not _UNCHANGED:
                 batch.overlay[key] = new
-            applied.append((todo[index][0], todo[index][1]))
+            applied.append(todo[index][0])
         return applied
 
     @staticmethod
-    def _log_failure(cursor: StreamCursor, entry_id: StreamId, exc: Exception) -> None:
+    def _log_failure(cursor: StreamCursor, entry_id: bytes, exc: Exception) -> None:
         log.warning(
             "entry failed, its partition waits topic=%s partition=%s id=%s error=%s: %s",
             cursor.topic,
             cursor.partition,
-            entry_id,
+            entry_id.decode(),
             type(exc).__name__,
             exc,
             exc_info=not isinstance(exc, DecodeError),
@@ -436,7 +446,7 @@ class BatchProcessor:
 
     @staticmethod
     def _commit(batch: PartitionBatch, outcomes: list[_StreamOutcome]) -> None:
-        checkpoints = {o.cursor.topic: o.applied[-1][0] for o in outcomes if o.applied}
+        checkpoints = {o.cursor.topic: StreamId.parse(o.applied[-1]) for o in outcomes if o.applied}
         if not checkpoints and not batch.overlay:
             return
         owned = batch.owned
@@ -453,7 +463,7 @@ class BatchProcessor:
         owned.cache.update(batch.overlay)
         for o in outcomes:
             if o.applied:
-                o.cursor.checkpoint = o.applied[-1][0]
+                o.cursor.checkpoint = checkpoints[o.cursor.topic]
 
     # -- step 6: acknowledge ------------------------------------------------------------------
 

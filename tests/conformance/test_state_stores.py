@@ -133,3 +133,18 @@ def test_unwritable_state_dir_is_a_state_error(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises(StateError, match="cannot open state store"):
         open_store("sqlite", blocker, "g", 0)
+
+
+def test_large_batches_write_every_row(store: StateStore) -> None:
+    with store.transaction() as tx:
+        for i in range(1_000):
+            tx.set("ns", f"k{i:04}", str(i).encode())
+    with store.transaction() as tx:  # overwrite some, delete some, in one batch
+        for i in range(0, 1_000, 3):
+            tx.set("ns", f"k{i:04}", b"new")
+        for i in range(1, 1_000, 3):
+            tx.delete("ns", f"k{i:04}")
+    got = dict(store.items("ns"))
+    assert len(got) == 1_000 - len(range(1, 1_000, 3))
+    assert all(got[f"k{i:04}"] == b"new" for i in range(0, 1_000, 3))
+    assert all(got[f"k{i:04}"] == str(i).encode() for i in range(2, 1_000, 3))

@@ -186,6 +186,17 @@ class Broker:
             groups = self.client.xinfo_groups(stream)
         return int(info["length"]), info.get("last-generated-id"), groups
 
+    def has_backlog(self, stream: str, group: str) -> bool:
+        """Whether ``group`` has pending or not yet delivered entries in ``stream``."""
+        length, last_id, groups = self.stream_info(stream)
+        for info in groups:
+            if _text(info["name"]) == group:
+                if int(info["pending"]):
+                    return True
+                delivered = keys.StreamId.parse(info["last-delivered-id"])
+                return last_id is not None and keys.StreamId.parse(last_id) > delivered
+        return length > 0
+
     # -- consuming ------------------------------------------------------------------------------
 
     def ensure_group(self, stream: str, group: str, start_id: str) -> None:

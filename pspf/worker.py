@@ -85,13 +85,13 @@ class Worker:
             self.broker,
             self.consumer,
             batch_size=settings.consumer.batch_size,
-            block_ms=settings.consumer.block_ms,
+            # Leases are renewed between reads: a read must never outlast a third of their TTL.
+            block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
             retry_delay_ms=settings.consumer.retry_delay_ms,
         )
         self._store_factory = store_factory or self._open_store
         self._held: dict[int, Leases] = {}
         self._partitions = 0
-        self._all_taken = False
         self._stopping = threading.Event()
         self._signals = 0
 
@@ -202,7 +202,7 @@ class Worker:
             _add(summary, result)
             for partition in result.lost_partitions:
                 self._drop(partition, release=False)
-            if until_idle and result.idle and self._all_taken:
+            if until_idle and result.idle and self._others_drained():
                 return
             if until_idle and result.read == 0:
                 self._stopping.wait(_IDLE_POLL_S)
@@ -222,7 +222,6 @@ class Worker:
         """Renew held leases, give up lost partitions, and take free ones."""
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
-        all_taken = True
         for partition in range(self._partitions):
             if partition in self._held:
                 continue
@@ -234,8 +233,19 @@ class Worker:
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
-                all_taken = False
-        self._all_taken = all_taken
+
+    def _others_drained(self) -> bool:
+        """True when no partition this worker does not own has entries left for the app.
+
+        Lets ``--until-idle`` wait for partitions a peer is still working through, or whose dead
+        owner's lease has yet to expire, instead of stopping with their work undone.
+        """
+        return not any(
+            self.broker.has_backlog(keys.stream_key(topic, partition), self.app.name)
+            for partition in range(self._partitions)
+            if partition not in self._held
+            for topic in self.app.topics
+        )
 
     def _take(self, partition: int, leases: Leases) -> None:
         store = self._store_factory(self.app.name, partition)

@@ -14,17 +14,19 @@ import sqlite3
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from pspf.errors import StateError, StoreLocked
+from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import StreamId
 from state_stores.base import Durability, StateStore
 
 _SCHEMA = """
+BEGIN;
 CREATE TABLE IF NOT EXISTS state (
     ns TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ns, key)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS checkpoints (
     topic TEXT PRIMARY KEY, ms INTEGER NOT NULL, seq INTEGER NOT NULL
 );
+COMMIT;
 """
 _MANY_CHUNK = 500
 # 256 rows of 3 parameters stay under the 999 parameters older SQLite builds allow.
@@ -43,6 +45,10 @@ class SQLiteStore(StateStore):
         try:
             if readonly:
                 self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+                if not self._has_schema():
+                    # A worker is creating this store right now: it holds no state yet.
+                    self._db.close()
+                    raise NotFound(f"state store {path} holds no state yet")
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._lock_fd = _lock(path.with_suffix(".lock"))
@@ -58,6 +64,12 @@ class SQLiteStore(StateStore):
         except (sqlite3.Error, OSError) as exc:
             self._unlock()
             raise StateError(f"cannot open state store {path}: {exc}") from exc
+
+    def _has_schema(self) -> bool:
+        found = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'"
+        ).fetchone()
+        return found is not None
 
     def get(self, namespace: str, key: str) -> bytes | None:
         row = self._db.execute(

@@ -1,0 +1,62 @@
+"""A live, idle owner keeps its leases: ownership must not flap between two live workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.crash.conftest import Spawner
+from tests.crash.support import assert_exact, held_by, leases, order_records, view_all, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.crash]
+
+PARTITIONS = 2
+
+
+def test_idle_owner_keeps_its_leases_with_a_short_ttl(
+    spawn: Spawner,
+    state_dir: Path,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """``--lease-ttl-ms 1000`` (the minimum is 500) with the default ``--block-ms`` (1000).
+
+    The owner renews its leases between cycles, but an idle cycle blocks in XREADGROUP for
+    ``--block-ms``: unless the worker keeps the block shorter than the lease (or the settings
+    refuse the combination), the leases of a healthy owner expire on every idle read and the
+    standby takes partitions from it.
+    """
+    topic, app = make_topic(PARTITIONS), names.app()
+    records = order_records(100, 10, seed=37)
+    produce(topic, records)
+    options = ["--lease-ttl-ms", "1000"]
+    owner = spawn("owner", topic, app, *options, "--consumer", "one")
+    wait_until(lambda: held_by(rclient, topic, app, PARTITIONS, owner.pid), 15, "the owner to start")
+    wait_until(
+        lambda: all(v.checkpoint == v.last_id for v in view_all(rclient, state_dir, topic, app, PARTITIONS)),
+        15,
+        "the owner to finish the input",
+    )
+    standby = spawn("standby", topic, app, *options, "--consumer", "two")
+    wait_until(lambda: b"worker started" in standby.log.read_bytes(), 15, "the standby to start")
+
+    first = leases(rclient, topic, app, PARTITIONS)
+    seen = set()
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        now = leases(rclient, topic, app, PARTITIONS)
+        seen |= {(p, lease.consumer, lease.token) for p, lease in now.items() if lease is not None}
+        time.sleep(0.02)
+    assert owner.alive() and standby.alive()
+    moved = sorted(seen - {(p, lease.consumer, lease.token) for p, lease in first.items() if lease})
+    expired = owner.log.read_bytes().count(b"lease expired")
+    assert not moved and not expired, (
+        f"the idle owner lost its leases {expired} times in 4 s; leases taken since: {moved[:6]}"
+    )
+    assert_exact(rclient, state_dir, topic, app, PARTITIONS, records)

@@ -147,7 +147,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
     envvar="PSPF_UNTIL_IDLE",
     show_envvar=True,
     is_flag=True,
-    help="Stop once every owned partition has nothing left to read.",
+    help="Stop once no partition of the app has anything left to read.",
 )
 @click.pass_obj
 def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None:

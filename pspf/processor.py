@@ -198,7 +198,7 @@ class BatchProcessor:
         return owned
 
     def rewind_all(self) -> None:
-        """After a lost connection nothing read is trusted: re-read from the checkpoints."""
+        """After a lost connection nothing read is trusted: re-read every own pending entry."""
         for cursor in self._by_stream.values():
             cursor.rewind()
 
@@ -478,7 +478,7 @@ class BatchProcessor:
     def _advance(
         self, outcomes: list[_StreamOutcome], reply: list[tuple[str, list[RawEntry], dict[bytes, int]]]
     ) -> None:
-        """Move each stream's read position: past what it read, or back to its checkpoint."""
+        """Move each stream's read position: past what it read, or back to its pending entries."""
         last_read = {stream: StreamId.parse(entries[-1][0]) for stream, entries, _ in reply}
         for o in outcomes:
             cursor = o.cursor

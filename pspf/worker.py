@@ -109,6 +109,7 @@ class Worker:
             self._loop(until_idle, summary)
         finally:
             self._shutdown()
+            gc.unfreeze()
         log.info(
             "worker stopped app=%s handled=%s skipped=%s failed=%s",
             self.app.name,
@@ -189,6 +190,7 @@ class Worker:
                     next_lease_round = time.monotonic() + lease_every_s
                 # "Nothing left to read" needs only a look, not a blocking read.
                 result = self.processor.run_once(block=not until_idle)
+                finished = until_idle and result.idle and self._others_drained()
                 failures = 0
             except BrokerUnavailable as exc:
                 failures += 1
@@ -202,7 +204,7 @@ class Worker:
             _add(summary, result)
             for partition in result.lost_partitions:
                 self._drop(partition, release=False)
-            if until_idle and result.idle and self._others_drained():
+            if finished:
                 return
             if until_idle and result.read == 0:
                 self._stopping.wait(_IDLE_POLL_S)

@@ -2,8 +2,9 @@
 
 One cycle (``BatchProcessor.run_once``) over the partitions this worker owns:
 
-1. read: one XREADGROUP over the owned streams (a stream that must first re-read its own pending
-   entries is read from its pending list, without blocking);
+1. read: one XREADGROUP over the owned streams, in a MULTI/EXEC that WATCHes their leases, so a
+   worker that lost a lease takes nothing more from it (a stream that must first re-read its own
+   pending entries is read from its pending list);
 2. skip done work: an entry at or below its stream's checkpoint was applied before a crash; it is
    acknowledged without running the handler;
 3. decode: with the handler's reusable msgspec decoder;
@@ -215,7 +216,7 @@ class BatchProcessor:
         With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
         """
         result = CycleResult()
-        reply = self._read(block)
+        reply = self._read(block, result)
         by_partition: dict[int, list[tuple[StreamCursor, list[RawEntry], dict[bytes, int]]]] = {}
         for stream, entries, counts in reply:
             cursor = self._by_stream[stream]
@@ -245,7 +246,7 @@ class BatchProcessor:
 
     # -- step 1: read -------------------------------------------------------------------------
 
-    def _read(self, block: bool) -> list[tuple[str, list[RawEntry], dict[bytes, int]]]:
+    def _read(self, block: bool, result: CycleResult) -> list[tuple[str, list[RawEntry], dict[bytes, int]]]:
         now = time.monotonic()
         ready = [c for c in self._by_stream.values() if c.retry_at <= now]
         if not ready:
@@ -265,12 +266,14 @@ class BatchProcessor:
             caught_up = set(pending) - {stream for stream, _, _ in out}
             for stream in caught_up:
                 self._by_stream[stream].pending_after = None
-        live = {c.stream: ">" for c in ready if c.pending_after is None}
+        live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
         if live:
-            block_ms = self.block_ms if block and not out else None
-            for stream_b, entries in self.broker.read_group(group, consumer, live, count, block_ms):
-                if entries:
-                    out.append((stream_b.decode(), entries, {}))
+            lost, entries_by_stream, last_ids = self.broker.read_new(group, consumer, live, count)
+            for stream in lost:
+                self._lease_lost(stream, "the read found the lease taken", result)
+            out += [(stream_b.decode(), entries, {}) for stream_b, entries in entries_by_stream if entries]
+            if block and not out and last_ids:
+                self.broker.wait_for_new(last_ids, self.block_ms)
         return out
 
     def _wait_for_retry(self, now: float) -> None:
@@ -470,10 +473,13 @@ class BatchProcessor:
     def _acknowledge(self, acks: list[AckRequest], result: CycleResult) -> None:
         for request, reply in zip(acks, self.broker.ack(acks), strict=True):
             if isinstance(reply, LeaseLost):
-                partition = self._by_stream[request.stream].partition
-                log.warning("lease lost, giving the partition up stream=%s: %s", request.stream, reply)
-                if partition not in result.lost_partitions:
-                    result.lost_partitions.append(partition)
+                self._lease_lost(request.stream, str(reply), result)
+
+    def _lease_lost(self, stream: str, reason: str, result: CycleResult) -> None:
+        partition = self._by_stream[stream].partition
+        log.warning("lease lost, giving the partition up stream=%s: %s", stream, reason)
+        if partition not in result.lost_partitions:
+            result.lost_partitions.append(partition)
 
     def _advance(
         self, outcomes: list[_StreamOutcome], reply: list[tuple[str, list[RawEntry], dict[bytes, int]]]

@@ -1,0 +1,58 @@
+"""A worker that lost its lease cannot take entries out of the group's delivery order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pspf import App, Context, Settings, Worker
+from pspf.keys import lease_key, stream_key
+from pspf.service import Service
+
+pytestmark = pytest.mark.integration
+
+
+def test_zombie_owner_reads_nothing_after_its_lease_moved(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+    tmp_path: Path,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [("k", {"n": 1})] * 50)
+    app = App(names.app())
+
+    @app.handler(topic)
+    def count(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
+
+    zombie = Worker(app, make_settings(PSPF_CONSUMER="zombie", PSPF_STATE_DIR=str(tmp_path / "a")))
+    zombie._start()
+    zombie._lease_round()
+    assert 0 in zombie.processor.owned
+
+    # The zombie stalls past its lease TTL; the lease expires and another worker takes over.
+    rclient.delete(lease_key(topic, 0, app.name))
+    settings_b = make_settings(PSPF_CONSUMER="owner", PSPF_STATE_DIR=str(tmp_path / "b"))
+    owner = Worker(app, settings_b)
+    owner._start()
+    owner._lease_round()
+    assert 0 in owner.processor.owned
+
+    result = zombie.processor.run_once(block=False)
+
+    assert result.read == 0
+    assert result.lost_partitions == [0]
+    # Nothing was delivered to the zombie: no entry can hide in its pending list.
+    assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
+    zombie._shutdown()
+    owner._shutdown()
+
+    summary = Worker(app, settings_b).run(until_idle=True)
+    assert summary.handled == 50
+    assert Service(settings_b).state_get(app.name, "k") == {"count": 50}

@@ -90,58 +90,63 @@ def cli(ctx: click.Context, verbose: int) -> None:
     )
 
 
+#: The options of ``pspf run`` that map to a setting: (flag, type, help). Each flag's variable is
+#: PSPF_ and its name in capitals, the same table ``Settings.load`` reads.
+RUN_OPTIONS: list[tuple[str, Any, str]] = [
+    (
+        "--durability",
+        click.Choice(["normal", "fsync"]),
+        "normal survives a killed process; fsync also survives power loss  [default: normal]",
+    ),
+    ("--batch-size", int, "Entries read per stream per cycle  [default: 1000]"),
+    ("--block-ms", int, "How long one read waits for new entries  [default: 1000]"),
+    ("--consumer", str, "This worker's consumer name in the group  [default: the host name]"),
+    (
+        "--start-from",
+        click.Choice(["earliest", "latest"]),
+        "Where a new consumer group starts reading  [default: earliest]",
+    ),
+    (
+        "--lease-ttl-ms",
+        int,
+        "Partition lease time to live; a dead worker's partitions move after it  [default: 10000]",
+    ),
+    ("--min-idle-ms", int, "Entries other consumers left idle this long are taken over  [default: 60000]"),
+    ("--max-retries", int, "Attempts of a failing entry before the DLQ  [default: 3]"),
+    ("--retry-base-ms", int, "Backoff before the first retry  [default: 200]"),
+    ("--retry-factor", float, "Backoff growth per attempt  [default: 2.0]"),
+    ("--retry-max-ms", int, "Longest backoff  [default: 30000]"),
+    (
+        "--retry-mode",
+        click.Choice(["ordered", "deferred"]),
+        "ordered: the partition waits for the retry (per-key order kept); deferred: the entry is "
+        "parked and the partition goes on (per-key order not kept)  [default: ordered]",
+    ),
+    (
+        "--max-deliveries",
+        int,
+        "Deliveries after which an entry that never completes (it may crash the worker) goes to "
+        "the DLQ  [default: 5]",
+    ),
+    ("--handler-timeout-ms", int, "A handler running longer fails that attempt  [default: none]"),
+]
+
+
+def _env_name(flag: str) -> str:
+    return "PSPF_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def run_options(func: F) -> F:
+    for flag, kind, text in reversed(RUN_OPTIONS):
+        func = click.option(flag, envvar=_env_name(flag), show_envvar=True, type=kind, help=text)(func)
+    return func
+
+
 @cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --state-dir ./state --until-idle")
 @click.argument("target")
 @broker_option
 @state_dir_option
-@click.option(
-    "--durability",
-    envvar="PSPF_DURABILITY",
-    show_envvar=True,
-    type=click.Choice(["normal", "fsync"]),
-    help="normal survives a killed process; fsync also survives power loss  [default: normal]",
-)
-@click.option(
-    "--batch-size",
-    envvar="PSPF_BATCH_SIZE",
-    show_envvar=True,
-    type=int,
-    help="Entries read per stream per cycle  [default: 1000]",
-)
-@click.option(
-    "--block-ms",
-    envvar="PSPF_BLOCK_MS",
-    show_envvar=True,
-    type=int,
-    help="How long one read waits for new entries  [default: 1000]",
-)
-@click.option(
-    "--consumer",
-    envvar="PSPF_CONSUMER",
-    show_envvar=True,
-    help="This worker's consumer name in the group  [default: the host name]",
-)
-@click.option(
-    "--start-from",
-    envvar="PSPF_START_FROM",
-    show_envvar=True,
-    type=click.Choice(["earliest", "latest"]),
-    help="Where a new consumer group starts reading  [default: earliest]",
-)
-@click.option(
-    "--lease-ttl-ms",
-    envvar="PSPF_LEASE_TTL_MS",
-    show_envvar=True,
-    type=int,
-    help="Partition lease time to live; a dead worker's partitions move after it  [default: 10000]",
-)
-@click.option(
-    "--retry-delay-ms",
-    envvar="PSPF_RETRY_DELAY_MS",
-    show_envvar=True,
-    type=int,
-    help="Wait before a failed entry is tried again  [default: 1000]",
-)
+@run_options
 @click.option(
     "--until-idle",
     envvar="PSPF_UNTIL_IDLE",
@@ -155,19 +160,10 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
 
     TARGET names an App, or a function without arguments that returns one.
     """
-    settings = obj.settings(
-        {
-            "PSPF_BROKER": options["broker"],
-            "PSPF_STATE_DIR": str(options["state_dir"]) if options["state_dir"] else None,
-            "PSPF_DURABILITY": options["durability"],
-            "PSPF_BATCH_SIZE": options["batch_size"],
-            "PSPF_BLOCK_MS": options["block_ms"],
-            "PSPF_CONSUMER": options["consumer"],
-            "PSPF_START_FROM": options["start_from"],
-            "PSPF_LEASE_TTL_MS": options["lease_ttl_ms"],
-            "PSPF_RETRY_DELAY_MS": options["retry_delay_ms"],
-        }
-    )
+    overrides = {_env_name(flag): options[flag.lstrip("-").replace("-", "_")] for flag, _, _ in RUN_OPTIONS}
+    overrides["PSPF_BROKER"] = options["broker"]
+    overrides["PSPF_STATE_DIR"] = str(options["state_dir"]) if options["state_dir"] else None
+    settings = obj.settings(overrides)
     if obj.verbose == 0:
         logging.getLogger("pspf").setLevel(logging.INFO)
     app = load_app(target)
@@ -175,7 +171,8 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(
-        f"processed {summary.handled} entries ({summary.skipped} already done, {summary.failed} failures)",
+        f"processed {summary.handled} entries ({summary.skipped} already done, {summary.failed} failures, "
+        f"{summary.dead_lettered} dead-lettered)",
         err=True,
     )
 

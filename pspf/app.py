@@ -16,18 +16,21 @@ import msgspec
 from pspf.codec import ValueDecoder
 from pspf.context import Context
 from pspf.errors import ConfigError
+from pspf.failures import RetryPolicy
 from pspf.keys import check_name
 
 HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
 
 
 class Handler(msgspec.Struct, frozen=True):
-    """A registered handler: its topic, function and the decoder for its declared value type."""
+    """A registered handler: its topic, function, value decoder and failure policy."""
 
     topic: str
     func: Callable[..., Any]
     is_async: bool
     decoder: ValueDecoder
+    retry: RetryPolicy
+    non_retryable: tuple[type[BaseException], ...]
 
 
 class App:
@@ -41,17 +44,39 @@ class App:
             ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        retry: RetryPolicy | None = None,
+        non_retryable: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        """Declare an app.
+
+        Args:
+            name: the app's name: its consumer group, and the folder of its state.
+            retry: the app's retry policy; unset fields come from the run's settings.
+            non_retryable: exception types that send an entry to the DLQ without retries.
+        """
         self.name = check_name("app", name)
+        self.retry = (retry or RetryPolicy()).validated()
+        self.non_retryable = non_retryable
         self.handlers: dict[str, Handler] = {}
 
-    def handler(self, topic: str) -> Callable[[HandlerFunc], HandlerFunc]:
+    def handler(
+        self,
+        topic: str,
+        retry: RetryPolicy | None = None,
+        non_retryable: tuple[type[BaseException], ...] = (),
+    ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register ``func(value, ctx)`` for the entries of ``topic``.
 
         The annotation of the first parameter, when present, is the value type: entries are
         decoded into it (a msgspec Struct, dict, list, ...). ``async def`` handlers are awaited.
+        ``retry`` overrides the app's policy for this handler (``mode="deferred"``,
+        ``timeout_ms``, ...); ``non_retryable`` adds to the app's list.
         """
         check_name("topic", topic)
+        policy = (retry or RetryPolicy()).validated().over(self.retry)
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if topic in self.handlers:
@@ -61,6 +86,8 @@ class App:
                 func=func,
                 is_async=inspect.iscoroutinefunction(func),
                 decoder=ValueDecoder(_value_type(func)),
+                retry=policy,
+                non_retryable=(*self.non_retryable, *non_retryable),
             )
             return func
 

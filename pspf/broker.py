@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from pspf import keys
-from pspf.errors import BrokerError, BrokerUnavailable, LeaseLost, NotFound
+from pspf.errors import BrokerError, BrokerUnavailable, GroupMissing, LeaseLost, NotFound
 from pspf.settings import RedisSettings, mask_url
 
 log = logging.getLogger(__name__)
@@ -34,13 +34,16 @@ _CLAIM_COUNT = 1000
 
 
 class AckRequest(NamedTuple):
-    """Entries of one topic partition to acknowledge under a lease."""
+    """Entries of one topic partition to acknowledge, and dead ones to move, under a lease."""
 
     stream: str
     group: str
     lease_key: str
     lease_value: str
     ids: Sequence[bytes]
+    dlq: str = ""
+    #: (entry id, DLQ entry fields) of entries to move to the DLQ
+    dead: Sequence[tuple[bytes, Fields]] = ()
 
 
 class ServerInfo(NamedTuple):
@@ -69,9 +72,10 @@ class Broker:
             health_check_interval=30,
         )
         # Stream replies are parsed by _entries below, which keeps deleted entries visible.
-        for command in ("XREADGROUP", "XAUTOCLAIM"):
+        for command in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):
             self.client.response_callbacks.pop(command, None)
         self._ack = self.client.register_script(_script("ack"))
+        self._redrive = self.client.register_script(_script("redrive"))
         self._lease_acquire = self.client.register_script(_script("lease_acquire"))
         self._lease_renew = self.client.register_script(_script("lease_renew"))
         self._lease_release = self.client.register_script(_script("lease_release"))
@@ -94,7 +98,7 @@ class Broker:
             if text.startswith("LEASE_LOST"):
                 raise LeaseLost(text) from exc
             if "NOGROUP" in text:
-                raise BrokerError(f"consumer group missing: {text}") from exc
+                raise GroupMissing(f"consumer group missing: {text}") from exc
             if text.startswith("WRONGTYPE"):
                 raise BrokerError(f"a PSPF key holds the wrong Redis type: {text}") from exc
             raise BrokerError(f"Redis refused a command: {text}") from exc
@@ -168,6 +172,12 @@ class Broker:
                 keys.app_key(app), mapping={"topics": ",".join(topics), "partitions": partitions}
             )
             self.client.sadd(keys.APPS_KEY, app)
+
+    def app_topics(self, app: str) -> set[str]:
+        """The topics an app read when it last ran here (empty if it never ran)."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), "topics")
+        return set(_text(raw).split(",")) - {""} if raw else set()
 
     def app_partitions(self, app: str) -> int:
         """The partition count an app was last run with; NotFound if it never ran here."""
@@ -284,35 +294,61 @@ class Broker:
             rows = self.client.xpending_range(stream, group, first, last, count, consumer)
         return {row["message_id"]: int(row["times_delivered"]) for row in cast(list[dict[str, Any]], rows)}
 
-    def claim_all(self, stream: str, group: str, consumer: str) -> int:
-        """Move every pending entry of the group in ``stream`` to ``consumer`` (on takeover).
+    def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> tuple[int, int]:
+        """Move the group's entries idle longer than ``min_idle_ms`` in ``stream`` to ``consumer``.
 
-        Follows the XAUTOCLAIM cursor in bounded steps. Entries deleted while pending are dropped
-        from the PEL by Redis 7 and returned as a third element; they are counted and logged.
+        With 0 it takes every pending entry (on takeover). Follows the XAUTOCLAIM cursor in
+        bounded steps. Entries deleted while pending are dropped from the PEL by Redis 7 and
+        returned apart; they are logged as lost. Returns (claimed, deleted).
         """
-        claimed = 0
-        cursor = b"0-0"
+        claimed = deleted = 0
+        cursor: bytes | str = b"0-0"
         while True:
             with self.translate_errors():
                 reply = self._command(
-                    "XAUTOCLAIM", stream, group, consumer, 0, cursor, "COUNT", _CLAIM_COUNT, "JUSTID"
+                    "XAUTOCLAIM",
+                    stream,
+                    group,
+                    consumer,
+                    min_idle_ms,
+                    cursor,
+                    "COUNT",
+                    _CLAIM_COUNT,
+                    "JUSTID",
                 )
             cursor, ids = reply[0], reply[1]
             claimed += len(ids)
             if len(reply) > 2 and reply[2]:
+                deleted += len(reply[2])
                 log.warning(
                     "entries deleted while pending, lost before processing stream=%s ids=%s",
                     stream,
-                    [i.decode() for i in reply[2]],
+                    [_text(i) for i in reply[2]],
                 )
-            if cursor in (b"0-0", "0-0"):
-                return claimed
+            if _text(cursor) == "0-0":
+                return claimed, deleted
 
-    def ack(self, requests: Sequence[AckRequest]) -> list[int | LeaseLost]:
+    def pending_counts(
+        self, stream: str, group: str, consumer: str, after: keys.StreamId, count: int
+    ) -> list[tuple[bytes, int]]:
+        """Own pending entries after ``after`` with their delivery counts, without delivering."""
+        start = "-" if after == keys.ZERO_ID else str(after.next())
+        with self.translate_errors():
+            rows = self.client.xpending_range(stream, group, start, "+", count, consumer)
+        return [(row["message_id"], int(row["times_delivered"])) for row in cast(list[dict[str, Any]], rows)]
+
+    def claim_entries(self, stream: str, group: str, consumer: str, ids: Sequence[bytes]) -> list[RawEntry]:
+        """Re-deliver own pending entries by id (XCLAIM counts the delivery); gone ones are left out."""
+        with self.translate_errors():
+            reply = self._command("XCLAIM", stream, group, consumer, 0, *ids)
+        return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
+
+    def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
         """Acknowledge several partitions' batches in ONE pipelined round trip.
 
-        Each partition's XACK runs in a Lua call that checks its lease, so one lost lease
-        refuses only that partition's acknowledgement.
+        Each partition's XACK (and DLQ moves) run in a Lua call that checks its lease, so one
+        lost lease refuses only that partition's acknowledgement. Each result is
+        (acknowledged, moved to the DLQ) or LeaseLost.
         """
         if not requests:
             return []
@@ -323,15 +359,15 @@ class Broker:
             with self.translate_errors():
                 self.client.script_load(self._ack.script)
             replies = self._run_ack_scripts(requests)
-        results: list[int | LeaseLost] = []
+        results: list[tuple[int, int] | LeaseLost] = []
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
-                if str(reply).startswith("LEASE_LOST"):
+                if "LEASE_LOST" in str(reply):
                     results.append(LeaseLost(str(reply)))
                     continue
                 with self.translate_errors():
                     raise reply
-            results.append(int(reply))
+            results.append((int(reply[0]), int(reply[1])))
         return results
 
     def _run_ack_scripts(self, requests: Sequence[AckRequest]) -> list[Any]:
@@ -340,7 +376,10 @@ class Broker:
         with self.translate_errors():
             pipe = self.client.pipeline(transaction=False)
             for r in requests:
-                pipe.evalsha(self._ack.sha, 2, r.stream, r.lease_key, r.group, r.lease_value, *r.ids)
+                args: list[Any] = [r.group, r.lease_value, len(r.ids), *r.ids]
+                for entry_id, fields in r.dead:
+                    args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+                pipe.evalsha(self._ack.sha, 3, r.stream, r.lease_key, r.dlq or r.stream, *args)
             return list(pipe.execute(raise_on_error=False))
 
     # -- leases ---------------------------------------------------------------------------------
@@ -366,6 +405,26 @@ class Broker:
             for key, value in leases:
                 self._lease_release(keys=[key], args=[value], client=pipe)
             pipe.execute()
+
+    # -- DLQ ------------------------------------------------------------------------------------
+
+    def dlq_range(
+        self, dlq: str, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[tuple[bytes, Fields]]:
+        """DLQ entries in id order."""
+        with self.translate_errors():
+            return list(self.client.xrange(dlq, start, end, count))  # type: ignore[arg-type]
+
+    def redrive(self, dlq: str, stream: str, dlq_id: bytes, fields: Fields) -> bytes | None:
+        """Move one DLQ entry back to ``stream`` as ``fields``; None when it was gone already."""
+        args = [dlq_id, *(x for pair in fields.items() for x in pair)]
+        with self.translate_errors():
+            new_id = self._redrive(keys=[dlq, stream], args=args)
+        return None if new_id is None else bytes(new_id)
+
+    def dlq_delete(self, dlq: str, ids: Sequence[bytes]) -> int:
+        with self.translate_errors():
+            return int(self.client.xdel(dlq, *ids)) if ids else 0
 
     # -- producing ------------------------------------------------------------------------------
 

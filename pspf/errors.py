@@ -29,6 +29,10 @@ class BrokerUnavailable(BrokerError):
     """The connection to Redis failed or timed out; a worker reconnects with backoff."""
 
 
+class GroupMissing(BrokerError):
+    """The app's consumer group vanished from a stream under a running worker."""
+
+
 class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 

@@ -55,6 +55,11 @@ def stream_key(topic: str, partition: int) -> str:
     return f"{PREFIX}:{{{topic}:{partition}}}"
 
 
+def dlq_key(topic: str, partition: int) -> str:
+    """The dead-letter stream of one topic partition (shared by the apps reading the topic)."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:dlq"
+
+
 def lease_key(topic: str, partition: int, group: str) -> str:
     """The lease a worker of ``group`` holds on a topic partition (value: owner and token)."""
     return f"{PREFIX}:{{{topic}:{partition}}}:lease:{group}"
@@ -83,6 +88,10 @@ class StreamId(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"
+
+    def next(self) -> StreamId:
+        """The smallest id after this one (for exclusive range starts that Redis 6.2 lacks)."""
+        return StreamId(self.ms, self.seq + 1)
 
 
 ZERO_ID = StreamId(0, 0)

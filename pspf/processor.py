@@ -3,26 +3,33 @@
 One cycle (``BatchProcessor.run_once``) over the partitions this worker owns:
 
 1. read: one XREADGROUP over the owned streams, in a MULTI/EXEC that WATCHes their leases, so a
-   worker that lost a lease takes nothing more from it (a stream that must first re-read its own
-   pending entries is read from its pending list);
+   worker that lost a lease takes nothing more from it. A stream that must first re-read its own
+   pending entries reads them from its pending list, one at a time while their delivery counts
+   say an earlier attempt may have crashed the worker (so a poison entry cannot drag its
+   batch-mates' counts up with it); parked entries that are due are claimed again;
 2. skip done work: an entry at or below its stream's checkpoint was applied before a crash; it is
-   acknowledged without running the handler;
+   acknowledged without running the handler (or, if it was judged dead, moved to the DLQ);
 3. decode: with the handler's reusable msgspec decoder;
 4. handle: the handler runs with a ``Context``; an entry's state writes join the batch only if
-   its handler returns. The first failure stops its stream: the entries before it commit, the
-   entries after it wait and are re-read from the pending list after a delay;
-5. commit: ONE store transaction per partition holds the state writes and the new checkpoints;
-6. acknowledge: ONE pipelined round trip acknowledges every stream's batch, each in a Lua call
-   that checks the stream's lease token; it happens only after step 5 returned.
+   its handler returns. A failure is retried (ordered mode: the stream waits), parked (deferred
+   mode: the stream goes on) or dead-lettered (not retryable, out of attempts, or delivered more
+   than ``max_deliveries`` times);
+5. commit: ONE store transaction per partition holds the state writes, the new checkpoints and
+   the retry bookkeeping (attempts, parked entries, dead-letter decisions);
+6. acknowledge: ONE pipelined round trip acknowledges every stream's batch and moves its dead
+   entries to the DLQ, each stream in a Lua call that checks its lease token; it happens only
+   after step 5 returned.
 
 Invariants kept here: nothing is acknowledged before the commit that holds its effects; a stream
 is applied in id order by one owner, and an owner works through its own pending entries before it
-reads new ones, so no entry at or below a checkpoint is ever still unapplied.
+reads new ones, so no entry at or below a checkpoint is ever still unapplied (parked and dead
+entries at or below it are recorded in the store and stay pending until they are dealt with).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Iterator
@@ -33,20 +40,37 @@ import msgspec
 
 from pspf import codec
 from pspf.app import App, Handler
-from pspf.broker import AckRequest, Broker, RawEntry
-from pspf.context import Context
-from pspf.errors import DecodeError, LeaseLost, StateError
+from pspf.broker import AckRequest, Broker, Fields, RawEntry
+from pspf.errors import LeaseLost
+from pspf.execution import UNCHANGED, Attempt, Entry, EntryMeta, run_async, run_sync
+from pspf.failures import DeadLetter, Failure, RetryPolicy, classify, record_failure
 from pspf.keys import ZERO_ID, StreamId
 
 if TYPE_CHECKING:
-    from state_stores import StateStore
+    from state_stores import StateStore, StoreTransaction
 
 log = logging.getLogger(__name__)
 
 #: The store namespace that holds ``ctx.state``.
 STATE_NAMESPACE = "state"
+#: Retry bookkeeping by "topic/id": attempts so far, and the due time of parked entries.
+FAILURES_NAMESPACE = "__failures"
+#: Entries judged dead whose move to the DLQ is not confirmed yet, by "topic/id".
+DEAD_NAMESPACE = "__dead"
 #: Committed values kept in memory per partition; the store is ours alone while we own it.
 CACHE_LIMIT = 100_000
+#: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
+REDRIVE_APP_HEADER = "pspf-redrive-app"
+
+_failure_decoder = msgspec.msgpack.Decoder(Failure)
+_fields_decoder = msgspec.msgpack.Decoder(dict[bytes, bytes])
+
+
+class Outcome(enum.Enum):
+    APPLIED = "applied"
+    RETRY = "retry"  # ordered mode: the stream waits and tries again
+    PARKED = "parked"  # deferred mode: tried again when due, the stream goes on
+    DEAD = "dead"
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +80,7 @@ class StreamCursor:
     topic: str
     partition: int
     stream: str
+    dlq: str
     lease_key: str
     lease_value: str
     checkpoint: StreamId | None
@@ -63,6 +88,8 @@ class StreamCursor:
     pending_after: StreamId | None = ZERO_ID
     #: After a failure, the stream is not read before this monotonic time.
     retry_at: float = 0.0
+    #: The next pending read takes one entry: the one being retried.
+    isolate: bool = False
 
     def rewind(self) -> None:
         """Re-read all own pending entries: after a failure or a lost connection.
@@ -75,12 +102,18 @@ class StreamCursor:
 
 @dataclass(slots=True, eq=False)
 class OwnedPartition:
-    """A partition this worker holds the leases of, with its open store."""
+    """A partition this worker holds the leases of, with its open store and bookkeeping."""
 
     partition: int
     store: StateStore
     streams: dict[str, StreamCursor]
     cache: dict[str, bytes | None] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    dead: dict[str, Fields] = field(default_factory=dict)
+
+    def load_bookkeeping(self) -> None:
+        self.failures = {k: _failure_decoder.decode(v) for k, v in self.store.items(FAILURES_NAMESPACE)}
+        self.dead = {k: _fields_decoder.decode(v) for k, v in self.store.items(DEAD_NAMESPACE)}
 
 
 class CycleResult(msgspec.Struct, kw_only=True):
@@ -90,19 +123,37 @@ class CycleResult(msgspec.Struct, kw_only=True):
     skipped: int = 0
     handled: int = 0
     failed: int = 0
+    retried: int = 0
+    parked: int = 0
+    dead_lettered: int = 0
     lost_entries: int = 0
     lost_partitions: list[int] = msgspec.field(default_factory=list)
     idle: bool = False
 
 
-class PartitionBatch:
-    """The state writes of one partition in one batch, on top of the committed state."""
+class ProcessorHooks:
+    """Extension points (metrics, audit); the defaults do nothing. A failing hook is logged."""
 
-    __slots__ = ("overlay", "owned")
+    def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
+        """A stream's batch is committed and about to be acknowledged."""
+
+    def on_retry(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
+        """An entry failed and will be tried again."""
+
+    def on_dead_letter(self, record: DeadLetter) -> None:
+        """An entry was moved to the DLQ."""
+
+
+class PartitionBatch:
+    """The writes of one partition in one batch, on top of the committed state."""
+
+    __slots__ = ("dead", "failures", "overlay", "owned")
 
     def __init__(self, owned: OwnedPartition) -> None:
         self.owned = owned
         self.overlay: dict[str, bytes | None] = {}
+        self.failures: dict[str, Failure | None] = {}
+        self.dead: dict[str, Fields | None] = {}
 
     def base(self, key: str) -> bytes | None:
         """The value of ``key`` as the next entry must see it."""
@@ -117,50 +168,37 @@ class PartitionBatch:
             cache[key] = value
         return value
 
-
-class _ChainSource:
-    """The state one key's chain of async handlers sees: the batch's, then its own results."""
-
-    __slots__ = ("batch", "results")
-
-    def __init__(self, batch: PartitionBatch) -> None:
-        self.batch = batch
-        self.results: dict[str, bytes | None] = {}
-
-    def base(self, key: str) -> bytes | None:
-        if key in self.results:
-            return self.results[key]
-        return self.batch.base(key)
+    def failure(self, name: str) -> Failure | None:
+        if name in self.failures:
+            return self.failures[name]
+        return self.owned.failures.get(name)
 
 
-_UNCHANGED = b"\x00unchanged"
+class _Read(NamedTuple):
+    """Entries of one stream read in this cycle; ``due`` marks parked entries claimed again."""
 
-
-def _state_result(ctx: Context) -> bytes | None:
-    """The key's new encoded state after a handler returned, ``_UNCHANGED`` if untouched."""
-    state = ctx._state
-    if state is None:
-        return _UNCHANGED
-    try:
-        new = codec.state_encoder.encode(state) if state else None
-    except (TypeError, msgspec.EncodeError) as exc:
-        raise StateError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
-    return _UNCHANGED if new == ctx._base else new
-
-
-class _Screened(NamedTuple):
-    """Entries of one stream read in this cycle, sorted into what needs a handler and not."""
-
-    todo: list[tuple[bytes, dict[bytes, bytes]]]
-    done_ids: list[bytes]
-    lost: int
+    cursor: StreamCursor
+    entries: list[RawEntry]
+    counts: dict[bytes, int]
+    due: bool = False
 
 
 class _StreamOutcome(NamedTuple):
     cursor: StreamCursor
-    applied: list[bytes]
+    checkpoint: StreamId | None
     ack_ids: list[bytes]
-    failed: bool
+    dead: list[tuple[bytes, Fields]]
+    retry_in_s: float | None
+    handled: int
+    skipped: int
+
+
+def failure_key(topic: str, entry_id: bytes) -> str:
+    return f"{topic}/{entry_id.decode()}"
+
+
+def _parked(failure: Failure | None) -> bool:
+    return failure is not None and failure.due_ms > 0
 
 
 class BatchProcessor:
@@ -173,14 +211,16 @@ class BatchProcessor:
         consumer: str,
         batch_size: int,
         block_ms: int,
-        retry_delay_ms: int,
+        policies: dict[str, RetryPolicy],
+        hooks: ProcessorHooks | None = None,
     ) -> None:
         self.app = app
         self.broker = broker
         self.consumer = consumer
         self.batch_size = batch_size
         self.block_ms = block_ms
-        self.retry_delay_s = retry_delay_ms / 1000
+        self.policies = policies
+        self.hooks = hooks or ProcessorHooks()
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,6 +228,7 @@ class BatchProcessor:
     # -- ownership bookkeeping (called by the worker) -----------------------------------------
 
     def add(self, owned: OwnedPartition) -> None:
+        owned.load_bookkeeping()
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
             self._by_stream[cursor.stream] = cursor
@@ -197,6 +238,9 @@ class BatchProcessor:
         for cursor in owned.streams.values():
             self._by_stream.pop(cursor.stream, None)
         return owned
+
+    def cursors(self) -> list[StreamCursor]:
+        return list(self._by_stream.values())
 
     def rewind_all(self) -> None:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
@@ -216,29 +260,19 @@ class BatchProcessor:
         With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
         """
         result = CycleResult()
-        reply = self._read(block, result)
-        by_partition: dict[int, list[tuple[StreamCursor, list[RawEntry], dict[bytes, int]]]] = {}
-        for stream, entries, counts in reply:
-            cursor = self._by_stream[stream]
-            by_partition.setdefault(cursor.partition, []).append((cursor, entries, counts))
-            result.read += len(entries)
-        acks: list[AckRequest] = []
-        outcomes: list[_StreamOutcome] = []
-        for partition, streams in by_partition.items():
-            owned = self.owned[partition]
-            batch = PartitionBatch(owned)
-            partition_outcomes = self._handle(batch, streams, result)
-            self._commit(batch, partition_outcomes)
-            outcomes += partition_outcomes
-            acks += [
-                AckRequest(
-                    o.cursor.stream, self.app.name, o.cursor.lease_key, o.cursor.lease_value, o.ack_ids
-                )
-                for o in partition_outcomes
-                if o.ack_ids
-            ]
-        self._acknowledge(acks, result)
-        self._advance(outcomes, reply)
+        reads = self._read_due() + self._read(block, result)
+        by_partition: dict[int, list[_Read]] = {}
+        for read in reads:
+            by_partition.setdefault(read.cursor.partition, []).append(read)
+            result.read += len(read.entries)
+        outcomes: list[tuple[PartitionBatch, list[_StreamOutcome]]] = []
+        for partition, partition_reads in by_partition.items():
+            batch = PartitionBatch(self.owned[partition])
+            stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
+            self._commit(batch, stream_outcomes)
+            outcomes.append((batch, stream_outcomes))
+        self._acknowledge(outcomes, result)
+        self._advance([o for _, stream_outcomes in outcomes for o in stream_outcomes], reads)
         result.idle = result.read == 0 and all(
             c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values()
         )
@@ -246,34 +280,92 @@ class BatchProcessor:
 
     # -- step 1: read -------------------------------------------------------------------------
 
-    def _read(self, block: bool, result: CycleResult) -> list[tuple[str, list[RawEntry], dict[bytes, int]]]:
+    def _read(self, block: bool, result: CycleResult) -> list[_Read]:
         now = time.monotonic()
         ready = [c for c in self._by_stream.values() if c.retry_at <= now]
         if not ready:
             self._wait_for_retry(now)
             return []
-        group, consumer, count = self.app.name, self.consumer, self.batch_size
-        out: list[tuple[str, list[RawEntry], dict[bytes, int]]] = []
-        pending = {c.stream: str(c.pending_after) for c in ready if c.pending_after is not None}
-        if pending:
-            for stream_b, entries in self.broker.read_group(group, consumer, pending, count, None):
-                stream = stream_b.decode()
-                if entries:
-                    counts = self.broker.delivery_counts(
-                        stream, group, consumer, entries[0][0], entries[-1][0], len(entries)
-                    )
-                    out.append((stream, entries, counts))
-            caught_up = set(pending) - {stream for stream, _, _ in out}
-            for stream in caught_up:
-                self._by_stream[stream].pending_after = None
+        out = [read for c in ready if c.pending_after is not None for read in self._read_pending(c)]
         live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
         if live:
-            lost, entries_by_stream, last_ids = self.broker.read_new(group, consumer, live, count)
+            lost, replies, last_ids = self.broker.read_new(
+                self.app.name, self.consumer, live, self.batch_size
+            )
             for stream in lost:
                 self._lease_lost(stream, "the read found the lease taken", result)
-            out += [(stream_b.decode(), entries, {}) for stream_b, entries in entries_by_stream if entries]
+            out += [
+                _Read(self._by_stream[stream_b.decode()], entries, {})
+                for stream_b, entries in replies
+                if entries
+            ]
             if block and not out and last_ids:
                 self.broker.wait_for_new(last_ids, self.block_ms)
+        return out
+
+    def _read_pending(self, cursor: StreamCursor) -> list[_Read]:
+        """The next own pending entries, one by one while an earlier delivery may have crashed.
+
+        XPENDING shows the delivery counts without delivering; XCLAIM then re-delivers exactly
+        the chosen entries, skipping parked ones (their delivery count must not grow while they
+        wait, or they would look like poison).
+        """
+        assert cursor.pending_after is not None
+        window = self.broker.pending_counts(
+            cursor.stream, self.app.name, self.consumer, cursor.pending_after, self.batch_size
+        )
+        if not window:
+            cursor.pending_after = None
+            return []
+        failures = self.owned[cursor.partition].failures
+        wanted = [
+            (entry_id, delivered)
+            for entry_id, delivered in window
+            if not (failures and _parked(failures.get(failure_key(cursor.topic, entry_id))))
+        ]
+        suspect = [i for i, (_, delivered) in enumerate(wanted) if delivered >= 2]
+        if cursor.isolate or (suspect and suspect[0] == 0):
+            wanted = wanted[:1]
+        elif suspect:
+            wanted = wanted[: suspect[0]]
+        if not wanted:
+            cursor.pending_after = StreamId.parse(window[-1][0])
+            return []
+        ids = [entry_id for entry_id, _ in wanted]
+        claimed = dict(self.broker.claim_entries(cursor.stream, self.app.name, self.consumer, ids))
+        entries: list[RawEntry] = [(entry_id, claimed.get(entry_id)) for entry_id in ids]
+        return [_Read(cursor, entries, {entry_id: delivered + 1 for entry_id, delivered in wanted})]
+
+    def _read_due(self) -> list[_Read]:
+        """Claim parked entries whose retry is due (XCLAIM counts it as a delivery)."""
+        now_ms = int(time.time() * 1000)
+        out = []
+        for owned in self.owned.values():
+            if not owned.failures:
+                continue
+            for cursor in owned.streams.values():
+                prefix = f"{cursor.topic}/"
+                due = [
+                    name[len(prefix) :].encode()
+                    for name, failure in owned.failures.items()
+                    if failure.due_ms and failure.due_ms <= now_ms and name.startswith(prefix)
+                ][: self.batch_size]
+                if not due:
+                    continue
+                entries = self.broker.claim_entries(cursor.stream, self.app.name, self.consumer, due)
+                gone = set(due) - {entry_id for entry_id, _ in entries}
+                for entry_id in gone:
+                    log.warning(
+                        "parked entry deleted from its stream, lost stream=%s id=%s", cursor.stream, entry_id
+                    )
+                    owned.failures.pop(failure_key(cursor.topic, entry_id), None)
+                    with owned.store.transaction() as tx:
+                        tx.delete(FAILURES_NAMESPACE, failure_key(cursor.topic, entry_id))
+                if entries:
+                    counts = self.broker.delivery_counts(
+                        cursor.stream, self.app.name, self.consumer, entries[0][0], entries[-1][0], len(due)
+                    )
+                    out.append(_Read(cursor, entries, counts, due=True))
         return out
 
     def _wait_for_retry(self, now: float) -> None:
@@ -286,46 +378,95 @@ class BatchProcessor:
 
     # -- steps 2-4: skip, decode, handle ------------------------------------------------------
 
-    def _handle(
+    def _handle(self, batch: PartitionBatch, read: _Read, result: CycleResult) -> _StreamOutcome:
+        cursor = read.cursor
+        handler = self.app.handlers[cursor.topic]
+        policy = self.policies[cursor.topic]
+        done_ids: list[bytes] = []
+        dead: list[tuple[bytes, Fields]] = []
+        todo = self._screen(batch, read, done_ids, dead, result)
+        skipped = len(done_ids)
+        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, policy.max_deliveries or 1)
+        decisions: dict[int, tuple[Outcome, Failure]] = {}
+
+        def stop(index: int, exc: BaseException) -> bool:
+            decisions[index] = self._decide(batch, cursor, handler, policy, todo[index][0], exc, read.due)
+            return decisions[index][0] is Outcome.RETRY
+
+        attempts: list[Attempt | None]
+        if handler.is_async:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            attempts, cutoff = run_async(self._loop, handler, meta, todo, batch, stop)
+            attempts = attempts[: cutoff + 1] if cutoff < len(todo) else attempts
+        else:
+            attempts = list(run_sync(handler, meta, todo, batch.overlay, batch, stop))
+        last_done: bytes | None = None
+        retry_in_s = None
+        handled = 0
+        for index, attempt in enumerate(attempts):
+            assert attempt is not None
+            id_b, fields = todo[index]
+            name = failure_key(cursor.topic, id_b)
+            if attempt.error is None:
+                if handler.is_async and attempt.new_state is not UNCHANGED:
+                    batch.overlay[attempt.key] = attempt.new_state
+                if batch.failure(name) is not None:
+                    batch.failures[name] = None
+                done_ids.append(id_b)
+                handled += 1
+                last_done = id_b
+                continue
+            outcome, failure = decisions[index]
+            result.failed += 1
+            if outcome is Outcome.RETRY:
+                batch.failures[name] = failure
+                retry_in_s = policy.delay_s(failure.attempts)
+                result.retried += 1
+                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
+                break
+            if outcome is Outcome.PARKED:
+                batch.failures[name] = failure
+                result.parked += 1
+                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
+            else:
+                dlq_fields = self._dead_letter(cursor, id_b, fields, failure).to_fields()
+                batch.failures[name] = None
+                batch.dead[name] = dlq_fields
+                dead.append((id_b, dlq_fields))
+            last_done = id_b
+        result.handled += handled
+        checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
+        return _StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, skipped)
+
+    def _screen(
         self,
         batch: PartitionBatch,
-        streams: list[tuple[StreamCursor, list[RawEntry], dict[bytes, int]]],
+        read: _Read,
+        done_ids: list[bytes],
+        dead: list[tuple[bytes, Fields]],
         result: CycleResult,
-    ) -> list[_StreamOutcome]:
-        outcomes = []
-        for cursor, entries, counts in streams:
-            screened = self._screen(cursor, entries)
-            result.skipped += len(screened.done_ids) - screened.lost
-            result.lost_entries += screened.lost
-            handler = self.app.handlers[cursor.topic]
-            if handler.is_async:
-                applied = self._run_async(handler, cursor, screened.todo, counts, batch)
-            else:
-                applied = self._run_sync(handler, cursor, screened.todo, counts, batch)
-            failed = len(applied) < len(screened.todo)
-            result.handled += len(applied)
-            result.failed += int(failed)
-            ack_ids = screened.done_ids + applied
-            outcomes.append(_StreamOutcome(cursor, applied, ack_ids, failed))
-        return outcomes
-
-    @staticmethod
-    def _screen(cursor: StreamCursor, entries: list[RawEntry]) -> _Screened:
-        # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix: only
-        # those ids need parsing.
-        done_ids = []
+    ) -> list[Entry]:
+        """Sort out entries that need no handler; return the ones that do, in id order."""
+        cursor, entries, owned = read.cursor, read.entries, batch.owned
         start = 0
         checkpoint = cursor.checkpoint
-        if checkpoint is not None:
+        # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix.
+        if checkpoint is not None and not read.due:
             while start < len(entries) and StreamId.parse(entries[start][0]) <= checkpoint:
-                done_ids.append(entries[start][0])
+                id_b = entries[start][0]
                 start += 1
-        rest = entries[start:]
-        if all(fields is not None for _, fields in rest):
-            return _Screened(rest, done_ids, 0)  # type: ignore[arg-type]
-        todo = []
-        lost = 0
-        for id_b, fields in rest:
+                if owned.dead or owned.failures:
+                    name = failure_key(cursor.topic, id_b)
+                    if name in owned.dead:
+                        dead.append((id_b, owned.dead[name]))  # decided before a crash: move it now
+                        continue
+                    if _parked(owned.failures.get(name)):
+                        continue  # stays pending until it is due
+                done_ids.append(id_b)
+                result.skipped += 1
+        todo: list[Entry] = []
+        for id_b, fields in entries[start:]:
             if fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
@@ -334,146 +475,136 @@ class BatchProcessor:
                     id_b.decode(),
                 )
                 done_ids.append(id_b)
-                lost += 1
+                result.lost_entries += 1
+            elif codec.HEADERS in fields and not self._meant_for_us(fields[codec.HEADERS]):
+                done_ids.append(id_b)
+                result.skipped += 1
             else:
                 todo.append((id_b, fields))
-        return _Screened(todo, done_ids, lost)
+        return todo
 
-    def _run_sync(
+    def _meant_for_us(self, headers: bytes) -> bool:
+        """False for an entry a redrive sent back for another app reading the same topic."""
+        if REDRIVE_APP_HEADER.encode() not in headers:
+            return True
+        try:
+            target = codec.decode_headers(headers).get(REDRIVE_APP_HEADER)
+        except Exception:
+            return True
+        return target is None or target == self.app.name
+
+    def _decide(
         self,
-        handler: Handler,
-        cursor: StreamCursor,
-        todo: list[tuple[bytes, dict[bytes, bytes]]],
-        counts: dict[bytes, int],
         batch: PartitionBatch,
-    ) -> list[bytes]:
-        """Run entries in id order until the first failure; return the applied ones."""
-        applied = []
-        overlay = batch.overlay
-        decode, func = handler.decoder.decode, handler.func
-        topic, partition = cursor.topic, cursor.partition
-        for id_b, fields in todo:
-            try:
-                ctx = Context(
-                    topic,
-                    partition,
-                    id_b,
-                    _key(fields),
-                    counts.get(id_b, 1),
-                    fields.get(codec.HEADERS),
-                    batch,
-                )
-                func(decode(fields), ctx)
-                new = _state_result(ctx)
-            except Exception as exc:
-                self._log_failure(cursor, id_b, exc)
-                break
-            if new is not _UNCHANGED:
-                overlay[ctx.key] = new
-            applied.append(id_b)
-        return applied
-
-    def _run_async(
-        self,
-        handler: Handler,
         cursor: StreamCursor,
-        todo: list[tuple[bytes, dict[bytes, bytes]]],
-        counts: dict[bytes, int],
-        batch: PartitionBatch,
-    ) -> list[bytes]:
-        """Run one chain per key concurrently; keep the id-ordered prefix before the first failure."""
-        chains: dict[str, list[int]] = {}
-        for index, (_, fields) in enumerate(todo):
-            try:
-                key = _key(fields)
-            except DecodeError:
-                key = ""
-            chains.setdefault(key, []).append(index)
-        results: list[tuple[str, bytes | None]] = [("", _UNCHANGED)] * len(todo)
-        first_failure = len(todo)
-
-        async def chain(indexes: list[int]) -> None:
-            nonlocal first_failure
-            source = _ChainSource(batch)
-            for index in indexes:
-                if index > first_failure:
-                    return
-                id_b, fields = todo[index]
-                try:
-                    ctx = Context(
-                        cursor.topic,
-                        cursor.partition,
-                        id_b,
-                        _key(fields),
-                        counts.get(id_b, 1),
-                        fields.get(codec.HEADERS),
-                        source,
-                    )
-                    await handler.func(handler.decoder.decode(fields), ctx)
-                    new = _state_result(ctx)
-                except Exception as exc:
-                    self._log_failure(cursor, id_b, exc)
-                    first_failure = min(first_failure, index)
-                    return
-                if new is not _UNCHANGED:
-                    source.results[ctx.key] = new
-                results[index] = (ctx.key, new)
-
-        async def run_all() -> None:
-            await asyncio.gather(*(chain(indexes) for indexes in chains.values()))
-
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(run_all())
-        applied = []
-        for index in range(first_failure):
-            key, new = results[index]
-            if new is not _UNCHANGED:
-                batch.overlay[key] = new
-            applied.append(todo[index][0])
-        return applied
-
-    @staticmethod
-    def _log_failure(cursor: StreamCursor, entry_id: bytes, exc: Exception) -> None:
+        handler: Handler,
+        policy: RetryPolicy,
+        id_b: bytes,
+        exc: BaseException,
+        due: bool,
+    ) -> tuple[Outcome, Failure]:
+        failure = record_failure(exc, batch.failure(failure_key(cursor.topic, id_b)))
         log.warning(
-            "entry failed, its partition waits topic=%s partition=%s id=%s error=%s: %s",
+            "entry failed topic=%s partition=%s id=%s attempt=%s error=%s: %s",
             cursor.topic,
             cursor.partition,
-            entry_id.decode(),
-            type(exc).__name__,
-            exc,
-            exc_info=not isinstance(exc, DecodeError),
+            id_b.decode(),
+            failure.attempts,
+            failure.error_type,
+            failure.message,
+        )
+        if classify(exc, handler.non_retryable) or failure.attempts >= (policy.max_retries or 1):
+            return Outcome.DEAD, failure
+        if policy.mode == "deferred" or due:
+            due_ms = int(time.time() * 1000 + policy.delay_s(failure.attempts) * 1000) or 1
+            return Outcome.PARKED, msgspec.structs.replace(failure, due_ms=due_ms)
+        return Outcome.RETRY, failure
+
+    def _dead_letter(self, cursor: StreamCursor, id_b: bytes, fields: Fields, failure: Failure) -> DeadLetter:
+        return DeadLetter(
+            source_topic=cursor.topic,
+            source_partition=cursor.partition,
+            source_id=id_b.decode(),
+            app=self.app.name,
+            consumer=self.consumer,
+            original=fields,
+            error_type=failure.error_type,
+            message=failure.message,
+            traceback=failure.traceback,
+            attempts=failure.attempts,
+            first_failed_ms=failure.first_failed_ms,
+            last_failed_ms=failure.last_failed_ms,
         )
 
     # -- step 5: commit -----------------------------------------------------------------------
 
-    @staticmethod
-    def _commit(batch: PartitionBatch, outcomes: list[_StreamOutcome]) -> None:
-        checkpoints = {o.cursor.topic: StreamId.parse(o.applied[-1]) for o in outcomes if o.applied}
-        if not checkpoints and not batch.overlay:
+    def _commit(self, batch: PartitionBatch, outcomes: list[_StreamOutcome]) -> None:
+        checkpoints = {o.cursor.topic: o.checkpoint for o in outcomes if o.checkpoint is not None}
+        if not checkpoints and not batch.overlay and not batch.failures and not batch.dead:
             return
         owned = batch.owned
         with owned.store.transaction() as tx:
-            for key, value in batch.overlay.items():
-                if value is None:
-                    tx.delete(STATE_NAMESPACE, key)
-                else:
-                    tx.set(STATE_NAMESPACE, key, value)
+            _put(tx, STATE_NAMESPACE, batch.overlay)
+            _put(tx, FAILURES_NAMESPACE, {n: _encode(f) for n, f in batch.failures.items()})
+            _put(tx, DEAD_NAMESPACE, {n: _encode(f) for n, f in batch.dead.items()})
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         if len(owned.cache) + len(batch.overlay) > CACHE_LIMIT:
             owned.cache.clear()
         owned.cache.update(batch.overlay)
+        for name, failure in batch.failures.items():
+            if failure is None:
+                owned.failures.pop(name, None)
+            else:
+                owned.failures[name] = failure
+        owned.dead.update((name, fields) for name, fields in batch.dead.items() if fields is not None)
         for o in outcomes:
-            if o.applied:
-                o.cursor.checkpoint = checkpoints[o.cursor.topic]
+            if o.checkpoint is not None:
+                o.cursor.checkpoint = o.checkpoint
+            self._call_hook(
+                self.hooks.on_batch_committed, o.cursor.topic, o.cursor.partition, o.handled, o.skipped
+            )
 
     # -- step 6: acknowledge ------------------------------------------------------------------
 
-    def _acknowledge(self, acks: list[AckRequest], result: CycleResult) -> None:
-        for request, reply in zip(acks, self.broker.ack(acks), strict=True):
+    def _acknowledge(
+        self, outcomes: list[tuple[PartitionBatch, list[_StreamOutcome]]], result: CycleResult
+    ) -> None:
+        merged: dict[str, tuple[PartitionBatch, list[bytes], list[tuple[bytes, Fields]]]] = {}
+        for batch, stream_outcomes in outcomes:
+            for o in stream_outcomes:
+                _, ids, dead = merged.setdefault(o.cursor.stream, (batch, [], []))
+                ids += o.ack_ids
+                dead += o.dead
+        requests = []
+        for stream, (_, ids, dead) in merged.items():
+            if ids or dead:
+                c = self._by_stream[stream]
+                requests.append(
+                    AckRequest(stream, self.app.name, c.lease_key, c.lease_value, ids, c.dlq, dead)
+                )
+        for request, reply in zip(requests, self.broker.ack(requests), strict=True):
             if isinstance(reply, LeaseLost):
                 self._lease_lost(request.stream, str(reply), result)
+            elif request.dead:
+                result.dead_lettered += reply[1]
+                self._forget_dead(merged[request.stream][0].owned, request)
+
+    def _forget_dead(self, owned: OwnedPartition, request: AckRequest) -> None:
+        """The DLQ moves are confirmed: drop their records (a crash first only repeats a no-op)."""
+        topic = self._by_stream[request.stream].topic
+        with owned.store.transaction() as tx:
+            for entry_id, fields in request.dead:
+                tx.delete(DEAD_NAMESPACE, failure_key(topic, entry_id))
+                owned.dead.pop(failure_key(topic, entry_id), None)
+                log.error(
+                    "entry moved to the DLQ topic=%s partition=%s id=%s error=%s",
+                    topic,
+                    owned.partition,
+                    entry_id.decode(),
+                    fields.get(b"error_type", b"").decode(),
+                )
+                self._call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
 
     def _lease_lost(self, stream: str, reason: str, result: CycleResult) -> None:
         partition = self._by_stream[stream].partition
@@ -481,30 +612,41 @@ class BatchProcessor:
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)
 
-    def _advance(
-        self, outcomes: list[_StreamOutcome], reply: list[tuple[str, list[RawEntry], dict[bytes, int]]]
-    ) -> None:
+    def _advance(self, outcomes: list[_StreamOutcome], reads: list[_Read]) -> None:
         """Move each stream's read position: past what it read, or back to its pending entries."""
-        last_read = {stream: StreamId.parse(entries[-1][0]) for stream, entries, _ in reply}
+        last_read = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
         for o in outcomes:
             cursor = o.cursor
-            if o.failed:
+            if cursor.stream not in last_read:
+                continue  # only parked entries were tried
+            if o.retry_in_s is not None:
                 cursor.rewind()
-                cursor.retry_at = time.monotonic() + self.retry_delay_s
+                cursor.isolate = True
+                cursor.retry_at = time.monotonic() + o.retry_in_s
             else:
+                cursor.isolate = False
                 cursor.retry_at = 0.0
                 if cursor.pending_after is not None:
                     cursor.pending_after = last_read[cursor.stream]
 
+    @staticmethod
+    def _call_hook(hook: Any, *args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception:
+            log.exception("a processor hook failed: %s", getattr(hook, "__qualname__", hook))
 
-def _key(fields: dict[bytes, bytes]) -> str:
-    raw = fields.get(codec.KEY)
-    if raw is None:
-        return ""
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        raise DecodeError("the entry key is not valid UTF-8") from None
+
+def _encode(value: Any) -> bytes | None:
+    return None if value is None else msgspec.msgpack.encode(value)
+
+
+def _put(tx: StoreTransaction, namespace: str, values: dict[str, bytes | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            tx.delete(namespace, key)
+        else:
+            tx.set(namespace, key, value)
 
 
 def iter_state(store: StateStore, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

@@ -19,6 +19,7 @@ from pspf.errors import ConfigError
 Engine = Literal["sqlite", "memory"]
 Durability = Literal["normal", "fsync"]
 StartFrom = Literal["earliest", "latest"]
+RetryMode = Literal["ordered", "deferred"]
 
 
 class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +40,19 @@ class ConsumerSettings(msgspec.Struct, frozen=True, kw_only=True):
     consumer_name: str | None = None
     start_from: StartFrom = "earliest"
     lease_ttl_ms: Annotated[int, msgspec.Meta(ge=500)] = 10_000
-    retry_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    min_idle_ms: Annotated[int, msgspec.Meta(ge=1)] = 60_000
+
+
+class RetrySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The run-wide retry policy; an App or a handler may override any of it in code."""
+
+    max_retries: Annotated[int, msgspec.Meta(ge=1)] = 3
+    base_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 200
+    factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    max_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 30_000
+    mode: RetryMode = "ordered"
+    max_deliveries: Annotated[int, msgspec.Meta(ge=1)] = 5
+    timeout_ms: Annotated[int, msgspec.Meta(gt=0)] | None = None
 
 
 class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +68,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
     consumer: ConsumerSettings = msgspec.field(default_factory=ConsumerSettings)
+    retry: RetrySettings = msgspec.field(default_factory=RetrySettings)
     state: StateSettings = msgspec.field(default_factory=StateSettings)
 
     @classmethod
@@ -92,7 +106,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_CONSUMER": ("consumer", "consumer_name"),
     "PSPF_START_FROM": ("consumer", "start_from"),
     "PSPF_LEASE_TTL_MS": ("consumer", "lease_ttl_ms"),
-    "PSPF_RETRY_DELAY_MS": ("consumer", "retry_delay_ms"),
+    "PSPF_MIN_IDLE_MS": ("consumer", "min_idle_ms"),
+    "PSPF_MAX_RETRIES": ("retry", "max_retries"),
+    "PSPF_RETRY_BASE_MS": ("retry", "base_delay_ms"),
+    "PSPF_RETRY_FACTOR": ("retry", "factor"),
+    "PSPF_RETRY_MAX_MS": ("retry", "max_delay_ms"),
+    "PSPF_RETRY_MODE": ("retry", "mode"),
+    "PSPF_MAX_DELIVERIES": ("retry", "max_deliveries"),
+    "PSPF_HANDLER_TIMEOUT_MS": ("retry", "timeout_ms"),
     "PSPF_STATE_DIR": ("state", "dir"),
     "PSPF_STORE": ("state", "engine"),
     "PSPF_DURABILITY": ("state", "durability"),

@@ -27,9 +27,11 @@ import state_stores
 from pspf import keys
 from pspf.app import App
 from pspf.broker import Broker
-from pspf.errors import BrokerUnavailable, ConfigError, StateError, StoreLocked
+from pspf.errors import BrokerError, BrokerUnavailable, ConfigError, GroupMissing, StateError, StoreLocked
+from pspf.failures import policy_from
+from pspf.keys import StreamId
 from pspf.ownership import Leases, PartitionLeases
-from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, StreamCursor
+from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, ProcessorHooks, StreamCursor
 from pspf.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,6 +54,9 @@ class RunSummary(msgspec.Struct, kw_only=True):
     handled: int = 0
     skipped: int = 0
     failed: int = 0
+    retried: int = 0
+    parked: int = 0
+    dead_lettered: int = 0
     lost_entries: int = 0
 
 
@@ -68,6 +73,7 @@ class Worker:
         app: App,
         settings: Settings,
         store_factory: StoreFactory | None = None,
+        hooks: ProcessorHooks | None = None,
     ) -> None:
         if not app.handlers:
             raise ConfigError(f"app {app.name!r} has no handlers")
@@ -80,6 +86,7 @@ class Worker:
         self.leases = PartitionLeases(
             self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
         )
+        run_policy = policy_from(settings.retry)
         self.processor = BatchProcessor(
             app,
             self.broker,
@@ -87,12 +94,14 @@ class Worker:
             batch_size=settings.consumer.batch_size,
             # Leases are renewed between reads: a read must never outlast a third of their TTL.
             block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
-            retry_delay_ms=settings.consumer.retry_delay_ms,
+            policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
+            hooks=hooks,
         )
         self._store_factory = store_factory or self._open_store
         self._held: dict[int, Leases] = {}
         self._partitions = 0
         self._stopping = threading.Event()
+        self._next_idle_claim = 0.0
         self._signals = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -153,11 +162,15 @@ class Worker:
             )
         self._partitions = next(iter(counts.values()))
         self._check_state_dir()
-        self.broker.register_app(self.app.name, self.app.topics, self._partitions)
+        # A group is created from --start-from only for a topic the app never read before. One
+        # that vanished later is re-created when its partition is taken: at the checkpoint.
+        seen = self.broker.app_topics(self.app.name)
         start_id = "0" if self.settings.consumer.start_from == "earliest" else "$"
         for topic in self.app.topics:
-            for partition in range(self._partitions):
-                self.broker.ensure_group(keys.stream_key(topic, partition), self.app.name, start_id)
+            if topic not in seen:
+                for partition in range(self._partitions):
+                    self.broker.ensure_group(keys.stream_key(topic, partition), self.app.name, start_id)
+        self.broker.register_app(self.app.name, self.app.topics, self._partitions)
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",
             self.app.name,
@@ -192,6 +205,12 @@ class Worker:
                 result = self.processor.run_once(block=not until_idle)
                 finished = until_idle and result.idle and self._others_drained()
                 failures = 0
+            except GroupMissing as exc:
+                log.error("%s: giving the partitions up to take them again", exc)
+                for partition in list(self._held):
+                    self._drop(partition, release=True)
+                next_lease_round = 0.0
+                continue
             except BrokerUnavailable as exc:
                 failures += 1
                 delay = min(_RECONNECT_MAX_S, _RECONNECT_MIN_S * 2 ** (failures - 1))
@@ -221,9 +240,11 @@ class Worker:
     # -- ownership ------------------------------------------------------------------------------
 
     def _lease_round(self) -> None:
-        """Renew held leases, give up lost partitions, and take free ones."""
+        """Renew held leases, give up lost partitions, take free ones, claim idle entries."""
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
+        if time.monotonic() >= self._next_idle_claim:
+            self._claim_idle()
         for partition in range(self._partitions):
             if partition in self._held:
                 continue
@@ -235,6 +256,28 @@ class Worker:
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
+
+    def _claim_idle(self) -> None:
+        """Take over entries that other consumers of the app left idle on our partitions.
+
+        Takeover claims a previous owner's entries at once; this periodic pass is the safety net
+        for entries another consumer of the group took without holding the lease.
+        """
+        min_idle_ms = self.settings.consumer.min_idle_ms
+        self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
+        for cursor in self.processor.cursors():
+            claimed, deleted = self.broker.claim_idle(
+                cursor.stream, self.app.name, self.consumer, min_idle_ms
+            )
+            if claimed:
+                log.warning(
+                    "claimed %s entries idle over %s ms from other consumers stream=%s (%s deleted)",
+                    claimed,
+                    min_idle_ms,
+                    cursor.stream,
+                    deleted,
+                )
+                cursor.rewind()
 
     def _others_drained(self) -> bool:
         """True when no partition this worker does not own has entries left for the app.
@@ -256,13 +299,15 @@ class Worker:
             streams = {}
             for topic, lease_value in leases.items():
                 stream = keys.stream_key(topic, partition)
-                claimed = self.broker.claim_all(stream, self.app.name, self.consumer)
+                self._check_stream(stream, checkpoints.get(topic))
+                claimed, _ = self.broker.claim_idle(stream, self.app.name, self.consumer, 0)
                 if claimed:
                     log.info("claimed %s pending entries of earlier owners stream=%s", claimed, stream)
                 streams[stream] = StreamCursor(
                     topic=topic,
                     partition=partition,
                     stream=stream,
+                    dlq=keys.dlq_key(topic, partition),
                     lease_key=keys.lease_key(topic, partition, self.app.name),
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
@@ -275,6 +320,30 @@ class Worker:
         log.info(
             "partition assigned app=%s partition=%s checkpoints=%s", self.app.name, partition, checkpoints
         )
+
+    def _check_stream(self, stream: str, checkpoint: StreamId | None) -> None:
+        """Refuse a stream that was recreated under the app, and re-create a deleted group.
+
+        A group deleted while the app was away is re-created at the checkpoint, never at ``$``:
+        entries after the checkpoint must still be processed.
+        """
+        _, last_id, groups = self.broker.stream_info(stream)
+        if checkpoint is not None and last_id is not None and StreamId.parse(last_id) < checkpoint:
+            raise BrokerError(
+                f"stream {stream} was recreated: its last id {last_id.decode()} is below the app's "
+                f"checkpoint {checkpoint}; entries there would be skipped as done. Reset the app's "
+                "state for this topic before running it again"
+            )
+        if not any(g["name"].decode() == self.app.name for g in groups):
+            start = str(checkpoint or "0")
+            log.error(
+                "consumer group %s is missing on %s although the app has read it before: "
+                "re-creating it at %s (entries up to the checkpoint are skipped as done)",
+                self.app.name,
+                stream,
+                start,
+            )
+            self.broker.ensure_group(stream, self.app.name, start)
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)
@@ -295,4 +364,7 @@ def _add(summary: RunSummary, result: CycleResult) -> None:
     summary.handled += result.handled
     summary.skipped += result.skipped
     summary.failed += result.failed
+    summary.retried += result.retried
+    summary.parked += result.parked
+    summary.dead_lettered += result.dead_lettered
     summary.lost_entries += result.lost_entries

@@ -155,7 +155,7 @@ def make_settings(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
             "PSPF_STATE_DIR": str(tmp_path / "state"),
             "PSPF_BLOCK_MS": 100,
             "PSPF_LEASE_TTL_MS": 2000,
-            "PSPF_RETRY_DELAY_MS": 50,
+            "PSPF_RETRY_BASE_MS": 20,
         }
         values.update(overrides)
         return Settings.load(values, environ={})

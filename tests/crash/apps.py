@@ -59,28 +59,28 @@ def _install_crash_point(where: str, nth: int, marker: Path) -> None:
         original_commit = BatchProcessor._commit
         commits = 0
 
-        def commit(batch: Any, outcomes: Any) -> None:
+        def commit(self: BatchProcessor, batch: Any, outcomes: Any) -> None:
             nonlocal commits
-            original_commit(batch, outcomes)
-            if any(o.applied for o in outcomes):
+            original_commit(self, batch, outcomes)
+            if any(o.handled for o in outcomes):
                 commits += 1
                 if commits == nth and not marker.exists():
-                    applied = sum(len(o.applied) for o in outcomes)
+                    applied = sum(o.handled for o in outcomes)
                     _die(marker, {"where": where, "partition": batch.owned.partition, "applied": applied})
 
-        BatchProcessor._commit = staticmethod(commit)  # type: ignore[method-assign]
+        BatchProcessor._commit = commit  # type: ignore[method-assign]
     elif where == "ack":
         original_ack = BatchProcessor._acknowledge
         rounds = 0
 
-        def acknowledge(self: BatchProcessor, acks: Any, result: Any) -> None:
+        def acknowledge(self: BatchProcessor, outcomes: Any, result: Any) -> None:
             nonlocal rounds
-            if acks:
+            unacked = {o.cursor.stream: len(o.ack_ids) for _, stream in outcomes for o in stream if o.ack_ids}
+            if unacked:
                 rounds += 1
                 if rounds == nth and not marker.exists():
-                    unacked = {r.stream: len(r.ids) for r in acks}
                     _die(marker, {"where": where, "unacked": unacked})
-            original_ack(self, acks, result)
+            original_ack(self, outcomes, result)
 
         BatchProcessor._acknowledge = acknowledge  # type: ignore[method-assign]
     elif where != "handler":

@@ -22,7 +22,7 @@ from state_stores import open_store
 from tests.conftest import pspf_command
 
 APP_TARGET = "tests.crash.apps:main"
-SUMMARY = re.compile(rb"processed (\d+) entries \((\d+) already done, (\d+) failures\)")
+SUMMARY = re.compile(rb"processed (\d+) entries \((\d+) already done, (\d+) failures[^)]*\)")
 
 Records = list[tuple[str | None, Any]]
 

@@ -63,7 +63,7 @@ def test_ack_with_a_stale_lease_value_is_refused(
 
         current = broker.acquire_lease(lease, fence, "owner/1/aa", 60_000)
         assert current is not None
-        assert broker.ack([AckRequest(stream, group, lease, current, ids)]) == [5]
+        assert broker.ack([AckRequest(stream, group, lease, current, ids)]) == [(5, 0)]
         assert rclient.xpending(stream, group)["pending"] == 0
     finally:
         broker.close()

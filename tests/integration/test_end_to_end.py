@@ -207,7 +207,7 @@ def test_handler_failure_stops_only_its_partition_until_it_succeeds(
         if value["seq"] == 7 and attempts[7] < 3:
             raise RuntimeError("flaky downstream")
 
-    Worker(app, make_settings(PSPF_RETRY_DELAY_MS=10)).run(until_idle=True)
+    Worker(app, make_settings(PSPF_RETRY_BASE_MS=10)).run(until_idle=True)
 
     assert attempts[7] == 3  # retried until it succeeded
     assert all(attempts[i] == 1 for i in range(20) if i != 7)  # the others ran exactly once

@@ -1,0 +1,212 @@
+"""Running handlers over a stream's entries: sync in id order, async concurrently per key.
+
+An attempt's state writes are kept apart until it returns; the processor decides what a failure
+means (retry, park, dead-letter). Deadlines: an async handler past its ``timeout_ms`` is cancelled;
+a sync handler with a timeout runs in a helper thread, and when it overruns its attempt fails
+with ``HandlerTimeout`` and its state writes are dropped, but the function itself runs on in the
+background until it returns (Python cannot stop a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import msgspec
+
+from pspf import codec
+from pspf.app import Handler
+from pspf.context import Context, StateSource
+from pspf.errors import DecodeError, StateError
+from pspf.failures import HandlerTimeout, PoisonEntry
+
+#: Marks an attempt that left its key's state untouched.
+UNCHANGED = b"\x00unchanged"
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+class Attempt(NamedTuple):
+    """One handler run: the key, its new encoded state (or UNCHANGED) or the error it raised."""
+
+    key: str
+    new_state: bytes | None
+    error: BaseException | None
+
+
+class EntryMeta(NamedTuple):
+    """What the runner needs besides the entries: where they come from and how often delivered."""
+
+    topic: str
+    partition: int
+    counts: dict[bytes, int]
+    max_deliveries: int
+
+
+#: Called with an entry's index and error; True stops the run (the rest of the stream waits).
+StopRule = Callable[[int, BaseException], bool]
+
+
+def entry_key(fields: dict[bytes, bytes]) -> str:
+    raw = fields.get(codec.KEY)
+    if raw is None:
+        return ""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise DecodeError("the entry key is not valid UTF-8") from None
+
+
+def state_result(ctx: Context) -> bytes | None:
+    """The key's new encoded state after a handler returned, UNCHANGED if untouched."""
+    state = ctx._state
+    if state is None:
+        return UNCHANGED
+    try:
+        new = codec.state_encoder.encode(state) if state else None
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise StateError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
+    return UNCHANGED if new == ctx._base else new
+
+
+def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:
+    count = meta.counts.get(id_b, 1)
+    if count > meta.max_deliveries:
+        raise PoisonEntry(
+            f"delivered {count} times without completing (max_deliveries {meta.max_deliveries}): "
+            "it may crash the worker"
+        )
+    return Context(
+        meta.topic, meta.partition, id_b, entry_key(fields), count, fields.get(codec.HEADERS), source
+    )
+
+
+def run_sync(
+    handler: Handler,
+    meta: EntryMeta,
+    todo: list[Entry],
+    overlay: dict[str, bytes | None],
+    source: StateSource,
+    stop: StopRule,
+) -> list[Attempt]:
+    """Run entries in id order; successful writes go into ``overlay`` as they happen."""
+    attempts = []
+    decode, func = handler.decoder.decode, handler.func
+    timeout_ms = handler.retry.timeout_ms
+    for index, (id_b, fields) in enumerate(todo):
+        key = ""
+        try:
+            ctx = _context(meta, id_b, fields, source)
+            key = ctx.key
+            value = decode(fields)
+            if timeout_ms is None:
+                func(value, ctx)
+            else:
+                _call_in_thread(func, value, ctx, timeout_ms)
+            new = state_result(ctx)
+        except Exception as exc:
+            attempts.append(Attempt(key, UNCHANGED, exc))
+            if stop(index, exc):
+                break
+            continue
+        if new is not UNCHANGED:
+            overlay[key] = new
+        attempts.append(Attempt(key, new, None))
+    return attempts
+
+
+def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_ms: int) -> None:
+    ctx.state  # noqa: B018 - load the state here: the store belongs to this thread
+    outcome: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            func(value, ctx)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name="pspf-handler", daemon=True)
+    thread.start()
+    thread.join(timeout_ms / 1000)
+    if thread.is_alive():
+        ctx._state = None  # whatever it still writes is dropped
+        raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms")
+    if outcome:
+        raise outcome[0]
+
+
+class _ChainSource:
+    """The state one key's chain of async handlers sees: the batch's, then its own results."""
+
+    __slots__ = ("results", "source")
+
+    def __init__(self, source: StateSource) -> None:
+        self.source = source
+        self.results: dict[str, bytes | None] = {}
+
+    def base(self, key: str) -> bytes | None:
+        if key in self.results:
+            return self.results[key]
+        return self.source.base(key)
+
+
+def run_async(
+    loop: asyncio.AbstractEventLoop,
+    handler: Handler,
+    meta: EntryMeta,
+    todo: list[Entry],
+    source: StateSource,
+    stop: StopRule,
+) -> tuple[list[Attempt | None], int]:
+    """Run one chain per key concurrently, in id order within a key.
+
+    Returns each entry's attempt (None if it did not run) and the index of the first entry whose
+    failure stops the stream (``len(todo)`` if none): only the attempts before it count.
+    """
+    chains: dict[str, list[int]] = {}
+    for index, (_, fields) in enumerate(todo):
+        try:
+            key = entry_key(fields)
+        except DecodeError:
+            key = ""
+        chains.setdefault(key, []).append(index)
+    attempts: list[Attempt | None] = [None] * len(todo)
+    cutoff = len(todo)
+    timeout_s = None if handler.retry.timeout_ms is None else handler.retry.timeout_ms / 1000
+
+    async def chain(indexes: list[int]) -> None:
+        nonlocal cutoff
+        chain_source = _ChainSource(source)
+        for index in indexes:
+            if index > cutoff:
+                return
+            id_b, fields = todo[index]
+            key = ""
+            try:
+                ctx = _context(meta, id_b, fields, chain_source)
+                key = ctx.key
+                value = handler.decoder.decode(fields)
+                try:
+                    await asyncio.wait_for(handler.func(value, ctx), timeout_s)
+                except TimeoutError:
+                    raise HandlerTimeout(
+                        f"the handler ran past its timeout of {handler.retry.timeout_ms} ms"
+                    ) from None
+                new = state_result(ctx)
+            except Exception as exc:
+                attempts[index] = Attempt(key, UNCHANGED, exc)
+                if stop(index, exc):
+                    cutoff = min(cutoff, index)
+                    return
+                continue
+            if new is not UNCHANGED:
+                chain_source.results[key] = new
+            attempts[index] = Attempt(key, new, None)
+
+    async def run_all() -> None:
+        await asyncio.gather(*(chain(indexes) for indexes in chains.values()))
+
+    loop.run_until_complete(run_all())
+    return attempts, cutoff

@@ -1,4 +1,4 @@
-"""``pspf topic``, ``pspf produce`` and ``pspf state``: thin calls into ``pspf.service``."""
+"""``pspf topic``, ``produce``, ``state`` and ``dlq``: thin calls into ``pspf.service``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import click
 import msgspec
 
 from cli.main import CliState, broker_option, cli, json_option, service_for, state_dir_option
+from pspf.service import parse_duration_ms
 
 
 def _print_json(value: Any) -> None:
@@ -181,3 +182,158 @@ def state_list(
     else:
         for key in found:
             click.echo(key)
+
+
+# -- DLQ ------------------------------------------------------------------------------------------
+
+
+@cli.group()
+def dlq() -> None:
+    """Inspect, redrive and purge dead-lettered entries."""
+
+
+@dlq.command("list")
+@click.argument("topic")
+@click.option("--app", help="Only entries this app dead-lettered.")
+@click.option("--error-type", help="Only entries that failed with this error type, e.g. DecodeError.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many entries.")
+@broker_option
+@json_option
+@click.pass_obj
+def dlq_list(
+    obj: CliState,
+    topic: str,
+    app: str | None,
+    error_type: str | None,
+    limit: int | None,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """List the DLQ entries of TOPIC."""
+    found = service_for(obj, broker).dlq_list(topic, app, error_type, limit)
+    if as_json:
+        _print_json(found)
+        return
+    rows = [
+        [d.dlq_id, d.source_id, d.key, d.app, d.error_type, _short(d.message), d.attempts, d.failed_at]
+        for d in found
+    ]
+    _print_table(["DLQ ID", "SOURCE ID", "KEY", "APP", "ERROR", "MESSAGE", "ATTEMPTS", "FAILED AT"], rows)
+
+
+def _short(text: str, width: int = 60) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+@dlq.command("show")
+@click.argument("topic")
+@click.argument("dlq_id")
+@broker_option
+@json_option
+@click.pass_obj
+def dlq_show(obj: CliState, topic: str, dlq_id: str, broker: str | None, as_json: bool) -> None:
+    """Show one DLQ entry of TOPIC whole (DLQ_ID as `pspf dlq list` prints it)."""
+    detail = service_for(obj, broker).dlq_show(topic, dlq_id)
+    if as_json:
+        _print_json(detail)
+        return
+    for name in detail.__struct_fields__:
+        if name != "traceback":
+            click.echo(f"{name}: {msgspec.json.encode(getattr(detail, name)).decode()}")
+    click.echo("traceback:\n" + detail.traceback)
+
+
+_PROGRESS_FROM = 100
+
+
+def _confirm(what: str, count: int, yes: bool) -> None:
+    if not yes:
+        click.confirm(f"{what} {count} DLQ entr{'y' if count == 1 else 'ies'}?", abort=True, err=True)
+
+
+@dlq.command(
+    "redrive",
+    epilog="\b\nExamples:\n  pspf dlq redrive orders 0:1700000000000-0\n"
+    "  pspf dlq redrive orders --error-type DecodeError --dry-run\n  pspf dlq redrive orders --all --yes",
+)
+@click.argument("topic")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "all_entries", is_flag=True, help="Every DLQ entry of the topic.")
+@click.option("--error-type", help="Entries that failed with this error type.")
+@click.option("--app", help="Entries this app dead-lettered.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many entries.")
+@click.option("--dry-run", is_flag=True, help="Say what would move; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@json_option
+@click.pass_obj
+def dlq_redrive(
+    obj: CliState,
+    topic: str,
+    ids: tuple[str, ...],
+    all_entries: bool,
+    error_type: str | None,
+    app: str | None,
+    limit: int | None,
+    dry_run: bool,
+    yes: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Put DLQ entries of TOPIC back into their partitions, each exactly once."""
+    service = service_for(obj, broker)
+    if not dry_run:
+        preview = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
+        _confirm("Redrive", preview.selected, yes)
+        shown = preview.selected >= _PROGRESS_FROM
+        with click.progressbar(
+            length=preview.selected, label="redriving", file=sys.stderr, hidden=not shown
+        ) as bar:
+            change = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, progress=bar.update)
+    else:
+        change = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
+    if as_json:
+        _print_json(change)
+    elif dry_run:
+        click.echo(f"would redrive {change.selected} entries (dry run, nothing changed)")
+    else:
+        click.echo(f"redrove {change.changed} of {change.selected} selected entries")
+
+
+@dlq.command("purge")
+@click.argument("topic")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "all_entries", is_flag=True, help="Every DLQ entry of the topic.")
+@click.option("--older-than", help="Entries that failed longer ago than this, e.g. 7d, 12h, 30m.")
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@json_option
+@click.pass_obj
+def dlq_purge(
+    obj: CliState,
+    topic: str,
+    ids: tuple[str, ...],
+    all_entries: bool,
+    older_than: str | None,
+    dry_run: bool,
+    yes: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Delete DLQ entries of TOPIC for good."""
+    service = service_for(obj, broker)
+    older_than_ms = None if older_than is None else parse_duration_ms(older_than)
+    preview = service.dlq_purge(topic, ids, all_entries, older_than_ms, dry_run=True)
+    if not dry_run:
+        _confirm("Delete", preview.selected, yes)
+        change = service.dlq_purge(topic, ids, all_entries, older_than_ms)
+    else:
+        change = preview
+    if as_json:
+        _print_json(change)
+    elif dry_run:
+        click.echo(f"would delete {change.selected} entries (dry run, nothing changed)")
+    else:
+        click.echo(f"deleted {change.changed} entries")

@@ -6,10 +6,13 @@ from pspf.errors import (
     BrokerError,
     ConfigError,
     DecodeError,
+    NonRetryableError,
     NotFound,
     PSPFError,
     StateError,
 )
+from pspf.failures import RetryPolicy
+from pspf.processor import ProcessorHooks
 from pspf.producer import Producer
 from pspf.settings import Settings
 from pspf.worker import Worker
@@ -22,9 +25,12 @@ __all__ = [
     "ConfigError",
     "Context",
     "DecodeError",
+    "NonRetryableError",
     "NotFound",
     "PSPFError",
+    "ProcessorHooks",
     "Producer",
+    "RetryPolicy",
     "Settings",
     "StateError",
     "Worker",

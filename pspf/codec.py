@@ -7,7 +7,7 @@ An entry is a Redis stream entry with the fields
 - ``headers``: a JSON object of strings (optional);
 - ``encoding``: ``json`` (default) or ``msgpack`` (optional).
 
-An entry without a ``value`` field is a flat record: its whole field map is the value, so
+An entry without a ``value`` field is a flat record: its field map (but ``headers``) is the value, so
 ``XADD 'pspf:{orders:0}' * user u1 amount 3`` is a valid input. Flat values are text, so a typed
 handler receives them converted leniently (``"3"`` becomes ``3`` for an ``int`` field).
 """
@@ -56,7 +56,7 @@ class ValueDecoder:
             raise DecodeError(f"cannot decode value: {exc}") from None
 
     def _flat(self, fields: dict[bytes, bytes]) -> Any:
-        record = {name.decode(): value.decode() for name, value in fields.items()}
+        record = {name.decode(): value.decode() for name, value in fields.items() if name != HEADERS}
         if not record:
             raise DecodeError("cannot decode value: the entry has no fields")
         if not self._typed:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 
 from pspf import codec, keys
 from pspf.broker import Broker
-from pspf.errors import ConfigError, NotFound
-from pspf.processor import STATE_NAMESPACE
+from pspf.errors import ConfigError, DecodeError, NotFound
+from pspf.failures import DeadLetter
+from pspf.keys import StreamId
+from pspf.processor import REDRIVE_APP_HEADER, STATE_NAMESPACE
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import open_store, stored_partitions
@@ -42,6 +46,54 @@ class TopicDescription(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     partitions: list[PartitionInfo]
     length: int
+
+
+class DeadLetterInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One DLQ entry as ``pspf dlq list`` shows it."""
+
+    dlq_id: str
+    partition: int
+    source_id: str
+    key: str | None
+    app: str
+    error_type: str
+    message: str
+    attempts: int
+    failed_at: str
+
+
+class DeadLetterDetail(msgspec.Struct, frozen=True, kw_only=True):
+    """One DLQ entry whole, as ``pspf dlq show`` shows it; ``value`` is decoded when possible."""
+
+    dlq_id: str
+    source_topic: str
+    source_partition: int
+    source_id: str
+    key: str | None
+    headers: dict[str, str]
+    value: Any
+    value_bytes: int
+    app: str
+    consumer: str
+    error_type: str
+    message: str
+    traceback: str
+    attempts: int
+    first_failed_at: str
+    last_failed_at: str
+
+
+class DlqChange(msgspec.Struct, frozen=True, kw_only=True):
+    """What a redrive or purge did (or, with ``dry_run``, would do)."""
+
+    selected: int
+    changed: int
+    dry_run: bool
+
+
+#: Headers a redrive adds to the entry it puts back.
+REDRIVE_COUNT_HEADER = "pspf-redrive-count"
+ORIGINAL_ID_HEADER = "pspf-original-id"
 
 
 class Service:
@@ -132,6 +184,161 @@ class Service:
         with Producer(self.broker) as producer:
             producer.send_raw(topic, value, key)
 
+    # -- DLQ ------------------------------------------------------------------------------------
+
+    def _dead_letters(self, topic: str) -> Iterator[tuple[int, bytes, DeadLetter]]:
+        """Every DLQ entry of ``topic``, partition by partition, in id order."""
+        for partition in range(self.broker.topic_partitions(topic)):
+            dlq = keys.dlq_key(topic, partition)
+            start = "-"
+            while True:
+                page = self.broker.dlq_range(dlq, start, "+", 500)
+                for entry_id, fields in page:
+                    yield partition, entry_id, DeadLetter.from_fields(fields)
+                if len(page) < 500:
+                    break
+                start = str(StreamId.parse(page[-1][0]).next())
+
+    def dlq_list(
+        self, topic: str, app: str | None = None, error_type: str | None = None, limit: int | None = None
+    ) -> list[DeadLetterInfo]:
+        """DLQ entries of ``topic``, optionally of one app or error type, at most ``limit``."""
+        found = []
+        for partition, entry_id, record in self._dead_letters(topic):
+            if (app and record.app != app) or (error_type and record.error_type != error_type):
+                continue
+            found.append(
+                DeadLetterInfo(
+                    dlq_id=f"{partition}:{entry_id.decode()}",
+                    partition=partition,
+                    source_id=record.source_id,
+                    key=record.key,
+                    app=record.app,
+                    error_type=record.error_type,
+                    message=record.message,
+                    attempts=record.attempts,
+                    failed_at=_iso(record.last_failed_ms),
+                )
+            )
+            if limit is not None and len(found) >= limit:
+                break
+        return found
+
+    def dlq_show(self, topic: str, dlq_id: str) -> DeadLetterDetail:
+        partition, entry_id = parse_dlq_id(dlq_id)
+        if partition >= self.broker.topic_partitions(topic):
+            raise NotFound(f"topic {topic!r} has no partition {partition}")
+        page = self.broker.dlq_range(keys.dlq_key(topic, partition), entry_id.decode(), entry_id.decode(), 1)
+        if not page:
+            raise NotFound(f"no DLQ entry {dlq_id} in topic {topic!r}")
+        record = DeadLetter.from_fields(page[0][1])
+        original = record.original
+        try:
+            value: Any = codec.ValueDecoder().decode(original)
+        except DecodeError:
+            value = None
+        try:
+            headers = codec.decode_headers(original.get(codec.HEADERS))
+        except DecodeError:
+            headers = {}
+        return DeadLetterDetail(
+            dlq_id=dlq_id,
+            source_topic=record.source_topic,
+            source_partition=record.source_partition,
+            source_id=record.source_id,
+            key=record.key,
+            headers=headers,
+            value=value,
+            value_bytes=len(original.get(codec.VALUE, b"")),
+            app=record.app,
+            consumer=record.consumer,
+            error_type=record.error_type,
+            message=record.message,
+            traceback=record.traceback,
+            attempts=record.attempts,
+            first_failed_at=_iso(record.first_failed_ms),
+            last_failed_at=_iso(record.last_failed_ms),
+        )
+
+    def _select(
+        self,
+        topic: str,
+        ids: Sequence[str],
+        all_entries: bool,
+        error_type: str | None,
+        app: str | None,
+        older_than_ms: int | None,
+    ) -> list[tuple[int, bytes, DeadLetter]]:
+        if ids and (all_entries or error_type or older_than_ms is not None):
+            raise ConfigError("give DLQ ids, or a selection (--all, --error-type, --older-than), not both")
+        if not ids and not (all_entries or error_type or app or older_than_ms is not None):
+            raise ConfigError("nothing selected: give DLQ ids, --all, --error-type or --older-than")
+        if ids:
+            wanted = {parse_dlq_id(i) for i in ids}
+            selected = [(p, e, r) for p, e, r in self._dead_letters(topic) if (p, e) in wanted]
+            missing = wanted - {(p, e) for p, e, _ in selected}
+            if missing:
+                names = ", ".join(sorted(f"{p}:{e.decode()}" for p, e in missing))
+                raise NotFound(f"no DLQ entry {names} in topic {topic!r}")
+            return selected
+        cutoff = None if older_than_ms is None else int(time.time() * 1000) - older_than_ms
+        return [
+            (p, e, r)
+            for p, e, r in self._dead_letters(topic)
+            if (not error_type or r.error_type == error_type)
+            and (not app or r.app == app)
+            and (cutoff is None or r.last_failed_ms < cutoff)
+        ]
+
+    def dlq_redrive(
+        self,
+        topic: str,
+        ids: Sequence[str] = (),
+        all_entries: bool = False,
+        error_type: str | None = None,
+        app: str | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> DlqChange:
+        """Put selected DLQ entries back into their source partitions (DEAD -> PENDING).
+
+        Each entry moves in one atomic call (added to its partition, removed from the DLQ), so a
+        redrive run twice, or killed and run again, moves each entry once. The entry keeps its
+        key, value and headers and gains headers with its redrive count, its original id and the
+        app that dead-lettered it (only that app runs it again).
+        """
+        selected = self._select(topic, ids, all_entries, error_type, app, None)[:limit]
+        moved = 0
+        for partition, entry_id, record in selected:
+            if not dry_run:
+                fields = _redrive_fields(record)
+                stream = keys.stream_key(topic, partition)
+                if self.broker.redrive(keys.dlq_key(topic, partition), stream, entry_id, fields) is not None:
+                    moved += 1
+            if progress is not None:
+                progress(1)
+        return DlqChange(selected=len(selected), changed=moved, dry_run=dry_run)
+
+    def dlq_purge(
+        self,
+        topic: str,
+        ids: Sequence[str] = (),
+        all_entries: bool = False,
+        older_than_ms: int | None = None,
+        dry_run: bool = False,
+    ) -> DlqChange:
+        """Delete selected DLQ entries for good."""
+        selected = self._select(topic, ids, all_entries, None, None, older_than_ms)
+        deleted = 0
+        if not dry_run:
+            by_partition: dict[int, list[bytes]] = {}
+            for partition, entry_id, _ in selected:
+                by_partition.setdefault(partition, []).append(entry_id)
+            for partition, entry_ids in by_partition.items():
+                deleted += self.broker.dlq_delete(keys.dlq_key(topic, partition), entry_ids)
+        return DlqChange(selected=len(selected), changed=deleted, dry_run=dry_run)
+
     # -- state ----------------------------------------------------------------------------------
 
     def state_get(self, app: str, key: str) -> dict[str, Any]:
@@ -159,6 +366,43 @@ class Service:
                 found.extend(key for key, _ in store.items(STATE_NAMESPACE, prefix))
         found.sort()
         return found if limit is None else found[:limit]
+
+
+def parse_dlq_id(dlq_id: str) -> tuple[int, bytes]:
+    """``"2:1700000000000-0"`` -> (partition 2, the DLQ stream's entry id)."""
+    partition, sep, entry_id = dlq_id.partition(":")
+    if not sep or not partition.isdigit():
+        raise ConfigError(f"invalid DLQ id {dlq_id!r}: expected PARTITION:ID as `pspf dlq list` prints it")
+    StreamId.parse(entry_id)
+    return int(partition), entry_id.encode()
+
+
+def parse_duration_ms(text: str) -> int:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or ``"500ms"`` in milliseconds."""
+    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+    for unit in ("ms", "s", "m", "h", "d"):
+        number = text[: -len(unit)]
+        if text.endswith(unit) and number.isdigit():
+            return int(number) * units[unit]
+    raise ConfigError(f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)")
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def _redrive_fields(record: DeadLetter) -> dict[bytes, bytes]:
+    fields = dict(record.original)
+    try:
+        headers = codec.decode_headers(fields.get(codec.HEADERS))
+    except DecodeError:
+        headers = {}
+    count = headers.get(REDRIVE_COUNT_HEADER, "0")
+    headers[REDRIVE_COUNT_HEADER] = str((int(count) if count.isdigit() else 0) + 1)
+    headers[ORIGINAL_ID_HEADER] = record.source_id
+    headers[REDRIVE_APP_HEADER] = record.app
+    fields[codec.HEADERS] = codec.json_encoder.encode(headers)
+    return fields
 
 
 def _line_key(line: bytes, key_field: str | None) -> str | None:

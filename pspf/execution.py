@@ -28,14 +28,6 @@ UNCHANGED = b"\x00unchanged"
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
-class Attempt(NamedTuple):
-    """One handler run: the key, its new encoded state (or UNCHANGED) or the error it raised."""
-
-    key: str
-    new_state: bytes | None
-    error: BaseException | None
-
-
 class EntryMeta(NamedTuple):
     """What the runner needs besides the entries: where they come from and how often delivered."""
 
@@ -90,16 +82,18 @@ def run_sync(
     overlay: dict[str, bytes | None],
     source: StateSource,
     stop: StopRule,
-) -> list[Attempt]:
-    """Run entries in id order; successful writes go into ``overlay`` as they happen."""
-    attempts = []
+) -> tuple[int, dict[int, BaseException]]:
+    """Run entries in id order; successful writes go into ``overlay`` as they happen.
+
+    Returns how many entries ran (up to and including one whose failure stops the run) and the
+    errors by entry index.
+    """
+    errors: dict[int, BaseException] = {}
     decode, func = handler.decoder.decode, handler.func
     timeout_ms = handler.retry.timeout_ms
     for index, (id_b, fields) in enumerate(todo):
-        key = ""
         try:
             ctx = _context(meta, id_b, fields, source)
-            key = ctx.key
             value = decode(fields)
             if timeout_ms is None:
                 func(value, ctx)
@@ -107,14 +101,13 @@ def run_sync(
                 _call_in_thread(func, value, ctx, timeout_ms)
             new = state_result(ctx)
         except Exception as exc:
-            attempts.append(Attempt(key, UNCHANGED, exc))
+            errors[index] = exc
             if stop(index, exc):
-                break
+                return index + 1, errors
             continue
         if new is not UNCHANGED:
-            overlay[key] = new
-        attempts.append(Attempt(key, new, None))
-    return attempts
+            overlay[ctx.key] = new
+    return len(todo), errors
 
 
 def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_ms: int) -> None:
@@ -159,11 +152,11 @@ def run_async(
     todo: list[Entry],
     source: StateSource,
     stop: StopRule,
-) -> tuple[list[Attempt | None], int]:
+) -> tuple[int, dict[int, BaseException], dict[int, tuple[str, bytes | None]]]:
     """Run one chain per key concurrently, in id order within a key.
 
-    Returns each entry's attempt (None if it did not run) and the index of the first entry whose
-    failure stops the stream (``len(todo)`` if none): only the attempts before it count.
+    Returns how many entries count (those before the first whose failure stops the stream, and
+    that one), the errors by index, and the (key, new state) of each successful entry.
     """
     chains: dict[str, list[int]] = {}
     for index, (_, fields) in enumerate(todo):
@@ -172,7 +165,8 @@ def run_async(
         except DecodeError:
             key = ""
         chains.setdefault(key, []).append(index)
-    attempts: list[Attempt | None] = [None] * len(todo)
+    errors: dict[int, BaseException] = {}
+    states: dict[int, tuple[str, bytes | None]] = {}
     cutoff = len(todo)
     timeout_s = None if handler.retry.timeout_ms is None else handler.retry.timeout_ms / 1000
 
@@ -196,17 +190,17 @@ def run_async(
                     ) from None
                 new = state_result(ctx)
             except Exception as exc:
-                attempts[index] = Attempt(key, UNCHANGED, exc)
+                errors[index] = exc
                 if stop(index, exc):
                     cutoff = min(cutoff, index)
                     return
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            attempts[index] = Attempt(key, new, None)
+            states[index] = (key, new)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))
 
     loop.run_until_complete(run_all())
-    return attempts, cutoff
+    return min(cutoff + 1, len(todo)), errors, states

@@ -42,7 +42,7 @@ from pspf import codec
 from pspf.app import App, Handler
 from pspf.broker import AckRequest, Broker, Fields, RawEntry
 from pspf.errors import LeaseLost
-from pspf.execution import UNCHANGED, Attempt, Entry, EntryMeta, run_async, run_sync
+from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, RetryPolicy, classify, record_failure
 from pspf.keys import ZERO_ID, StreamId
 
@@ -393,24 +393,54 @@ class BatchProcessor:
             decisions[index] = self._decide(batch, cursor, handler, policy, todo[index][0], exc, read.due)
             return decisions[index][0] is Outcome.RETRY
 
-        attempts: list[Attempt | None]
         if handler.is_async:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-            attempts, cutoff = run_async(self._loop, handler, meta, todo, batch, stop)
-            attempts = attempts[: cutoff + 1] if cutoff < len(todo) else attempts
+            ran, errors, states = run_async(self._loop, handler, meta, todo, batch, stop)
+            for index in sorted(states):
+                key, new = states[index]
+                if index < ran and new is not UNCHANGED:
+                    batch.overlay[key] = new
         else:
-            attempts = list(run_sync(handler, meta, todo, batch.overlay, batch, stop))
-        last_done: bytes | None = None
+            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch, stop)
+        owned = batch.owned
         retry_in_s = None
+        if not errors:  # the common case, kept free of per-entry bookkeeping
+            ids = [id_b for id_b, _ in (todo if ran == len(todo) else todo[:ran])]
+            done_ids += ids
+            handled = ran
+            last_done = ids[-1] if ids else None
+            if owned.failures:
+                for id_b in ids:
+                    name = failure_key(cursor.topic, id_b)
+                    if batch.failure(name) is not None:
+                        batch.failures[name] = None
+        else:
+            handled, last_done, retry_in_s = self._settle(
+                batch, cursor, policy, todo[:ran], errors, decisions, dead, done_ids, result
+            )
+        result.handled += handled
+        checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
+        return _StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, skipped)
+
+    def _settle(
+        self,
+        batch: PartitionBatch,
+        cursor: StreamCursor,
+        policy: RetryPolicy,
+        ran: list[Entry],
+        errors: dict[int, BaseException],
+        decisions: dict[int, tuple[Outcome, Failure]],
+        dead: list[tuple[bytes, Fields]],
+        done_ids: list[bytes],
+        result: CycleResult,
+    ) -> tuple[int, bytes | None, float | None]:
+        """Apply each entry's outcome when some failed; (handled, last done id, retry delay)."""
         handled = 0
-        for index, attempt in enumerate(attempts):
-            assert attempt is not None
-            id_b, fields = todo[index]
+        last_done: bytes | None = None
+        for index, (id_b, fields) in enumerate(ran):
             name = failure_key(cursor.topic, id_b)
-            if attempt.error is None:
-                if handler.is_async and attempt.new_state is not UNCHANGED:
-                    batch.overlay[attempt.key] = attempt.new_state
+            if index not in errors:
                 if batch.failure(name) is not None:
                     batch.failures[name] = None
                 done_ids.append(id_b)
@@ -419,25 +449,21 @@ class BatchProcessor:
                 continue
             outcome, failure = decisions[index]
             result.failed += 1
+            if outcome is not Outcome.DEAD:
+                batch.failures[name] = failure
+                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
             if outcome is Outcome.RETRY:
-                batch.failures[name] = failure
-                retry_in_s = policy.delay_s(failure.attempts)
                 result.retried += 1
-                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
-                break
+                return handled, last_done, policy.delay_s(failure.attempts)
             if outcome is Outcome.PARKED:
-                batch.failures[name] = failure
                 result.parked += 1
-                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
             else:
                 dlq_fields = self._dead_letter(cursor, id_b, fields, failure).to_fields()
                 batch.failures[name] = None
                 batch.dead[name] = dlq_fields
                 dead.append((id_b, dlq_fields))
             last_done = id_b
-        result.handled += handled
-        checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
-        return _StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, skipped)
+        return handled, last_done, None
 
     def _screen(
         self,
@@ -465,8 +491,11 @@ class BatchProcessor:
                         continue  # stays pending until it is due
                 done_ids.append(id_b)
                 result.skipped += 1
+        rest = entries[start:]
+        if all(fields is not None and codec.HEADERS not in fields for _, fields in rest):
+            return rest  # type: ignore[return-value]
         todo: list[Entry] = []
-        for id_b, fields in entries[start:]:
+        for id_b, fields in rest:
             if fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",

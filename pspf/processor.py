@@ -273,8 +273,10 @@ class BatchProcessor:
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
         self._advance([o for _, stream_outcomes in outcomes for o in stream_outcomes], reads)
-        result.idle = result.read == 0 and all(
-            c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values()
+        result.idle = (
+            result.read == 0
+            and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
+            and not any(_parked(f) for owned in self.owned.values() for f in owned.failures.values())
         )
         return result
 

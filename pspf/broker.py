@@ -87,8 +87,11 @@ class Broker:
         return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
 
     @contextmanager
-    def translate_errors(self) -> Iterator[None]:
-        """Turn redis-py exceptions into PSPF errors with a message a user can act on."""
+    def translate_errors(self, key: str | None = None) -> Iterator[None]:
+        """Turn redis-py exceptions into PSPF errors with a message a user can act on.
+
+        ``key`` names the key a WRONGTYPE reply is about (Redis does not say).
+        """
         try:
             yield
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -99,8 +102,9 @@ class Broker:
                 raise LeaseLost(text) from exc
             if "NOGROUP" in text:
                 raise GroupMissing(f"consumer group missing: {text}") from exc
-            if text.startswith("WRONGTYPE"):
-                raise BrokerError(f"a PSPF key holds the wrong Redis type: {text}") from exc
+            if "WRONGTYPE" in text:
+                where = f"key {key}" if key else "a PSPF key"
+                raise BrokerError(f"{where} holds the wrong Redis type (expected a stream): {text}") from exc
             raise BrokerError(f"Redis refused a command: {text}") from exc
         except redis.RedisError as exc:
             raise BrokerError(f"Redis error: {exc}") from exc
@@ -189,7 +193,7 @@ class Broker:
 
     def stream_info(self, stream: str) -> tuple[int, bytes | None, list[dict[str, Any]]]:
         """Length, last entry id and consumer groups of a stream (zero and none if absent)."""
-        with self.translate_errors():
+        with self.translate_errors(stream):
             if not self.client.exists(stream):
                 return 0, None, []
             info = self.client.xinfo_stream(stream)
@@ -211,7 +215,7 @@ class Broker:
 
     def ensure_group(self, stream: str, group: str, start_id: str) -> None:
         """Create the consumer group (and the stream) unless it exists."""
-        with self.translate_errors():
+        with self.translate_errors(stream):
             try:
                 self.client.xgroup_create(stream, group, id=start_id, mkstream=True)
             except redis.ResponseError as exc:
@@ -249,7 +253,10 @@ class Broker:
         was read, each stream's last id for ``wait_for_new``.
         """
         lease_keys = [lease for _, lease, _ in streams]
-        with self.translate_errors(), self.client.pipeline(transaction=True) as pipe:
+        with (
+            self.translate_errors(", ".join(s for s, _, _ in streams)),
+            self.client.pipeline(transaction=True) as pipe,
+        ):
             pipe.watch(*lease_keys)  # type: ignore[no-untyped-call]
             held_values = pipe.mget(lease_keys)
             held = [
@@ -294,14 +301,15 @@ class Broker:
             rows = self.client.xpending_range(stream, group, first, last, count, consumer)
         return {row["message_id"]: int(row["times_delivered"]) for row in cast(list[dict[str, Any]], rows)}
 
-    def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> tuple[int, int]:
+    def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> tuple[list[bytes], int]:
         """Move the group's entries idle longer than ``min_idle_ms`` in ``stream`` to ``consumer``.
 
         With 0 it takes every pending entry (on takeover). Follows the XAUTOCLAIM cursor in
         bounded steps. Entries deleted while pending are dropped from the PEL by Redis 7 and
-        returned apart; they are logged as lost. Returns (claimed, deleted).
+        returned apart; they are logged as lost. Returns (claimed ids, deleted count).
         """
-        claimed = deleted = 0
+        claimed: list[bytes] = []
+        deleted = 0
         cursor: bytes | str = b"0-0"
         while True:
             with self.translate_errors():
@@ -317,7 +325,7 @@ class Broker:
                     "JUSTID",
                 )
             cursor, ids = reply[0], reply[1]
-            claimed += len(ids)
+            claimed += ids
             if len(reply) > 2 and reply[2]:
                 deleted += len(reply[2])
                 log.warning(

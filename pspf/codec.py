@@ -54,6 +54,8 @@ class ValueDecoder:
             return self._json.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise DecodeError(f"cannot decode value: {exc}") from None
+        except RecursionError:
+            raise DecodeError("cannot decode value: it is nested too deeply") from None
 
     def _flat(self, fields: dict[bytes, bytes]) -> Any:
         record = {name.decode(): value.decode() for name, value in fields.items() if name != HEADERS}

@@ -29,11 +29,13 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 class EntryMeta(NamedTuple):
-    """What the runner needs besides the entries: where they come from and how often delivered."""
+    """What the runner needs besides the entries: where they come from, how often delivered."""
 
     topic: str
     partition: int
     counts: dict[bytes, int]
+    #: entries delivered too often with no outcome: they go to the DLQ without running
+    poison: frozenset[bytes]
     max_deliveries: int
 
 
@@ -65,9 +67,9 @@ def state_result(ctx: Context) -> bytes | None:
 
 def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:
     count = meta.counts.get(id_b, 1)
-    if count > meta.max_deliveries:
+    if id_b in meta.poison:
         raise PoisonEntry(
-            f"delivered {count} times without completing (max_deliveries {meta.max_deliveries}): "
+            f"delivered {count} times without an outcome (max_deliveries {meta.max_deliveries}): "
             "it may crash the worker"
         )
     return Context(

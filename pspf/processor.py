@@ -90,6 +90,12 @@ class StreamCursor:
     retry_at: float = 0.0
     #: The next pending read takes one entry: the one being retried.
     isolate: bool = False
+    #: Deliveries this worker made that ended without an attempt (the stream stopped before
+    #: them): they explain part of an entry's delivery count, so they do not make it look poison.
+    unattempted: dict[bytes, int] = field(default_factory=dict)
+    #: Entries the periodic claim took from other consumers: never applied, even below the
+    #: checkpoint, so they are run.
+    foreign: set[bytes] = field(default_factory=set)
 
     def rewind(self) -> None:
         """Re-read all own pending entries: after a failure or a lost connection.
@@ -180,6 +186,7 @@ class _Read(NamedTuple):
     cursor: StreamCursor
     entries: list[RawEntry]
     counts: dict[bytes, int]
+    poison: frozenset[bytes] = frozenset()
     due: bool = False
 
 
@@ -288,7 +295,17 @@ class BatchProcessor:
         if not ready:
             self._wait_for_retry(now)
             return []
-        out = [read for c in ready if c.pending_after is not None for read in self._read_pending(c)]
+        windows = {c.stream: self._pending_window(c) for c in ready if c.pending_after is not None}
+        for stream, window in windows.items():
+            if window and self._unexplained(self._by_stream[stream], window[0]) >= 2:
+                # It may have crashed the worker before: it runs alone, nothing else is delivered,
+                # so if it crashes again only its own delivery count grows.
+                return self._claim_pending(self._by_stream[stream], window[:1])
+        out = [
+            read
+            for stream, window in windows.items()
+            for read in self._read_pending(self._by_stream[stream], window)
+        ]
         live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
         if live:
             lost, replies, last_ids = self.broker.read_new(
@@ -305,12 +322,10 @@ class BatchProcessor:
                 self.broker.wait_for_new(last_ids, self.block_ms)
         return out
 
-    def _read_pending(self, cursor: StreamCursor) -> list[_Read]:
-        """The next own pending entries, one by one while an earlier delivery may have crashed.
+    def _pending_window(self, cursor: StreamCursor) -> list[tuple[bytes, int]]:
+        """The next own pending entries and their delivery counts (XPENDING delivers nothing).
 
-        XPENDING shows the delivery counts without delivering; XCLAIM then re-delivers exactly
-        the chosen entries, skipping parked ones (their delivery count must not grow while they
-        wait, or they would look like poison).
+        Parked entries are left out: their count must not grow while they wait.
         """
         assert cursor.pending_after is not None
         window = self.broker.pending_counts(
@@ -325,18 +340,35 @@ class BatchProcessor:
             for entry_id, delivered in window
             if not (failures and _parked(failures.get(failure_key(cursor.topic, entry_id))))
         ]
-        suspect = [i for i, (_, delivered) in enumerate(wanted) if delivered >= 2]
-        if cursor.isolate or (suspect and suspect[0] == 0):
-            wanted = wanted[:1]
-        elif suspect:
-            wanted = wanted[: suspect[0]]
         if not wanted:
             cursor.pending_after = StreamId.parse(window[-1][0])
+        return wanted
+
+    def _unexplained(self, cursor: StreamCursor, pending: tuple[bytes, int]) -> int:
+        """Deliveries of an entry that ended with no recorded outcome: each may have been a crash."""
+        entry_id, delivered = pending
+        failure = self.owned[cursor.partition].failures.get(failure_key(cursor.topic, entry_id))
+        return delivered - (failure.attempts if failure else 0) - cursor.unattempted.get(entry_id, 0)
+
+    def _read_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[_Read]:
+        """Re-deliver the next pending entries, stopping before any that may have crashed us."""
+        if not window:
             return []
-        ids = [entry_id for entry_id, _ in wanted]
+        suspect = [i for i, pending in enumerate(window) if self._unexplained(cursor, pending) >= 2]
+        take = 1 if cursor.isolate else (suspect[0] if suspect else len(window))
+        return self._claim_pending(cursor, window[:take])
+
+    def _claim_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[_Read]:
+        ids = [entry_id for entry_id, _ in window]
         claimed = dict(self.broker.claim_entries(cursor.stream, self.app.name, self.consumer, ids))
         entries: list[RawEntry] = [(entry_id, claimed.get(entry_id)) for entry_id in ids]
-        return [_Read(cursor, entries, {entry_id: delivered + 1 for entry_id, delivered in wanted})]
+        counts = {entry_id: delivered + 1 for entry_id, delivered in window}
+        return [_Read(cursor, entries, counts, self._poison(cursor, counts))]
+
+    def _poison(self, cursor: StreamCursor, counts: dict[bytes, int]) -> frozenset[bytes]:
+        """Entries delivered more than ``max_deliveries`` times with no recorded outcome."""
+        limit = self.policies[cursor.topic].max_deliveries or 1
+        return frozenset(e for e, n in counts.items() if self._unexplained(cursor, (e, n)) > limit)
 
     def _read_due(self) -> list[_Read]:
         """Claim parked entries whose retry is due (XCLAIM counts it as a delivery)."""
@@ -367,7 +399,7 @@ class BatchProcessor:
                     counts = self.broker.delivery_counts(
                         cursor.stream, self.app.name, self.consumer, entries[0][0], entries[-1][0], len(due)
                     )
-                    out.append(_Read(cursor, entries, counts, due=True))
+                    out.append(_Read(cursor, entries, counts, self._poison(cursor, counts), due=True))
         return out
 
     def _wait_for_retry(self, now: float) -> None:
@@ -388,7 +420,7 @@ class BatchProcessor:
         dead: list[tuple[bytes, Fields]] = []
         todo = self._screen(batch, read, done_ids, dead, result)
         skipped = len(done_ids)
-        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, policy.max_deliveries or 1)
+        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, read.poison, policy.max_deliveries or 1)
         decisions: dict[int, tuple[Outcome, Failure]] = {}
 
         def stop(index: int, exc: BaseException) -> bool:
@@ -421,8 +453,12 @@ class BatchProcessor:
             handled, last_done, retry_in_s = self._settle(
                 batch, cursor, policy, todo[:ran], errors, decisions, dead, done_ids, result
             )
+        for id_b, _ in todo[ran:]:  # delivered, not attempted: it did not crash us
+            cursor.unattempted[id_b] = cursor.unattempted.get(id_b, 0) + 1
         result.handled += handled
         checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
+        if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
+            checkpoint = None  # only entries taken from other consumers, below the checkpoint
         return _StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, skipped)
 
     def _settle(
@@ -477,13 +513,17 @@ class BatchProcessor:
     ) -> list[Entry]:
         """Sort out entries that need no handler; return the ones that do, in id order."""
         cursor, entries, owned = read.cursor, read.entries, batch.owned
+        forced: list[RawEntry] = []
         start = 0
         checkpoint = cursor.checkpoint
         # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix.
         if checkpoint is not None and not read.due:
             while start < len(entries) and StreamId.parse(entries[start][0]) <= checkpoint:
-                id_b = entries[start][0]
+                id_b, fields = entries[start]
                 start += 1
+                if id_b in cursor.foreign:
+                    forced.append((id_b, fields))
+                    continue
                 if owned.dead or owned.failures:
                     name = failure_key(cursor.topic, id_b)
                     if name in owned.dead:
@@ -494,10 +534,10 @@ class BatchProcessor:
                 done_ids.append(id_b)
                 result.skipped += 1
         rest = entries[start:]
-        if all(fields is not None and codec.HEADERS not in fields for _, fields in rest):
+        if not forced and all(fields is not None and codec.HEADERS not in fields for _, fields in rest):
             return rest  # type: ignore[return-value]
         todo: list[Entry] = []
-        for id_b, fields in rest:
+        for id_b, fields in forced + rest:
             if fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
@@ -648,6 +688,10 @@ class BatchProcessor:
         last_read = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
         for o in outcomes:
             cursor = o.cursor
+            if cursor.unattempted or cursor.foreign:
+                for entry_id in [*o.ack_ids, *(entry_id for entry_id, _ in o.dead)]:
+                    cursor.unattempted.pop(entry_id, None)
+                    cursor.foreign.discard(entry_id)
             if cursor.stream not in last_read:
                 continue  # only parked entries were tried
             if o.retry_in_s is not None:

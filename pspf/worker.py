@@ -271,12 +271,15 @@ class Worker:
             )
             if claimed:
                 log.warning(
-                    "claimed %s entries idle over %s ms from other consumers stream=%s (%s deleted)",
-                    claimed,
+                    "claimed %s entries idle over %s ms from other consumers stream=%s (%s deleted); "
+                    "they are applied now, out of order",
+                    len(claimed),
                     min_idle_ms,
                     cursor.stream,
                     deleted,
                 )
+                # Another consumer took them, so they were never applied, even below the checkpoint.
+                cursor.foreign.update(claimed)
                 cursor.rewind()
 
     def _others_drained(self) -> bool:
@@ -302,7 +305,7 @@ class Worker:
                 self._check_stream(stream, checkpoints.get(topic))
                 claimed, _ = self.broker.claim_idle(stream, self.app.name, self.consumer, 0)
                 if claimed:
-                    log.info("claimed %s pending entries of earlier owners stream=%s", claimed, stream)
+                    log.info("claimed %s pending entries of earlier owners stream=%s", len(claimed), stream)
                 streams[stream] = StreamCursor(
                     topic=topic,
                     partition=partition,

@@ -363,11 +363,6 @@ class Worker:
 
 def _add(summary: RunSummary, result: CycleResult) -> None:
     summary.cycles += 1
-    summary.read += result.read
-    summary.handled += result.handled
-    summary.skipped += result.skipped
-    summary.failed += result.failed
-    summary.retried += result.retried
-    summary.parked += result.parked
-    summary.dead_lettered += result.dead_lettered
-    summary.lost_entries += result.lost_entries
+    for name in summary.__struct_fields__:
+        if name != "cycles":
+            setattr(summary, name, getattr(summary, name) + getattr(result, name))

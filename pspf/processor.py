@@ -188,6 +188,8 @@ class _Read(NamedTuple):
     counts: dict[bytes, int]
     poison: frozenset[bytes] = frozenset()
     due: bool = False
+    #: a crash suspect, read with nothing else
+    alone: bool = False
 
 
 class _StreamOutcome(NamedTuple):
@@ -267,7 +269,9 @@ class BatchProcessor:
         With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
         """
         result = CycleResult()
-        reads = self._read_due() + self._read(block, result)
+        reads = self._read(block, result)
+        if not any(read.alone for read in reads):
+            reads = self._read_due() + reads
         by_partition: dict[int, list[_Read]] = {}
         for read in reads:
             by_partition.setdefault(read.cursor.partition, []).append(read)
@@ -300,7 +304,9 @@ class BatchProcessor:
             if window and self._unexplained(self._by_stream[stream], window[0]) >= 2:
                 # It may have crashed the worker before: it runs alone, nothing else is delivered,
                 # so if it crashes again only its own delivery count grows.
-                return self._claim_pending(self._by_stream[stream], window[:1])
+                return [
+                    r._replace(alone=True) for r in self._claim_pending(self._by_stream[stream], window[:1])
+                ]
         out = [
             read
             for stream, window in windows.items()

@@ -9,7 +9,15 @@ from typing import Any
 import click
 import msgspec
 
-from cli.main import CliState, broker_option, cli, json_option, service_for, state_dir_option
+from cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    json_option,
+    service_for,
+    state_dir_option,
+    store_option,
+)
 from pspf.service import parse_duration_ms
 
 
@@ -144,13 +152,20 @@ def state() -> None:
 @click.argument("key")
 @broker_option
 @state_dir_option
+@store_option
 @json_option
 @click.pass_obj
 def state_get(
-    obj: CliState, app: str, key: str, broker: str | None, state_dir: Path | None, as_json: bool
+    obj: CliState,
+    app: str,
+    key: str,
+    broker: str | None,
+    state_dir: Path | None,
+    store: str | None,
+    as_json: bool,
 ) -> None:
     """Print the state of KEY in APP."""
-    value = service_for(obj, broker, state_dir).state_get(app, key)
+    value = service_for(obj, broker, state_dir, store).state_get(app, key)
     if as_json:
         _print_json(value)
     else:
@@ -164,6 +179,7 @@ def state_get(
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many keys.")
 @broker_option
 @state_dir_option
+@store_option
 @json_option
 @click.pass_obj
 def state_list(
@@ -173,15 +189,59 @@ def state_list(
     limit: int | None,
     broker: str | None,
     state_dir: Path | None,
+    store: str | None,
     as_json: bool,
 ) -> None:
     """List the keys that have state in APP."""
-    found = service_for(obj, broker, state_dir).state_keys(app, prefix, limit)
+    found = service_for(obj, broker, state_dir, store).state_keys(app, prefix, limit)
     if as_json:
         _print_json(found)
     else:
         for key in found:
             click.echo(key)
+
+
+@state.command("export", epilog="\b\nExample:\n  pspf state export order-totals > state.ndjson")
+@click.argument("app")
+@click.option("--partition", type=click.IntRange(min=0), help="Only this partition.")
+@state_dir_option
+@store_option
+@click.pass_obj
+def state_export(
+    obj: CliState, app: str, partition: int | None, state_dir: Path | None, store: str | None
+) -> None:
+    """Write APP's state and checkpoints as NDJSON to stdout (a snapshot, also while it runs)."""
+    out = sys.stdout.buffer
+    for line in service_for(obj, None, state_dir, store).state_export(app, partition):
+        out.write(line + b"\n")
+    out.flush()
+
+
+@state.command(
+    "import",
+    epilog="\b\nExample:\n  pspf state import order-totals --store rocksdb < state.ndjson",
+)
+@click.argument("app")
+@click.option(
+    "--file",
+    "path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="Read from this file instead of stdin.",
+)
+@state_dir_option
+@store_option
+@click.pass_obj
+def state_import(
+    obj: CliState, app: str, path: Path | None, state_dir: Path | None, store: str | None
+) -> None:
+    """Load `pspf state export` output into APP's (empty) stores; the app must be stopped."""
+    service = service_for(obj, None, state_dir, store)
+    if path is None:
+        result = service.state_import(app, sys.stdin.buffer)
+    else:
+        with path.open("rb") as lines:
+            result = service.state_import(app, lines)
+    click.echo(f"imported {result.values} values into {result.partitions} partition(s)", err=True)
 
 
 # -- DLQ ------------------------------------------------------------------------------------------

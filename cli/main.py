@@ -73,6 +73,16 @@ def state_dir_option(func: F) -> F:
     )(func)
 
 
+def store_option(func: F) -> F:
+    return click.option(
+        "--store",
+        envvar="PSPF_STORE",
+        show_envvar=True,
+        type=click.Choice(["sqlite", "rocksdb"]),
+        help="State store engine the app runs with  [default: sqlite]",
+    )(func)
+
+
 def json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
 
@@ -93,6 +103,11 @@ def cli(ctx: click.Context, verbose: int) -> None:
 #: The options of ``pspf run`` that map to a setting: (flag, type, help). Each flag's variable is
 #: PSPF_ and its name in capitals, the same table ``Settings.load`` reads.
 RUN_OPTIONS: list[tuple[str, Any, str]] = [
+    (
+        "--store",
+        click.Choice(["sqlite", "rocksdb"]),
+        "State store engine; rocksdb needs pspf[rocksdb]  [default: sqlite]",
+    ),
     (
         "--durability",
         click.Choice(["normal", "fsync"]),
@@ -226,7 +241,15 @@ def _call_factory(target: str, factory: Callable[..., Any]) -> Any:
         raise ConfigError(f"calling {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def service_for(obj: CliState, broker: str | None, state_dir: Path | None = None) -> Service:
+def service_for(
+    obj: CliState, broker: str | None, state_dir: Path | None = None, store: str | None = None
+) -> Service:
     return Service(
-        obj.settings({"PSPF_BROKER": broker, "PSPF_STATE_DIR": str(state_dir) if state_dir else None})
+        obj.settings(
+            {
+                "PSPF_BROKER": broker,
+                "PSPF_STATE_DIR": str(state_dir) if state_dir else None,
+                "PSPF_STORE": store,
+            }
+        )
     )

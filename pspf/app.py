@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from pspf.codec import ValueDecoder
+from pspf.codec import StateDecoder, ValueDecoder
 from pspf.context import Context
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
@@ -49,6 +49,7 @@ class App:
         name: str,
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
+        state_type: Any = Any,
     ) -> None:
         """Declare an app.
 
@@ -56,8 +57,16 @@ class App:
             name: the app's name: its consumer group, and the folder of its state.
             retry: the app's retry policy; unset fields come from the run's settings.
             non_retryable: exception types that send an entry to the DLQ without retries.
+            state_type: the type of the values in ``ctx.state`` (a msgspec Struct, or any type
+                msgspec handles); stored values are decoded into it.
         """
         self.name = check_name("app", name)
+        try:
+            self.state_decoder = StateDecoder(state_type)
+        except TypeError as exc:
+            raise ConfigError(
+                f"app {name!r}: msgspec cannot decode state into {state_type!r}: {exc}"
+            ) from None
         self.retry = (retry or RetryPolicy()).validated()
         self.non_retryable = non_retryable
         self.handlers: dict[str, Handler] = {}

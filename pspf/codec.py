@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from pspf.errors import ConfigError, DecodeError
+from pspf.errors import ConfigError, DecodeError, StateError
 
 KEY = b"key"
 VALUE = b"value"
@@ -29,6 +29,28 @@ MSGPACK = b"msgpack"
 json_encoder = msgspec.json.Encoder()
 state_encoder = msgspec.msgpack.Encoder()
 state_decoder: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+class StateDecoder:
+    """Decodes a key's stored state into the value type an app declared for its state."""
+
+    __slots__ = ("_decoder", "value_type")
+
+    def __init__(self, value_type: Any = Any) -> None:
+        self.value_type = value_type
+        self._decoder: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(
+            dict[str, value_type]
+        )
+
+    def decode(self, key: str, raw: bytes) -> dict[str, Any]:
+        try:
+            return self._decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise StateError(
+                f"stored state of key {key!r} does not match the app's state type {self.value_type!r}: {exc}"
+            ) from None
+
+
 _headers_decoder = msgspec.json.Decoder(dict[str, str])
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from pspf import codec
-from pspf.errors import StateError
 
 
 class StateSource(Protocol):
     """Where a context loads its key's state from: the batch in hand, on top of the store."""
 
     def base(self, key: str) -> bytes | None: ...
+
+    def decode_state(self, key: str, raw: bytes) -> dict[str, Any]: ...
 
 
 class Context:
@@ -69,13 +70,7 @@ class Context:
         """The state of this entry's key, loaded on first use."""
         if self._state is None:
             self._base = base = self._source.base(self.key)
-            if base is None:
-                self._state = {}
-            else:
-                try:
-                    self._state = codec.state_decoder.decode(base)
-                except Exception as exc:
-                    raise StateError(f"stored state of key {self.key!r} cannot be read: {exc}") from exc
+            self._state = {} if base is None else self._source.decode_state(self.key, base)
         return self._state
 
     def __repr__(self) -> str:

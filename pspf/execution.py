@@ -146,6 +146,9 @@ class _ChainSource:
             return self.results[key]
         return self.source.base(key)
 
+    def decode_state(self, key: str, raw: bytes) -> dict[str, Any]:
+        return self.source.decode_state(key, raw)
+
 
 def run_async(
     loop: asyncio.AbstractEventLoop,

@@ -41,6 +41,7 @@ import msgspec
 from pspf import codec
 from pspf.app import App, Handler
 from pspf.broker import AckRequest, Broker, Fields, RawEntry
+from pspf.codec import StateDecoder
 from pspf.errors import LeaseLost
 from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, RetryPolicy, classify, record_failure
@@ -153,10 +154,11 @@ class ProcessorHooks:
 class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
-    __slots__ = ("dead", "failures", "overlay", "owned")
+    __slots__ = ("dead", "decode_state", "failures", "overlay", "owned")
 
-    def __init__(self, owned: OwnedPartition) -> None:
+    def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder) -> None:
         self.owned = owned
+        self.decode_state = state_decoder.decode
         self.overlay: dict[str, bytes | None] = {}
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
@@ -278,7 +280,7 @@ class BatchProcessor:
             result.read += len(read.entries)
         outcomes: list[tuple[PartitionBatch, list[_StreamOutcome]]] = []
         for partition, partition_reads in by_partition.items():
-            batch = PartitionBatch(self.owned[partition])
+            batch = PartitionBatch(self.owned[partition], self.app.state_decoder)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
             self._commit(batch, stream_outcomes)
             outcomes.append((batch, stream_outcomes))

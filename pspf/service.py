@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +17,7 @@ from pspf.keys import StreamId
 from pspf.processor import REDRIVE_APP_HEADER, STATE_NAMESPACE
 from pspf.producer import Producer
 from pspf.settings import Settings
-from state_stores import open_store, stored_partitions
+from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
 
 _json_any = msgspec.json.Decoder()
 
@@ -94,6 +94,34 @@ class DlqChange(msgspec.Struct, frozen=True, kw_only=True):
 #: Headers a redrive adds to the entry it puts back.
 REDRIVE_COUNT_HEADER = "pspf-redrive-count"
 ORIGINAL_ID_HEADER = "pspf-original-id"
+
+
+class ExportCheckpoints(msgspec.Struct, frozen=True, kw_only=True, tag="checkpoints", tag_field="kind"):
+    """An export line: one partition's checkpoints (it comes before the partition's values)."""
+
+    partition: int
+    checkpoints: dict[str, str]
+
+
+class ExportValue(msgspec.Struct, frozen=True, kw_only=True, tag="value", tag_field="kind"):
+    """An export line: one stored value, exact (``value``) and, for state, readable (``state``)."""
+
+    partition: int
+    namespace: str
+    key: str
+    value: bytes
+    state: Any = None
+
+
+class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
+    partitions: int
+    values: int
+
+
+_export_encoder = msgspec.json.Encoder()
+_export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec.json.Decoder(
+    ExportCheckpoints | ExportValue
+)
 
 
 class Service:
@@ -353,6 +381,68 @@ class Service:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return codec.state_decoder.decode(raw)
 
+    def state_export(self, app: str, partition: int | None = None) -> Iterator[bytes]:
+        """NDJSON lines of an app's stores: per partition its checkpoints, then every value.
+
+        Each store is read in one snapshot (a running app keeps committing meanwhile). ``value``
+        is the stored msgpack, base64: exact; ``state`` repeats a state value readably.
+        """
+        keys.check_name("app", app)
+        state = self.settings.state
+        partitions = [partition] if partition is not None else stored_partitions(state.engine, state.dir, app)
+        if not partitions:
+            raise NotFound(f"no state for app {app!r} under {state.dir}")
+        for p in partitions:
+            with open_store(state.engine, state.dir, app, p, readonly=True) as store:
+                checkpoints, rows = store.dump()
+                yield _export_encoder.encode(
+                    ExportCheckpoints(partition=p, checkpoints={t: str(c) for t, c in checkpoints.items()})
+                )
+                for namespace, key, value in rows:
+                    readable = codec.state_decoder.decode(value) if namespace == STATE_NAMESPACE else None
+                    yield _export_encoder.encode(
+                        ExportValue(partition=p, namespace=namespace, key=key, value=value, state=readable)
+                    )
+
+    def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
+        """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
+        keys.check_name("app", app)
+        state = self.settings.state
+        partitions = values = 0
+        current: tuple[int, StateStore, StoreTransaction] | None = None
+        try:
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                line = _parse_export_line(number, raw)
+                if current is None or current[0] != line.partition:
+                    if current is not None:
+                        current[2].commit()
+                        current[1].close()
+                        current = None
+                    store = open_store(
+                        state.engine, state.dir, app, line.partition, durability=state.durability
+                    )
+                    current = (line.partition, store, store.transaction())
+                    if store.checkpoints() or _has_values(store):
+                        raise ConfigError(
+                            f"app {app!r} partition {line.partition} already has state under {state.dir}: "
+                            "import into an empty state directory"
+                        )
+                    partitions += 1
+                if isinstance(line, ExportCheckpoints):
+                    for topic, entry_id in line.checkpoints.items():
+                        current[2].set_checkpoint(topic, StreamId.parse(entry_id))
+                else:
+                    current[2].set(line.namespace, line.key, line.value)
+                    values += 1
+            if current is not None:
+                current[2].commit()
+        finally:
+            if current is not None:
+                current[1].close()
+        return ImportResult(partitions=partitions, values=values)
+
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
         """The keys that have state in ``app``, over every partition store found, sorted."""
         keys.check_name("app", app)
@@ -403,6 +493,22 @@ def _redrive_fields(record: DeadLetter) -> dict[bytes, bytes]:
     headers[REDRIVE_APP_HEADER] = record.app
     fields[codec.HEADERS] = codec.json_encoder.encode(headers)
     return fields
+
+
+def _has_values(store: StateStore) -> bool:
+    rows = store.dump()[1]
+    try:
+        return next(rows, None) is not None
+    finally:
+        if isinstance(rows, Generator):
+            rows.close()
+
+
+def _parse_export_line(number: int, raw: bytes) -> ExportCheckpoints | ExportValue:
+    try:
+        return _export_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"line {number}: not a `pspf state export` line: {exc}") from None
 
 
 def _line_key(line: bytes, key_field: str | None) -> str | None:

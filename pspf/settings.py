@@ -16,7 +16,7 @@ import msgspec
 
 from pspf.errors import ConfigError
 
-Engine = Literal["sqlite", "memory"]
+Engine = Literal["sqlite", "rocksdb"]
 Durability = Literal["normal", "fsync"]
 StartFrom = Literal["earliest", "latest"]
 RetryMode = Literal["ordered", "deferred"]

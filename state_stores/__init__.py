@@ -20,7 +20,7 @@ __all__ = [
     "stored_partitions",
 ]
 
-_SUFFIX = {"sqlite": ".sqlite"}
+_SUFFIX = {"sqlite": ".sqlite", "rocksdb": ".rocksdb"}
 
 
 def store_path(directory: Path, engine: str, group: str, partition: int) -> Path:
@@ -48,6 +48,12 @@ def open_store(
     path = store_path(Path(directory), engine, group, partition)
     if readonly and not path.exists():
         raise NotFound(f"no state for app {group!r} partition {partition} under {directory}")
+    if engine == "rocksdb":
+        try:
+            from state_stores.rocksdb import RocksDBStore
+        except ImportError:
+            raise ConfigError("the rocksdb store needs rocksdict: pip install 'pspf[rocksdb]'") from None
+        return RocksDBStore(path, durability=durability, readonly=readonly)
     return SQLiteStore(path, durability=durability, readonly=readonly)
 
 
@@ -57,5 +63,5 @@ def stored_partitions(engine: str, directory: Path | str, group: str) -> list[in
     suffix = _SUFFIX.get(engine, "")
     if not folder.is_dir():
         return []
-    found = [p.stem[1:] for p in folder.glob(f"p*{suffix}")]
+    found = [p.name[1 : -len(suffix)] for p in folder.glob(f"p*{suffix}")]
     return sorted(int(n) for n in found if n.isdigit())

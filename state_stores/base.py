@@ -48,6 +48,17 @@ class StateStore(ABC):
         """Apply value updates (None deletes) and checkpoints in ONE atomic, durable write."""
 
     @abstractmethod
+    def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
+        """A consistent snapshot: the checkpoints and every (namespace, key, value) with them.
+
+        Consume the iterator before using the store for anything else.
+        """
+
+    @abstractmethod
+    def integrity_check(self) -> str:
+        """The engine's own verdict on its files: ``ok`` when they are sound."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release files and locks; the store must not be used afterwards."""
 

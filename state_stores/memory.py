@@ -45,5 +45,12 @@ class MemoryStore(StateStore):
                 self._values[name] = value
         self._checkpoints.update(checkpoints)
 
+    def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
+        rows = sorted((ns, key, value) for (ns, key), value in self._values.items())
+        return dict(self._checkpoints), iter(rows)
+
+    def integrity_check(self) -> str:
+        return "ok"
+
     def close(self) -> None:
         """Nothing to release."""

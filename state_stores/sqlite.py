@@ -128,6 +128,27 @@ class SQLiteStore(StateStore):
             raise StateError(f"cannot commit state store {self.path}: {exc}") from exc
         self._checkpoints.update(checkpoints)
 
+    def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
+        db = self._db
+        db.execute("BEGIN")  # one read transaction: a snapshot even while a worker commits
+        try:
+            checkpoints = {
+                topic: StreamId(ms, seq)
+                for topic, ms, seq in db.execute("SELECT topic, ms, seq FROM checkpoints")
+            }
+        except BaseException:
+            db.execute("COMMIT")
+            raise
+
+        def rows() -> Iterator[tuple[str, str, bytes]]:
+            try:
+                for namespace, key, value in db.execute("SELECT ns, key, value FROM state ORDER BY ns, key"):
+                    yield namespace, key, bytes(value)
+            finally:
+                db.execute("COMMIT")
+
+        return checkpoints, rows()
+
     def integrity_check(self) -> str:
         """SQLite's own verdict on the file: ``ok`` when it is sound."""
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])

@@ -53,3 +53,13 @@ def test_names_that_would_break_keys_or_paths_are_refused(bad: str) -> None:
 def test_valid_names_pass() -> None:
     for good in ("orders", "order-totals", "a.b_c-1", "9lives"):
         assert keys.check_name("app", good) == good
+
+
+def test_importing_pspf_loads_no_optional_engine() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, pspf, cli; print(sorted(m for m in ('rocksdict', 'pyspark') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -22,6 +22,8 @@ from state_stores import open_store
 from tests.conftest import pspf_command
 
 APP_TARGET = "tests.crash.apps:main"
+#: The file engines the crash tests run with (``pspf run --store``).
+ENGINES = ["sqlite", "rocksdb"]
 SUMMARY = re.compile(rb"processed (\d+) entries \((\d+) already done, (\d+) failures[^)]*\)")
 
 Records = list[tuple[str | None, Any]]
@@ -173,15 +175,16 @@ class PartitionView:
 
 
 def read_store(
-    state_dir: Path, app: str, partition: int
+    state_dir: Path, app: str, partition: int, engine: str = "sqlite"
 ) -> tuple[dict[str, StreamId], dict[str, dict[str, Any]]]:
     """Checkpoints and state of one partition's store, read-only (works while a worker runs).
 
-    A worker creates the file before its tables: a store caught in between reads as empty.
+    ``engine`` is the store the worker runs with (``--store``). A worker creates the file before
+    its tables: a store caught in between reads as empty.
     """
     for attempt in range(50):
         try:
-            with open_store("sqlite", state_dir, app, partition, readonly=True) as store:
+            with open_store(engine, state_dir, app, partition, readonly=True) as store:
                 return store.checkpoints(), dict(iter_state(store))
         except NotFound:
             return {}, {}
@@ -193,7 +196,7 @@ def read_store(
 
 
 def view_partition(
-    client: redis.Redis, state_dir: Path, topic: str, app: str, partition: int
+    client: redis.Redis, state_dir: Path, topic: str, app: str, partition: int, engine: str = "sqlite"
 ) -> PartitionView:
     """One partition seen from outside; safe while a worker runs.
 
@@ -208,7 +211,7 @@ def view_partition(
     if groups:
         for row in client.xpending_range(stream, app, "-", "+", 1_000_000):
             pending[StreamId.parse(row["message_id"])] = row["consumer"].decode()
-    checkpoints, state = read_store(state_dir, app, partition)
+    checkpoints, state = read_store(state_dir, app, partition, engine)
     checkpoint = checkpoints.get(topic)
     view = PartitionView(
         partition=partition,
@@ -229,9 +232,9 @@ def view_partition(
 
 
 def view_all(
-    client: redis.Redis, state_dir: Path, topic: str, app: str, partitions: int
+    client: redis.Redis, state_dir: Path, topic: str, app: str, partitions: int, engine: str = "sqlite"
 ) -> list[PartitionView]:
-    return [view_partition(client, state_dir, topic, app, p) for p in range(partitions)]
+    return [view_partition(client, state_dir, topic, app, p, engine) for p in range(partitions)]
 
 
 def assert_no_ack_before_commit(views: list[PartitionView]) -> None:
@@ -243,8 +246,10 @@ def assert_no_ack_before_commit(views: list[PartitionView]) -> None:
         )
 
 
-def all_state(state_dir: Path, app: str, partitions: int) -> dict[int, dict[str, dict[str, Any]]]:
-    return {p: read_store(state_dir, app, p)[1] for p in range(partitions)}
+def all_state(
+    state_dir: Path, app: str, partitions: int, engine: str = "sqlite"
+) -> dict[int, dict[str, dict[str, Any]]]:
+    return {p: read_store(state_dir, app, p, engine)[1] for p in range(partitions)}
 
 
 def assert_exact(
@@ -254,10 +259,11 @@ def assert_exact(
     app: str,
     partitions: int,
     records: Records,
+    engine: str = "sqlite",
 ) -> None:
     """State = every record applied once; nothing pending; each checkpoint = its stream's last id."""
     got: dict[str, tuple[int, int]] = {}
-    for p, state in all_state(state_dir, app, partitions).items():
+    for p, state in all_state(state_dir, app, partitions, engine).items():
         for key, value in state.items():
             assert key not in got, f"key {key} has state in two partitions (also {p})"
             got[key] = (value["count"], value["total"])
@@ -270,8 +276,15 @@ def assert_exact(
         f"{len(wrong)} wrong (got, want): {dict(list(wrong.items())[:5])}; "
         f"counted {sum(c for c, _ in got.values())} of {len(records)} entries"
     )
-    for v in view_all(client, state_dir, topic, app, partitions):
+    for v in view_all(client, state_dir, topic, app, partitions, engine):
         assert not v.pending, f"partition {v.partition}: {len(v.pending)} entries still pending"
         assert v.checkpoint == v.last_id, (
             f"partition {v.partition}: checkpoint {v.checkpoint} != last id {v.last_id}"
         )
+
+
+def assert_store_files(state_dir: Path, app: str, partitions: int, engine: str) -> None:
+    """Each partition's store is of ``engine`` (``--store`` reached the worker), none of another."""
+    found = sorted(p.name for p in (state_dir / app).iterdir())
+    stores = [name for name in found if re.fullmatch(r"p\d+\.(sqlite|rocksdb)", name)]
+    assert stores == sorted(f"p{p}.{engine}" for p in range(partitions)), found

@@ -12,8 +12,10 @@ import pytest
 from pspf.keys import StreamId, stream_key
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
+    ENGINES,
     assert_exact,
     assert_no_ack_before_commit,
+    assert_store_files,
     no_leases,
     order_records,
     view_all,
@@ -28,6 +30,7 @@ LEASE_TTL_MS = 1000
 OPTIONS = ["--batch-size", "50", "--block-ms", "100", "--lease-ttl-ms", str(LEASE_TTL_MS)]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     ("crash", "is_async"),
     [
@@ -41,6 +44,7 @@ OPTIONS = ["--batch-size", "50", "--block-ms", "100", "--lease-ttl-ms", str(LEAS
 def test_crash_point_then_restart_is_exact(
     crash: str,
     is_async: bool,
+    engine: str,
     spawn: Spawner,
     state_dir: Path,
     tmp_path: Path,
@@ -54,12 +58,12 @@ def test_crash_point_then_restart_is_exact(
     produce(topic, records)
     marker = tmp_path / "crashed.json"
     env = {"PSPF_TEST_CRASH": crash, "PSPF_TEST_MARKER": str(marker), "PSPF_TEST_ASYNC": str(int(is_async))}
-    options = [*OPTIONS, "--consumer", "crash-w"]
+    options = [*OPTIONS, "--consumer", "crash-w", "--store", engine]
 
     first = spawn("first", topic, app, *options, "--until-idle", env=env)
     assert first.wait(timeout=30) == -9, f"the crash point was not reached\n{first.tail()}"
     report = json.loads(marker.read_text())
-    views = view_all(rclient, state_dir, topic, app, PARTITIONS)
+    views = view_all(rclient, state_dir, topic, app, PARTITIONS, engine)
     assert_no_ack_before_commit(views)
     applied = sum(v.applied for v in views)
     assert 0 < applied < ENTRIES
@@ -89,4 +93,5 @@ def test_crash_point_then_restart_is_exact(
     assert second.wait(timeout=30) == 0, second.tail()
     handled, skipped, failures = second.summary()
     assert (handled, skipped, failures) == (ENTRIES - applied, done, 0)
-    assert_exact(rclient, state_dir, topic, app, PARTITIONS, records)
+    assert_exact(rclient, state_dir, topic, app, PARTITIONS, records, engine)
+    assert_store_files(state_dir, app, PARTITIONS, engine)

@@ -14,8 +14,10 @@ import pytest
 
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
+    ENGINES,
     assert_exact,
     assert_no_ack_before_commit,
+    assert_store_files,
     held_by,
     no_leases,
     order_records,
@@ -33,7 +35,9 @@ LEASE_TTL_MS = 1000
 WORK_US = 150
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_random_sigkills_leave_exact_state(
+    engine: str,
     spawn: Spawner,
     state_dir: Path,
     make_topic: Callable[[int], str],
@@ -48,7 +52,7 @@ def test_random_sigkills_leave_exact_state(
     records = order_records(ENTRIES, 300, seed)
     assert produce(topic, records) == ENTRIES
     options = ["--batch-size", "100", "--block-ms", "100", "--lease-ttl-ms", str(LEASE_TTL_MS)]
-    options += ["--consumer", "crash-w"]
+    options += ["--consumer", "crash-w", "--store", engine]
     env = {"PSPF_TEST_WORK_US": str(WORK_US)}
 
     applied = [0]
@@ -65,7 +69,7 @@ def test_random_sigkills_leave_exact_state(
         assert worker.alive(), f"worker exited by itself\n{worker.tail()}"
         assert worker.kill9() == -9
 
-        views = view_all(rclient, state_dir, topic, app, PARTITIONS)
+        views = view_all(rclient, state_dir, topic, app, PARTITIONS, engine)
         assert_no_ack_before_commit(views)
         applied.append(sum(v.applied for v in views))
         assert applied[-1] >= applied[-2], "committed state went backwards"
@@ -80,7 +84,7 @@ def test_random_sigkills_leave_exact_state(
     # Work around the --until-idle early exit while a dead worker's lease lives (see
     # test_until_idle_after_sigkill_processes_everything): let the leases expire first.
     wait_until(lambda: no_leases(rclient, topic, app, PARTITIONS), 10, "the dead worker's leases to expire")
-    before = view_all(rclient, state_dir, topic, app, PARTITIONS)
+    before = view_all(rclient, state_dir, topic, app, PARTITIONS, engine)
     final = spawn("final", topic, app, *options, "--until-idle", env=env)
     assert final.wait(timeout=60) == 0, final.tail()
 
@@ -88,4 +92,5 @@ def test_random_sigkills_leave_exact_state(
     assert failures == 0
     assert skipped == sum(v.pending_done for v in before), "committed entries must be skipped, not redone"
     assert handled == ENTRIES - sum(v.applied for v in before)
-    assert_exact(rclient, state_dir, topic, app, PARTITIONS, records)
+    assert_exact(rclient, state_dir, topic, app, PARTITIONS, records, engine)
+    assert_store_files(state_dir, app, PARTITIONS, engine)

@@ -76,6 +76,7 @@ class Broker:
             self.client.response_callbacks.pop(command, None)
         self._ack = self.client.register_script(_script("ack"))
         self._redrive = self.client.register_script(_script("redrive"))
+        self._sink_write = self.client.register_script(_script("sink_write"))
         self._lease_acquire = self.client.register_script(_script("lease_acquire"))
         self._lease_renew = self.client.register_script(_script("lease_renew"))
         self._lease_release = self.client.register_script(_script("lease_release"))
@@ -436,13 +437,43 @@ class Broker:
 
     # -- producing ------------------------------------------------------------------------------
 
-    def add_entries(self, entries: Sequence[tuple[str, Fields]]) -> list[bytes]:
-        """XADD many entries in one pipelined round trip; their ids, in order."""
+    def add_entries(
+        self, entries: Sequence[tuple[str, Fields]], maxlen: str = "", minid: str = ""
+    ) -> list[bytes]:
+        """XADD many entries in one pipelined round trip; their ids, in order.
+
+        ``maxlen`` or ``minid`` trim each stream approximately as it grows.
+        """
         with self.translate_errors():
             pipe = self.client.pipeline(transaction=False)
             for stream, fields in entries:
-                pipe.xadd(stream, fields)  # type: ignore[arg-type]
+                pipe.xadd(
+                    stream,
+                    fields,  # type: ignore[arg-type]
+                    maxlen=int(maxlen) if maxlen else None,
+                    minid=minid or None,
+                    approximate=True,
+                )
             return list(pipe.execute())
+
+    def add_entries_once(
+        self,
+        stream: str,
+        marker: str,
+        entries: Sequence[Fields],
+        marker_ttl_s: int,
+        maxlen: str = "",
+        minid: str = "",
+    ) -> int:
+        """Add entries to one stream together with ``marker``, unless the marker exists already.
+
+        Returns how many were added (0 when this chunk was written before).
+        """
+        args: list[Any] = [marker_ttl_s, maxlen, minid]
+        for fields in entries:
+            args += [2 * len(fields), *(x for pair in fields.items() for x in pair)]
+        with self.translate_errors(stream):
+            return int(self._sink_write(keys=[stream, marker], args=args))
 
 
 def _text(value: bytes | str | None) -> str:

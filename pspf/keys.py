@@ -60,6 +60,11 @@ def dlq_key(topic: str, partition: int) -> str:
     return f"{PREFIX}:{{{topic}:{partition}}}:dlq"
 
 
+def sink_marker_key(topic: str, partition: int, chunk: str) -> str:
+    """Marks one chunk of a Spark write as added to a partition (so a replay skips it)."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:sink:{chunk}"
+
+
 def lease_key(topic: str, partition: int, group: str) -> str:
     """The lease a worker of ``group`` holds on a topic partition (value: owner and token)."""
     return f"{PREFIX}:{{{topic}:{partition}}}:lease:{group}"

@@ -15,9 +15,27 @@ from pspf import App, Context, Settings, Worker
 from pspf.keys import StreamId, stream_key
 from pspf.processor import STATE_NAMESPACE
 from pspf.service import Service
-from state_stores import open_store
+from state_stores import open_store, stored_partitions
 
 pytestmark = pytest.mark.integration
+
+ENGINES = ["sqlite", "rocksdb"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs once per state store engine."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_settings(make_settings: Callable[..., Settings], engine: str) -> Callable[..., Settings]:
+    """The shared factory, with ``PSPF_STORE`` set to the engine under test."""
+
+    def make(**overrides: Any) -> Settings:
+        return make_settings(**{"PSPF_STORE": engine, **overrides})
+
+    return make
 
 
 class Order(msgspec.Struct):
@@ -57,15 +75,17 @@ def typed_totals_app(name: str, topic: str) -> App:
 
 
 def all_state(settings: Settings, app: str, partitions: int) -> dict[str, dict[str, Any]]:
+    """The state of every key, read with the engine ``settings`` name (each store must exist)."""
     found: dict[str, dict[str, Any]] = {}
     for p in range(partitions):
-        with open_store("sqlite", settings.state.dir, app, p, readonly=True) as store:
+        with open_store(settings.state.engine, settings.state.dir, app, p, readonly=True) as store:
             for key, raw in store.items(STATE_NAMESPACE):
                 found[key] = msgspec.msgpack.decode(raw)
     return found
 
 
 def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
+    engine: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
@@ -81,6 +101,7 @@ def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
     summary = Worker(app, settings).run(until_idle=True)
 
     assert summary.handled == 20_000
+    assert stored_partitions(engine, settings.state.dir, app.name) == [0, 1, 2, 3]
     state = all_state(settings, app.name, 4)
     want = expected_totals(records)
     assert {k: (v["total"], v["count"]) for k, v in state.items()} == want
@@ -88,8 +109,9 @@ def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
         stream = stream_key(topic, p)
         assert rclient.xpending(stream, app.name)["pending"] == 0
         last_id = StreamId.parse(rclient.xinfo_stream(stream)["last-generated-id"])
-        with open_store("sqlite", settings.state.dir, app.name, p, readonly=True) as store:
+        with open_store(settings.state.engine, settings.state.dir, app.name, p, readonly=True) as store:
             assert store.checkpoints()[topic] == last_id
+            assert store.integrity_check() == "ok"
     # The service reads the same state by app name and key.
     key = records[0][0]
     assert key is not None

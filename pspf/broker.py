@@ -294,13 +294,18 @@ class Broker:
         with self.translate_errors():
             self.client.xread(dict(last_ids), count=1, block=block_ms)  # type: ignore[arg-type]
 
-    def delivery_counts(
-        self, stream: str, group: str, consumer: str, first: bytes, last: bytes, count: int
-    ) -> dict[bytes, int]:
-        """How often each pending entry in [first, last] was delivered (XPENDING)."""
+    def delivery_counts(self, stream: str, group: str, ids: Sequence[bytes]) -> dict[bytes, int]:
+        """How often each of these pending entries was delivered (one XPENDING each, pipelined)."""
         with self.translate_errors():
-            rows = self.client.xpending_range(stream, group, first, last, count, consumer)
-        return {row["message_id"]: int(row["times_delivered"]) for row in cast(list[dict[str, Any]], rows)}
+            pipe = self.client.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.xpending_range(stream, group, entry_id, entry_id, 1)
+            replies = pipe.execute()
+        return {
+            row["message_id"]: int(row["times_delivered"])
+            for rows in replies
+            for row in cast(list[dict[str, Any]], rows)
+        }
 
     def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> tuple[list[bytes], int]:
         """Move the group's entries idle longer than ``min_idle_ms`` in ``stream`` to ``consumer``.

@@ -405,7 +405,7 @@ class BatchProcessor:
                         tx.delete(FAILURES_NAMESPACE, failure_key(cursor.topic, entry_id))
                 if entries:
                     counts = self.broker.delivery_counts(
-                        cursor.stream, self.app.name, self.consumer, entries[0][0], entries[-1][0], len(due)
+                        cursor.stream, self.app.name, [entry_id for entry_id, _ in entries]
                     )
                     out.append(_Read(cursor, entries, counts, self._poison(cursor, counts), due=True))
         return out

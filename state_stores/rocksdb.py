@@ -8,6 +8,7 @@ every batch (survives power loss). RocksDB's own LOCK file keeps a second proces
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import StreamId
 from state_stores.base import Durability, StateStore
 
+_READONLY_OPEN_ATTEMPTS = 5
 _STATE = b"s"
 _CHECKPOINT = b"c"
 
@@ -32,24 +34,33 @@ class RocksDBStore(StateStore):
         self.path = path
         options = Options(raw_mode=True)
         options.create_if_missing(not readonly)
-        try:
-            if readonly:
-                self._db = Rdict(str(path), options=options, access_type=AccessType.read_only())
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._db = Rdict(str(path), options=options)
-        except Exception as exc:
-            text = str(exc)
-            if "lock" in text.lower():
-                raise StoreLocked(f"state store {path} is in use by another process") from None
-            if readonly and "No such file" in text:
-                raise NotFound(f"state store {path} holds no state yet") from None
-            raise StateError(f"cannot open state store {path}: {text}") from exc
+        if readonly and not (path / "CURRENT").exists():
+            raise NotFound(f"state store {path} holds no state yet")
+        self._db = self._open(path, options, readonly)
         self._write_options = WriteOptions()
         self._write_options.sync = durability == "fsync"
         self._checkpoints = {
             key[1:].decode(): StreamId.parse(value) for key, value in self._scan(_CHECKPOINT)
         }
+
+    @staticmethod
+    def _open(path: Path, options: Options, readonly: bool) -> Rdict:
+        # A read-only open can race the owner's compaction deleting files it just listed: retry.
+        attempts = _READONLY_OPEN_ATTEMPTS if readonly else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                if readonly:
+                    return Rdict(str(path), options=options, access_type=AccessType.read_only())
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return Rdict(str(path), options=options)
+            except Exception as exc:
+                text = str(exc)
+                if "/LOCK: " in text:
+                    raise StoreLocked(f"state store {path} is in use by another process") from None
+                if attempt == attempts:
+                    raise StateError(f"cannot open state store {path}: {text}") from exc
+                time.sleep(0.05 * attempt)
+        raise AssertionError("unreachable")
 
     def _scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         it = self._db.iter()
@@ -60,6 +71,10 @@ class RocksDBStore(StateStore):
                 return
             yield key, it.value()
             it.next()
+        try:
+            it.status()  # an invalid iterator is the end of the data, or damage: tell them apart
+        except Exception as exc:
+            raise StateError(f"state store {self.path} is damaged: {exc}") from exc
 
     def get(self, namespace: str, key: str) -> bytes | None:
         value = self._db.get(_state_key(namespace, key))

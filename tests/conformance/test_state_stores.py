@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from pspf.codec import StateDecoder
 from pspf.errors import CheckpointRegression, StateError, StoreLocked
 from pspf.keys import StreamId
 from state_stores import MemoryStore, StateStore, TxStatus, open_store
@@ -190,3 +191,34 @@ def test_export_then_import_into_another_engine_gives_equal_state(
         checkpoints, rows = dst.dump()
         assert (checkpoints, list(rows)) == exported
         assert msgspec.msgpack.decode(dst.get("state", "k7") or b"") == {"n": 7, "b": b"\x07"}
+
+
+class Totals(msgspec.Struct):
+    total: int
+    tags: list[str]
+
+
+def test_typed_values_round_trip_and_a_mismatch_names_the_key(store: StateStore) -> None:
+    with store.transaction() as tx:
+        tx.set("state", "u1", msgspec.msgpack.encode({"totals": Totals(3, ["a"])}))
+        tx.set("state", "u2", msgspec.msgpack.encode({"totals": {"total": "not a number"}}))
+    typed = StateDecoder(Totals)
+    assert typed.decode("u1", store.get("state", "u1") or b"") == {"totals": Totals(3, ["a"])}
+    with pytest.raises(StateError, match="stored state of key 'u2' does not match"):
+        typed.decode("u2", store.get("state", "u2") or b"")
+
+
+def test_rocksdb_missing_names_the_extra(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['rocksdict'] = None\n"
+        "from state_stores import open_store\n"
+        "from pspf.errors import ConfigError\n"
+        "try:\n"
+        f"    open_store('rocksdb', {str(tmp_path)!r}, 'g', 0)\n"
+        "except ConfigError as exc:\n"
+        "    print(exc); sys.exit(7)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert "pip install 'pspf[rocksdb]'" in done.stdout

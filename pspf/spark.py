@@ -172,7 +172,8 @@ class _Encoder:
         fields: dict[bytes, bytes] = {}
         partition = next(self.round_robin) % self.options.partitions
         if self.options.key is not None and record.get(self.options.key) is not None:
-            key = str(record[self.options.key]).encode()
+            raw_key = record[self.options.key]
+            key = bytes(raw_key) if isinstance(raw_key, bytes | bytearray) else str(raw_key).encode()
             fields[KEY] = key
             partition = keys.partition_for(key, self.options.partitions)
         if self.columns is not None:

@@ -470,9 +470,9 @@ class Broker:
         maxlen: str = "",
         minid: str = "",
     ) -> int:
-        """Add entries to one stream together with ``marker``, unless the marker exists already.
+        """Add the chunk's entries to one stream, skipping those ``marker`` counts as added.
 
-        Returns how many were added (0 when this chunk was written before).
+        Returns how many were added (0 when the whole chunk was written before).
         """
         args: list[Any] = [marker_ttl_s, maxlen, minid]
         for fields in entries:

@@ -7,9 +7,11 @@ the driver before any task runs.
 
 Idempotence. In streaming, each task writes its rows in chunks; each chunk of each topic partition
 goes in one Lua call together with a marker keyed by (query id, micro-batch id, Spark partition,
-chunk number): when Spark replays a micro-batch or retries a task, chunks already written are
-skipped, so nothing is written twice, provided a replayed Spark partition yields its rows in the
-same order (true for replayable sources read without a nondeterministic shuffle). In batch mode a
+chunk number) that counts the chunk's entries already added: when Spark replays a micro-batch or
+retries a task, entries already written are skipped and the ones a failed attempt did not reach
+(its input can end early) are added, so nothing is written twice and nothing is missed, provided a
+replayed Spark partition yields its rows in the same order (true for replayable sources read
+without a nondeterministic shuffle). In batch mode a
 retried task writes its rows again unless the ``idempotency_key`` option names the write; with it,
 the same markers make a retried task, or the whole job run again with the same key, write nothing
 twice. Markers expire after ``marker_ttl_s`` (7 days by default).

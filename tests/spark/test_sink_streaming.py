@@ -33,7 +33,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pspf.keys import stream_key
 from pspf.spark import PSPFDataSource, PSPFStreamWriter, SinkCommitMessage
-from tests.spark.conftest import TopicReader, failing_ids
+from tests.spark.conftest import TopicReader, arrow_batch_rows, failing_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -142,6 +142,14 @@ def test_replays_after_a_query_died_mid_batch_and_after_a_lost_commit_write_each
     assert max(topics.id_counts(topic, 4).values()) == 1
 
 
+@pytest.mark.parametrize(
+    "arrow_rows",
+    [
+        pytest.param(None, id="arrow-batches-of-10000"),
+        # Fails today: see test_batch_retry_after_a_truncated_input_with_idempotency_key_loses_no_rows.
+        pytest.param(2_100, id="arrow-batches-of-2100"),
+    ],
+)
 def test_task_retried_in_a_micro_batch_writes_each_row_once(
     spark: SparkSession,
     make_topic: Callable[[int], str],
@@ -149,7 +157,12 @@ def test_task_retried_in_a_micro_batch_writes_each_row_once(
     rclient: redis.Redis,
     topics: TopicReader,
     tmp_path: Path,
+    arrow_rows: int | None,
 ) -> None:
+    """A failed attempt's writer sees its rows end early, cleanly, after the Arrow batches Spark
+    had sent it (a multiple of 10,000 rows by default, of 2,100 with the second parameter): with
+    batches that are not a multiple of the sink's 2,000-row chunk, its last chunk is short.
+    """
     topic = make_topic(4)
     source, checkpoint = tmp_path / "in", tmp_path / "checkpoint"
     rows = write_files(source, 3)
@@ -163,16 +176,17 @@ def test_task_retried_in_a_micro_batch_writes_each_row_once(
         probe_key=f"{topic}:probe",
     )
 
-    start_query(spark, source, checkpoint, redis_url, topic, ids).awaitTermination()
+    with arrow_batch_rows(spark, arrow_rows):
+        start_query(spark, source, checkpoint, redis_url, topic, ids).awaitTermination()
 
     assert committed_batches(checkpoint) == [0, 1, 2]
     # The failed attempt had written part of batch 1 before its retry started.
     left_behind = int(rclient.get(f"{topic}:probe") or 0)
     assert 0 < left_behind < FILE_ROWS
-    assert topics.settled_count(topic, 4) == rows
+    topics.settled_count(topic, 4)
     counts = topics.id_counts(topic, 4)
-    assert set(counts) == set(range(rows))
-    assert max(counts.values()) == 1
+    assert sorted(set(range(rows)) - set(counts)) == []  # nothing missing
+    assert max(counts.values()) == 1  # nothing twice
     assert topics.count(topic, 4) == rows
 
 

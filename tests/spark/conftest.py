@@ -2,8 +2,8 @@
 
 The session runs ``local[2,3]``: two task threads and up to three attempts per task, so a task
 that fails once is retried as on a cluster. Its Python workers run this interpreter with the
-checkout on ``PYTHONPATH`` (the UDFs the tests define live in the test modules). Building a session
-takes several seconds, so there is one for the whole run.
+checkout on ``PYTHONPATH``, so they import this ``pspf`` even where it is not installed. Building
+a session takes several seconds, so there is one for the whole run.
 
 The test modules skip themselves when pyspark, pyarrow or Java is missing; this file imports
 pyspark only inside the fixture so that collecting them never fails.

@@ -122,8 +122,8 @@ def test_binary_key_column_is_written_as_its_bytes(
 ) -> None:
     """Kafka-shaped rows (binary ``key`` and ``value``): the key is its bytes, not their repr.
 
-    Fails today: ``_Encoder.encode`` keys by ``str(record[key])``, so ``b"user-1"`` becomes the key
-    ``b"b'user-1'"`` (in the partition of that text), while a binary value is written unchanged.
+    A regression test: ``_Encoder.encode`` keyed by ``str(record[key])``, so ``b"user-1"`` became
+    the key ``b"b'user-1'"`` (in the partition of that text).
     """
     topic = make_topic(4)
     df = spark.range(0, 100, numPartitions=1).selectExpr(
@@ -269,9 +269,9 @@ def test_batch_retry_after_a_truncated_input_with_idempotency_key_loses_no_rows(
     cleanly after the Arrow batches it had sent. With Arrow batches that are not a multiple of
     the sink's 2,000-row chunk (here 2,100 rows; Spark also cuts batches at
     ``spark.sql.execution.arrow.maxBytesPerBatch``, 64 MiB, for wide rows) the attempt's last
-    chunk is short. Fails today: ``_write_task`` writes that short chunk under the same marker as
-    the full chunk, and the retry, seeing the marker, skips the whole chunk: the rows between the
-    end of the short chunk and the end of the full one are never written.
+    chunk is short. A regression test: when a marker only said "written", the retry skipped the
+    whole chunk and the rows between the end of the short chunk and the end of the full one were
+    never written (1,300 rows here).
     """
     topic = make_topic(4)
     pattern = f"pspf:{{{topic}:*}}:sink:batch:load-2:0:*"  # the markers of Spark partition 0

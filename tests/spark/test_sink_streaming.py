@@ -3,8 +3,9 @@
 The input is a file source over JSON files read one per micro-batch (``maxFilesPerTrigger=1``),
 so a replayed micro-batch yields the same rows in the same order, as the sink's markers need.
 Each file holds 12,000 rows: more than one Arrow batch (10,000 rows) of the Python writer and six
-chunks of 2,000 rows, so an injected failure at row 11,000 of a file comes after the writer wrote
-its first chunks. The queries run with ``trigger(availableNow=True)``.
+chunks of 2,000 rows, so when a task fails at row 11,000 of a file its writer has been handed the
+first Arrow batch, which it writes (five chunks) while Spark retries or replays the task. The
+queries run with ``trigger(availableNow=True)``.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def test_replays_after_a_query_died_mid_batch_and_after_a_lost_commit_write_each
     "arrow_rows",
     [
         pytest.param(None, id="arrow-batches-of-10000"),
-        # Fails today: see test_batch_retry_after_a_truncated_input_with_idempotency_key_loses_no_rows.
+        # See test_batch_retry_after_a_truncated_input_with_idempotency_key_loses_no_rows.
         pytest.param(2_100, id="arrow-batches-of-2100"),
     ],
 )

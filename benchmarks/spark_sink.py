@@ -12,14 +12,14 @@ Each run writes the same rows into a fresh 4-partition topic: ``id, user, amount
 ``{"id":17,"amount":18,"note":"order 17 of the benchmark ......"}``. Measured, taking turns:
 
 - ``pspf``: ``df.write.format("pspf").option("key", "user").mode("append").save()`` of a cached
-  DataFrame on ``--master`` (default ``local[2]``, two cores): pipelined XADDs per chunk;
+  DataFrame on ``--master`` (default ``local[2]``, two cores): a pipelined round trip per chunk;
 - ``pspf+key``: the same with ``idempotency_key``: each chunk in one Lua call with its marker (the
   path streaming writes take);
 - ``plain``: one Python process, from rows already in memory as tuples: a msgspec JSON encode of the
   value, the CRC32 partition, and XADD into the partition's stream, pipelined 2,000 entries at a
   time, with redis-py and hiredis;
 - ``in-process``: the sink's own task code (``pspf.spark._write_task``) called in this process on
-  the collected ``Row`` objects, without Spark: what the sink's Python costs per row on one core.
+  the collected Arrow batches, without Spark: what the sink's Python costs per row on one core.
 
 The variants take turns in each of ``--runs`` rounds, and every run's entry count is checked.
 The report gives the median of each variant's runs and the ratio per core: (pspf rows/s / Spark
@@ -148,7 +148,7 @@ def spark_write(df: Any, url: str, topic: str, idempotent: bool) -> float:
     return time.perf_counter() - started
 
 
-def in_process(url: str, topic: str, rows: list[Any], schema: Any, profile: str | None = None) -> float:
+def in_process(url: str, topic: str, batches: list[Any], schema: Any, profile: str | None = None) -> float:
     """Seconds for the sink's task code on ``rows`` in this process (no Spark, no token).
 
     With ``profile``, the run is profiled (and slowed down) and its cProfile stats saved there.
@@ -160,7 +160,7 @@ def in_process(url: str, topic: str, rows: list[Any], schema: Any, profile: str 
     started = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    pspf.spark._write_task(options, schema, iter(rows), None)
+    pspf.spark._write_task(options, schema, iter(batches), None)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile)
@@ -245,7 +245,7 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
             return plain_loop(url, tuples, streams), count_and_drop(url, streams)
 
         # One untimed write first: Spark's Python workers start, the first job plans slowly.
-        collected = df.collect()
+        collected = df.toArrow().to_batches(max_chunksize=10_000)  # as Spark hands them to tasks
 
         def in_process_once(profile: str | None = None) -> tuple[float, int]:
             topic = new_topic(url)

@@ -461,24 +461,28 @@ class Broker:
                 )
             return list(pipe.execute())
 
-    def add_entries_once(
+    def add_chunks(
         self,
-        stream: str,
-        marker: str,
-        entries: Sequence[Fields],
+        chunks: Sequence[tuple[str, str | None, list[Any]]],
         marker_ttl_s: int,
         maxlen: str = "",
         minid: str = "",
-    ) -> int:
-        """Add the chunk's entries to one stream, skipping those ``marker`` counts as added.
+    ) -> list[int]:
+        """Add chunks of entries, one Lua call per chunk, all in one pipelined round trip.
 
-        Returns how many were added (0 when the whole chunk was written before).
+        Each chunk is (stream, marker or None, flat entries): per entry the number of field and
+        value arguments, then those arguments. A chunk's marker counts its entries already added,
+        which are skipped. Returns how many entries each chunk added.
         """
-        args: list[Any] = [marker_ttl_s, maxlen, minid]
-        for fields in entries:
-            args += [2 * len(fields), *(x for pair in fields.items() for x in pair)]
-        with self.translate_errors(stream):
-            return int(self._sink_write(keys=[stream, marker], args=args))
+        with self.translate_errors(chunks[0][0] if len(chunks) == 1 else None):
+            pipe = self.client.pipeline(transaction=False)
+            for stream, marker, flat in chunks:
+                self._sink_write(
+                    keys=[stream] if marker is None else [stream, marker],
+                    args=[marker_ttl_s, maxlen, minid, *flat],
+                    client=pipe,
+                )
+            return [int(added) for added in pipe.execute()]
 
 
 def _text(value: bytes | str | None) -> str:

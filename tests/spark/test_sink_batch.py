@@ -117,6 +117,44 @@ def test_value_and_columns_options_and_rows_without_a_key(
     assert sorted(keyless) == [0, 1]
 
 
+def test_column_types_become_json_values(
+    spark: SparkSession, make_topic: Callable[[int], str], redis_url: str, topics: TopicReader
+) -> None:
+    """Maps (also nested in structs and arrays) become objects; dates, timestamps and decimals text.
+
+    Arrow hands the writer maps as lists of pairs: a regression test for writing those as arrays.
+    """
+    topic = make_topic(2)
+    df = spark.range(0, 3, numPartitions=1).selectExpr(
+        "id",
+        "map('a', id, 'b', id + 1) as m",
+        "named_struct('inner', map('x', cast(id as string))) as s",
+        "array(map('k', id)) as l",
+        "if(id = 2, null, map('n', id)) as maybe",
+        "date_add(date'2026-11-21', cast(id as int)) as d",
+        "timestamp_micros(1700000000000000 + id) as ts",
+        "cast(id + 0.25 as decimal(10, 2)) as dec",
+        "cast('ab' as binary) as bin",
+    )
+    pspf_write(df, redis_url, topic)
+
+    got = sorted(topics.values(topic, 2), key=lambda v: v["id"])
+    assert got == [
+        {
+            "id": i,
+            "m": {"a": i, "b": i + 1},
+            "s": {"inner": {"x": str(i)}},
+            "l": [{"k": i}],
+            "maybe": None if i == 2 else {"n": i},
+            "d": f"2026-11-2{1 + i}",
+            "ts": "2023-11-14T22:13:20" + (f".00000{i}" if i else "") + "Z",  # UTC, RFC 3339
+            "dec": f"{i}.25",
+            "bin": "YWI=",
+        }
+        for i in range(3)
+    ]
+
+
 def test_binary_key_column_is_written_as_its_bytes(
     spark: SparkSession, make_topic: Callable[[int], str], redis_url: str, topics: TopicReader
 ) -> None:

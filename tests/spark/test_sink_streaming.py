@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,10 @@ pytest.importorskip("pyarrow")
 if shutil.which("java") is None:
     pytest.skip("no java on PATH (the Spark sink needs Java 17+)", allow_module_level=True)
 
+import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import Row, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import LongType, StringType, StructField, StructType
@@ -46,6 +47,7 @@ SCHEMA = StructType(
         StructField("amount", LongType()),
     ]
 )
+ARROW_SCHEMA = pa.schema([("id", pa.int64()), ("user", pa.string()), ("amount", pa.int64())])
 
 
 def write_files(folder: Path, files: int, rows: int = FILE_ROWS) -> int:
@@ -247,22 +249,27 @@ def test_stream_writer_write_path_called_again_for_a_batch_writes_nothing_twice(
     schema = SCHEMA
     writer = PSPFDataSource({"broker": redis_url, "topic": topic, "key": "user"}).streamWriter(schema, False)
     assert isinstance(writer, PSPFStreamWriter)
-    rows = [Row(id=i, user=f"u{i % 37}", amount=i % 97) for i in range(9_000)]
+    rows = [{"id": i, "user": f"u{i % 37}", "amount": i % 97} for i in range(9_000)]
 
-    def dies_after(n: int) -> Any:
-        yield from rows[:n]
+    def batches(rows: list[dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+        """The rows as Spark hands them to the writer: Arrow batches (of 1,500 rows here)."""
+        table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
+        return iter(table.to_batches(max_chunksize=1_500))
+
+    def dies_after(n: int) -> Iterator[pa.RecordBatch]:
+        yield from batches(rows[:n])
         raise RuntimeError("executor lost")
 
     with FakeTaskContext("q-1", batch_id=7):
-        # A first attempt dies while reading row 5,000: chunks 0 and 1 (rows 0-3,999) are written.
+        # A first attempt dies while reading past row 4,999: chunks 0 and 1 (rows 0-3,999) are written.
         with pytest.raises(RuntimeError, match="executor lost"):
             writer.write(dies_after(5_000))
         assert topics.count(topic, 4) == 4_000
         # The retry writes the rest; a third call of the same batch writes nothing.
-        again = writer.write(iter(rows))
+        again = writer.write(batches(rows))
         assert isinstance(again, SinkCommitMessage)
         assert again.written == 5_000
-        third = writer.write(iter(rows))
+        third = writer.write(batches(rows))
         assert third.written == 0
         assert third.skipped_chunks > 0
     assert topics.count(topic, 4) == 9_000
@@ -270,11 +277,11 @@ def test_stream_writer_write_path_called_again_for_a_batch_writes_nothing_twice(
 
     # Another micro-batch, or the same batch of another Spark partition, is a new write.
     with FakeTaskContext("q-1", batch_id=8):
-        assert writer.write(iter(rows[:10])).written == 10
+        assert writer.write(batches(rows[:10])).written == 10
     with FakeTaskContext("q-1", batch_id=7, partition=1):
-        assert writer.write(iter(rows[:10])).written == 10
+        assert writer.write(batches(rows[:10])).written == 10
     assert topics.count(topic, 4) == 9_020
 
     # Outside a streaming query's task the stream writer refuses to write.
     with pytest.raises(RuntimeError, match="outside a streaming query"):
-        writer.write(iter(rows[:10]))
+        writer.write(batches(rows[:10]))

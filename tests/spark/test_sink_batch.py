@@ -160,7 +160,7 @@ def test_binary_key_column_is_written_as_its_bytes(
 ) -> None:
     """Kafka-shaped rows (binary ``key`` and ``value``): the key is its bytes, not their repr.
 
-    A regression test: ``_Encoder.encode`` keyed by ``str(record[key])``, so ``b"user-1"`` became
+    A regression test: the encoder once keyed by ``str(record[key])``, so ``b"user-1"`` became
     the key ``b"b'user-1'"`` (in the partition of that text).
     """
     topic = make_topic(4)

@@ -53,6 +53,30 @@ class ServerInfo(NamedTuple):
     warnings: list[str]
 
 
+class GroupPosition(NamedTuple):
+    """Where a consumer group stands in one stream (what ``lag`` and the metrics report)."""
+
+    length: int
+    last_id: bytes | None
+    #: the group's last delivered id; None when the group does not exist
+    delivered_id: bytes | None
+    #: entries after ``delivered_id``; capped at LAG_COUNT_LIMIT where the server cannot say
+    undelivered: int
+    pending: int
+    oldest_pending_id: bytes | None
+    consumers: int
+
+    @property
+    def lag(self) -> int:
+        """Entries the group has not acknowledged: not yet delivered, or delivered and pending."""
+        return self.undelivered + self.pending
+
+
+#: Without XINFO GROUPS' ``lag`` field (Redis 6.2, or after deletions) lag is counted with XRANGE
+#: up to this many entries per stream, and reported as this number beyond it.
+LAG_COUNT_LIMIT = 100_000
+
+
 def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
@@ -200,6 +224,68 @@ class Broker:
             info = self.client.xinfo_stream(stream)
             groups = self.client.xinfo_groups(stream)
         return int(info["length"]), info.get("last-generated-id"), groups
+
+    def group_position(self, stream: str, group: str) -> GroupPosition:
+        """Length, last id, lag and pending of ``group`` in ``stream``, in one or two round trips."""
+        with self.translate_errors(stream):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xinfo_stream(stream)
+            pipe.xinfo_groups(stream)
+            try:
+                info, groups = pipe.execute()
+            except redis.ResponseError as exc:
+                if "no such key" not in str(exc):
+                    raise
+                return GroupPosition(0, None, None, 0, 0, None, 0)
+            mine = next((g for g in groups if _text(g["name"]) == group), None)
+            length, last_id = int(info["length"]), info.get("last-generated-id")
+            if mine is None:
+                return GroupPosition(length, last_id, None, length, 0, None, 0)
+            pending = int(mine["pending"])
+            oldest = None
+            if pending:
+                summary = self.client.xpending(stream, group)
+                oldest = summary.get("min")
+            delivered = mine["last-delivered-id"]
+            undelivered = mine.get("lag")  # Redis 7+ and Valkey; nil after some deletions
+            if undelivered is None:
+                undelivered = self._count_after(stream, delivered)
+        return GroupPosition(
+            length, last_id, delivered, int(undelivered), pending, oldest, int(mine["consumers"])
+        )
+
+    def _count_after(self, stream: str, after: bytes) -> int:
+        start = keys.StreamId.parse(after).next()
+        counted = 0
+        while counted < LAG_COUNT_LIMIT:
+            page = cast(list[tuple[bytes, Any]], self.client.xrange(stream, str(start), "+", 1000))
+            counted += len(page)
+            if len(page) < 1000:
+                break
+            start = keys.StreamId.parse(page[-1][0]).next()
+        return min(counted, LAG_COUNT_LIMIT)
+
+    def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
+        """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
+        with self.translate_errors():
+            values = self.client.mget(lease_keys) if lease_keys else []
+        return [None if v is None else _text(v).rpartition("|")[0] for v in values]
+
+    def dlq_length(self, dlq: str) -> int:
+        with self.translate_errors(dlq):
+            return int(self.client.xlen(dlq))
+
+    def reset_group(self, stream: str, group: str, position: str) -> None:
+        """Re-create ``group`` at ``position`` with an empty pending list, atomically.
+
+        XGROUP SETID alone would keep the pending entries, which would then be delivered
+        before the entries they follow.
+        """
+        with self.translate_errors(stream):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xgroup_destroy(stream, group)
+            pipe.xgroup_create(stream, group, id=position, mkstream=True)
+            pipe.execute()
 
     def has_backlog(self, stream: str, group: str) -> bool:
         """Whether ``group`` has pending or not yet delivered entries in ``stream``."""

@@ -1,6 +1,6 @@
 """The ``pspf`` command line; importing this package registers every subcommand."""
 
-from cli import commands
+from cli import commands, operations
 from cli.main import cli
 
-__all__ = ["cli", "commands"]
+__all__ = ["cli", "commands", "operations"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,11 @@ from cli.main import (
 from pspf.service import parse_duration_ms
 
 
-def _print_json(value: Any) -> None:
+def print_json(value: Any) -> None:
     click.echo(msgspec.json.encode(value).decode())
 
 
-def _print_table(headers: list[str], rows: list[list[Any]]) -> None:
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
@@ -51,7 +52,7 @@ def topic_create(obj: CliState, name: str, partitions: int, broker: str | None, 
     service = service_for(obj, broker)
     info, created = service.create_topic(name, partitions)
     if as_json:
-        _print_json(info)
+        print_json(info)
     else:
         verb = "created" if created else "already exists:"
         click.echo(f"topic {info.name} {verb} {info.partitions} partition(s)")
@@ -65,9 +66,9 @@ def topic_list(obj: CliState, broker: str | None, as_json: bool) -> None:
     """List topics."""
     topics = service_for(obj, broker).list_topics()
     if as_json:
-        _print_json(topics)
+        print_json(topics)
     else:
-        _print_table(["TOPIC", "PARTITIONS"], [[t.name, t.partitions] for t in topics])
+        print_table(["TOPIC", "PARTITIONS"], [[t.name, t.partitions] for t in topics])
 
 
 @topic.command("describe")
@@ -79,7 +80,7 @@ def topic_describe(obj: CliState, name: str, broker: str | None, as_json: bool) 
     """Show each partition of NAME: its stream key, length, last id and consumer groups."""
     description = service_for(obj, broker).describe_topic(name)
     if as_json:
-        _print_json(description)
+        print_json(description)
         return
     click.echo(
         f"topic {description.name}: {len(description.partitions)} partition(s), {description.length} entries"
@@ -88,7 +89,7 @@ def topic_describe(obj: CliState, name: str, broker: str | None, as_json: bool) 
     for p in description.partitions:
         groups = ", ".join(f"{g.name} (pending {g.pending})" for g in p.groups) or None
         rows.append([p.partition, p.stream, p.length, p.last_id, groups])
-    _print_table(["PARTITION", "STREAM", "LENGTH", "LAST ID", "GROUPS"], rows)
+    print_table(["PARTITION", "STREAM", "LENGTH", "LAST ID", "GROUPS"], rows)
 
 
 # -- produce --------------------------------------------------------------------------------------
@@ -134,9 +135,30 @@ def produce(
     if path is None:
         count = service.produce_lines(topic, sys.stdin.buffer, key_field)
     else:
-        with path.open("rb") as lines:
-            count = service.produce_lines(topic, lines, key_field)
+        size = path.stat().st_size
+        with (
+            path.open("rb") as lines,
+            click.progressbar(
+                length=size, label="producing", file=sys.stderr, hidden=size < _PROGRESS_FROM_BYTES
+            ) as bar,
+        ):
+            count = service.produce_lines(topic, _counted(lines, bar.update), key_field)
     click.echo(f"{count} entries written", err=True)
+
+
+_PROGRESS_FROM_BYTES = 10_000_000
+
+
+def _counted(lines: Iterable[bytes], progress: Callable[[int], None]) -> Iterator[bytes]:
+    """The lines, reporting the bytes read every 1,000 lines."""
+    read = 0
+    for number, line in enumerate(lines, start=1):
+        read += len(line)
+        if number % 1000 == 0:
+            progress(read)
+            read = 0
+        yield line
+    progress(read)
 
 
 # -- state ----------------------------------------------------------------------------------------
@@ -167,7 +189,7 @@ def state_get(
     """Print the state of KEY in APP."""
     value = service_for(obj, broker, state_dir, store).state_get(app, key)
     if as_json:
-        _print_json(value)
+        print_json(value)
     else:
         for name, item in value.items():
             click.echo(f"{name}: {msgspec.json.encode(item).decode()}")
@@ -195,7 +217,7 @@ def state_list(
     """List the keys that have state in APP."""
     found = service_for(obj, broker, state_dir, store).state_keys(app, prefix, limit)
     if as_json:
-        _print_json(found)
+        print_json(found)
     else:
         for key in found:
             click.echo(key)
@@ -272,13 +294,13 @@ def dlq_list(
     """List the DLQ entries of TOPIC."""
     found = service_for(obj, broker).dlq_list(topic, app, error_type, limit)
     if as_json:
-        _print_json(found)
+        print_json(found)
         return
     rows = [
         [d.dlq_id, d.source_id, d.key, d.app, d.error_type, _short(d.message), d.attempts, d.failed_at]
         for d in found
     ]
-    _print_table(["DLQ ID", "SOURCE ID", "KEY", "APP", "ERROR", "MESSAGE", "ATTEMPTS", "FAILED AT"], rows)
+    print_table(["DLQ ID", "SOURCE ID", "KEY", "APP", "ERROR", "MESSAGE", "ATTEMPTS", "FAILED AT"], rows)
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -296,7 +318,7 @@ def dlq_show(obj: CliState, topic: str, dlq_id: str, broker: str | None, as_json
     """Show one DLQ entry of TOPIC whole (DLQ_ID as `pspf dlq list` prints it)."""
     detail = service_for(obj, broker).dlq_show(topic, dlq_id)
     if as_json:
-        _print_json(detail)
+        print_json(detail)
         return
     for name in detail.__struct_fields__:
         if name != "traceback":
@@ -354,7 +376,7 @@ def dlq_redrive(
     else:
         change = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
     if as_json:
-        _print_json(change)
+        print_json(change)
     elif dry_run:
         click.echo(f"would redrive {change.selected} entries (dry run, nothing changed)")
     else:
@@ -392,7 +414,7 @@ def dlq_purge(
     else:
         change = preview
     if as_json:
-        _print_json(change)
+        print_json(change)
     elif dry_run:
         click.echo(f"would delete {change.selected} entries (dry run, nothing changed)")
     else:

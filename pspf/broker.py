@@ -249,12 +249,13 @@ class Broker:
             delivered = mine["last-delivered-id"]
             undelivered = mine.get("lag")  # Redis 7+ and Valkey; nil after some deletions
             if undelivered is None:
-                undelivered = self._count_after(stream, delivered)
+                undelivered = self.count_after(stream, delivered)
         return GroupPosition(
             length, last_id, delivered, int(undelivered), pending, oldest, int(mine["consumers"])
         )
 
-    def _count_after(self, stream: str, after: bytes) -> int:
+    def count_after(self, stream: str, after: bytes | str) -> int:
+        """Entries after ``after``, counted up to LAG_COUNT_LIMIT (XRANGE pages)."""
         start = keys.StreamId.parse(after).next()
         counted = 0
         while counted < LAG_COUNT_LIMIT:
@@ -264,6 +265,10 @@ class Broker:
                 break
             start = keys.StreamId.parse(page[-1][0]).next()
         return min(counted, LAG_COUNT_LIMIT)
+
+    def list_apps(self) -> list[str]:
+        with self.translate_errors():
+            return sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))
 
     def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
         """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""

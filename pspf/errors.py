@@ -51,6 +51,12 @@ class CheckpointRegression(StateError):
     """A checkpoint would move backwards: a bug guard, never expected in operation."""
 
 
+class AppRunning(PSPFError):
+    """The operation needs the app stopped, and a worker of it holds partition leases."""
+
+    exit_code = 6
+
+
 class DecodeError(PSPFError):
     """An entry cannot become the value type its handler declares."""
 

@@ -100,3 +100,5 @@ class StreamId(NamedTuple):
 
 
 ZERO_ID = StreamId(0, 0)
+#: The largest sequence number of a stream id (an unsigned 64-bit integer).
+MAX_SEQ = 2**64 - 1

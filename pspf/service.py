@@ -5,16 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from pspf import codec, keys
 from pspf.broker import Broker
-from pspf.errors import ConfigError, DecodeError, NotFound
+from pspf.errors import AppRunning, ConfigError, DecodeError, NotFound
 from pspf.failures import DeadLetter
 from pspf.keys import StreamId
-from pspf.processor import REDRIVE_APP_HEADER, STATE_NAMESPACE
+from pspf.processor import DEAD_NAMESPACE, FAILURES_NAMESPACE, REDRIVE_APP_HEADER, STATE_NAMESPACE
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
@@ -89,6 +90,60 @@ class DlqChange(msgspec.Struct, frozen=True, kw_only=True):
     selected: int
     changed: int
     dry_run: bool
+
+
+class PartitionLag(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one app stands in one topic partition, as ``pspf lag`` shows it."""
+
+    topic: str
+    partition: int
+    #: the newest entry of the partition
+    last_id: str | None
+    #: the group's last delivered entry
+    delivered_id: str | None
+    #: the app's committed checkpoint, when its state directory is reachable from here
+    checkpoint: str | None
+    #: entries not yet acknowledged: not delivered yet, or delivered and pending
+    lag: int
+    pending: int
+    oldest_pending_age_s: float | None
+    #: the worker holding the partition's lease (``consumer/pid/nonce``), None when nobody does
+    owner: str | None
+    #: entries of this app in the partition's DLQ
+    dead_letters: int
+
+
+class AppLag(msgspec.Struct, frozen=True, kw_only=True):
+    """An app (its consumer group) and its lag per topic partition."""
+
+    app: str
+    topics: list[str]
+    partitions: int
+    lag: int
+    pending: int
+    oldest_pending_age_s: float | None
+    owners: list[str]
+    dead_letters: int
+    detail: list[PartitionLag]
+
+
+class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``replay`` did (or, with ``dry_run``, would do)."""
+
+    app: str
+    topics: list[str]
+    #: the group's new position: entries after it are delivered again
+    position: str
+    partitions: int
+    entries_to_replay: int
+    state_reset: bool
+    dry_run: bool
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    status: str
+    redis_version: str
+    latency_ms: float
 
 
 #: Headers a redrive adds to the entry it puts back.
@@ -367,6 +422,176 @@ class Service:
                 deleted += self.broker.dlq_delete(keys.dlq_key(topic, partition), entry_ids)
         return DlqChange(selected=len(selected), changed=deleted, dry_run=dry_run)
 
+    # -- apps: lag, groups, replay --------------------------------------------------------------
+
+    def health(self) -> Health:
+        """Whether Redis answers, and how fast."""
+        started = time.perf_counter()
+        version = self.broker.check_server().version
+        return Health(status="ok", redis_version=version, latency_ms=(time.perf_counter() - started) * 1000)
+
+    def apps(self) -> list[str]:
+        """The apps that have run against this broker."""
+        return self.broker.list_apps()
+
+    def lag(self, app: str) -> AppLag:
+        """Per topic partition of ``app``: newest id, checkpoint, lag, pending, owner, DLQ entries."""
+        keys.check_name("app", app)
+        partitions = self.broker.app_partitions(app)
+        topics = sorted(self.broker.app_topics(app))
+        checkpoints = self._checkpoints(app, partitions)
+        owners = self.broker.lease_holders(
+            [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
+        )
+        now_ms = time.time() * 1000
+        detail = []
+        for index, (topic, partition) in enumerate((t, p) for t in topics for p in range(partitions)):
+            position = self.broker.group_position(keys.stream_key(topic, partition), app)
+            oldest = position.oldest_pending_id
+            checkpoint = checkpoints.get(partition, {}).get(topic)
+            detail.append(
+                PartitionLag(
+                    topic=topic,
+                    partition=partition,
+                    last_id=_text_or_none(position.last_id),
+                    delivered_id=_text_or_none(position.delivered_id),
+                    checkpoint=None if checkpoint is None else str(checkpoint),
+                    lag=position.lag,
+                    pending=position.pending,
+                    oldest_pending_age_s=None
+                    if oldest is None
+                    else max(0.0, (now_ms - StreamId.parse(oldest).ms) / 1000),
+                    owner=owners[index],
+                    dead_letters=self._dead_letter_count(topic, partition, app),
+                )
+            )
+        ages = [d.oldest_pending_age_s for d in detail if d.oldest_pending_age_s is not None]
+        return AppLag(
+            app=app,
+            topics=topics,
+            partitions=partitions,
+            lag=sum(d.lag for d in detail),
+            pending=sum(d.pending for d in detail),
+            oldest_pending_age_s=max(ages) if ages else None,
+            owners=sorted({d.owner for d in detail if d.owner is not None}),
+            dead_letters=sum(d.dead_letters for d in detail),
+            detail=detail,
+        )
+
+    def groups(self) -> list[AppLag]:
+        """Every app that has run against this broker, with its lag."""
+        return [self.lag(app) for app in self.apps()]
+
+    def replay(
+        self,
+        app: str,
+        topics: Sequence[str],
+        position: StreamId,
+        keep_state: bool = False,
+        dry_run: bool = False,
+    ) -> ReplayResult:
+        """Deliver the entries of ``topics`` after ``position`` to ``app`` again.
+
+        The app must be stopped. The group moves first (re-created at ``position``, with an
+        empty pending list); then each partition's store is rewound in one write: checkpoints to
+        ``position``, retry bookkeeping dropped, and the state cleared unless ``keep_state``. A
+        crash in between leaves the old state with its old checkpoints, which skip the
+        re-delivered entries: nothing is applied twice, and running replay again completes it.
+        """
+        keys.check_name("app", app)
+        partitions = self.broker.app_partitions(app)
+        read = self.broker.app_topics(app)
+        chosen = sorted(set(topics))
+        if not chosen:
+            raise ConfigError("give at least one topic to replay")
+        unknown = [t for t in chosen if t not in read]
+        if unknown:
+            raise NotFound(f"app {app!r} does not read topic(s) {unknown}; it reads {sorted(read)}")
+        others = sorted(read - set(chosen))
+        if others and not keep_state:
+            raise ConfigError(
+                f"app {app!r} also reads {others}, and its state comes from all its topics: replay "
+                "them too (one --topic each), or keep the state with --keep-state"
+            )
+        self._refuse_if_running(app, sorted(read), partitions)
+        for topic in chosen:
+            for partition in range(partitions):
+                delivered = self.broker.group_position(keys.stream_key(topic, partition), app).delivered_id
+                if delivered is not None and position > StreamId.parse(delivered):
+                    raise ConfigError(
+                        f"{position} is after where app {app!r} stands in {topic!r} partition "
+                        f"{partition} ({delivered.decode()}): replay only moves back"
+                    )
+        state = self.settings.state
+        stored = stored_partitions(state.engine, state.dir, app)
+        if not (Path(state.dir) / app).is_dir():
+            raise NotFound(
+                f"no state of app {app!r} under {state.dir}: replay resets the app's checkpoints "
+                "there, give the app's state directory (--state-dir)"
+            )
+        stores = []
+        try:
+            for partition in stored:  # locks them: a worker starting now waits for us
+                stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
+            self._refuse_if_running(app, sorted(read), partitions)
+            streams = [keys.stream_key(t, p) for t in chosen for p in range(partitions)]
+            if not dry_run:
+                for stream in streams:
+                    self.broker.reset_group(stream, app, str(position))
+                checkpoint = None if position == keys.ZERO_ID else position
+                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE} | (set() if keep_state else {STATE_NAMESPACE})
+                for store in stores:
+                    store.rewind(clear, {topic: checkpoint for topic in chosen})
+            entries = sum(self._entries_after(stream, position) for stream in streams)
+        finally:
+            for store in stores:
+                store.close()
+        return ReplayResult(
+            app=app,
+            topics=chosen,
+            position=str(position),
+            partitions=partitions,
+            entries_to_replay=entries,
+            state_reset=not keep_state,
+            dry_run=dry_run,
+        )
+
+    def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
+        leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
+        held = self.broker.lease_holders(leases)
+        owners = sorted({owner for owner in held if owner is not None})
+        if owners:
+            raise AppRunning(f"app {app!r} is running ({', '.join(owners)} holds leases): stop it first")
+
+    def _entries_after(self, stream: str, position: StreamId) -> int:
+        length, _, _ = self.broker.stream_info(stream)
+        if position == keys.ZERO_ID or length == 0:
+            return length
+        return self.broker.count_after(stream, str(position))
+
+    def _checkpoints(self, app: str, partitions: int) -> dict[int, dict[str, StreamId]]:
+        """The committed checkpoints of each partition store found here (read without locking)."""
+        state = self.settings.state
+        found: dict[int, dict[str, StreamId]] = {}
+        for partition in stored_partitions(state.engine, state.dir, app):
+            if partition < partitions:
+                with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                    found[partition] = store.checkpoints()
+        return found
+
+    def _dead_letter_count(self, topic: str, partition: int, app: str) -> int:
+        dlq = keys.dlq_key(topic, partition)
+        if not self.broker.dlq_length(dlq):
+            return 0
+        count = 0
+        start = "-"
+        while True:
+            page = self.broker.dlq_range(dlq, start, "+", 500)
+            count += sum(1 for _, fields in page if fields.get(b"app", b"").decode() == app)
+            if len(page) < 500:
+                return count
+            start = str(StreamId.parse(page[-1][0]).next())
+
     # -- state ----------------------------------------------------------------------------------
 
     def state_get(self, app: str, key: str) -> dict[str, Any]:
@@ -475,6 +700,40 @@ def parse_duration_ms(text: str) -> int:
         if text.endswith(unit) and number.isdigit():
             return int(number) * units[unit]
     raise ConfigError(f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)")
+
+
+def parse_position(
+    from_start: bool = False, to_id: str | None = None, to_time: str | None = None
+) -> StreamId:
+    """A replay position from exactly one of: the start, an entry id, a time.
+
+    ``to_id`` replays the entries after that id. ``to_time`` (ISO 8601, UTC unless it names an
+    offset, or unix milliseconds) replays the entries added at or after that time.
+    """
+    if sum(1 for given in (from_start, to_id, to_time) if given) != 1:
+        raise ConfigError("give exactly one of --from-start, --to-id ID or --to-time TIME")
+    if from_start:
+        return keys.ZERO_ID
+    if to_id is not None:
+        return StreamId.parse(to_id)
+    assert to_time is not None
+    if to_time.isdigit():
+        ms = int(to_time)
+    else:
+        try:
+            moment = datetime.fromisoformat(to_time)
+        except ValueError:
+            raise ConfigError(
+                f"invalid time {to_time!r}: use ISO 8601 (2026-11-21T10:00:00Z) or unix milliseconds"
+            ) from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        ms = int(moment.timestamp() * 1000)
+    return keys.ZERO_ID if ms <= 0 else StreamId(ms - 1, keys.MAX_SEQ)
+
+
+def _text_or_none(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode()
 
 
 def _iso(ms: int) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Literal
 
@@ -46,6 +46,14 @@ class StateStore(ABC):
         checkpoints: Mapping[str, StreamId],
     ) -> None:
         """Apply value updates (None deletes) and checkpoints in ONE atomic, durable write."""
+
+    @abstractmethod
+    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+        """Clear namespaces and set checkpoints, also backwards, in ONE atomic write.
+
+        Deletes every value of the ``clear`` namespaces; a None checkpoint is deleted. Only a
+        replay, with the app stopped, moves checkpoints back.
+        """
 
     @abstractmethod
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:

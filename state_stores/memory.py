@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from pspf.keys import StreamId
 from state_stores.base import StateStore
@@ -44,6 +44,14 @@ class MemoryStore(StateStore):
             else:
                 self._values[name] = value
         self._checkpoints.update(checkpoints)
+
+    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+        self._values = {name: value for name, value in self._values.items() if name[0] not in clear}
+        for topic, entry_id in checkpoints.items():
+            if entry_id is None:
+                self._checkpoints.pop(topic, None)
+            else:
+                self._checkpoints[topic] = entry_id
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         rows = sorted((ns, key, value) for (ns, key), value in self._values.items())

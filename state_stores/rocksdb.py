@@ -9,7 +9,7 @@ every batch (survives power loss). RocksDB's own LOCK file keeps a second proces
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
@@ -111,6 +111,26 @@ class RocksDBStore(StateStore):
         except Exception as exc:
             raise StateError(f"cannot commit state store {self.path}: {exc}") from exc
         self._checkpoints.update(checkpoints)
+
+    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for namespace in clear:
+            for key, _ in self._scan(_state_key(namespace, "")):
+                batch.delete(key)
+        for topic, entry_id in checkpoints.items():
+            if entry_id is None:
+                batch.delete(_CHECKPOINT + topic.encode())
+            else:
+                batch.put(_CHECKPOINT + topic.encode(), str(entry_id).encode())
+        try:
+            self._db.write(batch, self._write_options)
+        except Exception as exc:
+            raise StateError(f"cannot rewind state store {self.path}: {exc}") from exc
+        for topic, entry_id in checkpoints.items():
+            if entry_id is None:
+                self._checkpoints.pop(topic, None)
+            else:
+                self._checkpoints[topic] = entry_id
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         # A read-only open sees the files as they were when it opened: already a snapshot.

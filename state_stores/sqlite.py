@@ -11,7 +11,7 @@ import fcntl
 import itertools
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from pspf.errors import NotFound, StateError, StoreLocked
@@ -127,6 +127,32 @@ class SQLiteStore(StateStore):
         except sqlite3.Error as exc:
             raise StateError(f"cannot commit state store {self.path}: {exc}") from exc
         self._checkpoints.update(checkpoints)
+
+    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            try:
+                db.executemany("DELETE FROM state WHERE ns = ?", [(ns,) for ns in clear])
+                for topic, cid in checkpoints.items():
+                    if cid is None:
+                        db.execute("DELETE FROM checkpoints WHERE topic = ?", (topic,))
+                    else:
+                        db.execute(
+                            "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
+                            (topic, cid.ms, cid.seq),
+                        )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StateError(f"cannot rewind state store {self.path}: {exc}") from exc
+        for topic, cid in checkpoints.items():
+            if cid is None:
+                self._checkpoints.pop(topic, None)
+            else:
+                self._checkpoints[topic] = cid
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         db = self._db

@@ -81,6 +81,40 @@ def test_checkpoint_commits_with_the_data_and_never_moves_back(store: StateStore
     assert store.checkpoints()["t"] == StreamId(10, 10)
 
 
+def test_rewind_clears_namespaces_and_moves_checkpoints_back(store: StateStore) -> None:
+    with store.transaction() as tx:
+        for i in range(300):
+            tx.set("state", f"k{i}", b"v")
+            tx.set("failures", f"t/{i}-0", b"f")
+        tx.set("other", "keep", b"x")
+        tx.set_checkpoint("a", StreamId(50, 1))
+        tx.set_checkpoint("b", StreamId(60, 0))
+        tx.set_checkpoint("c", StreamId(70, 0))
+
+    store.rewind({"state", "failures"}, {"a": None, "b": StreamId(10, 5)})
+
+    assert list(store.items("state")) == []
+    assert list(store.items("failures")) == []
+    assert store.get("other", "keep") == b"x"
+    assert store.checkpoints() == {"b": StreamId(10, 5), "c": StreamId(70, 0)}
+    # The next batch goes on from the rewound checkpoint.
+    with store.transaction() as tx:
+        tx.set_checkpoint("b", StreamId(11, 0))
+    assert store.checkpoints()["b"] == StreamId(11, 0)
+
+
+@pytest.mark.parametrize("engine", FILE_ENGINES)
+def test_rewind_survives_a_reopen(engine: str, tmp_path: Path) -> None:
+    with open_store(engine, tmp_path, "g", 0) as s, s.transaction() as tx:
+        tx.set("state", "k", b"v")
+        tx.set_checkpoint("t", StreamId(9, 0))
+    with open_store(engine, tmp_path, "g", 0) as s:
+        s.rewind({"state"}, {"t": None})
+    with open_store(engine, tmp_path, "g", 0) as s:
+        assert s.get("state", "k") is None
+        assert s.checkpoints() == {}
+
+
 def test_prefix_iteration_in_key_order(store: StateStore) -> None:
     with store.transaction() as tx:
         for key in ("user:2", "user:10", "order:1", "user:1"):

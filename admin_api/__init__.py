@@ -1,0 +1,1 @@
+"""The admin HTTP API: a thin face over ``pspf.service`` for operators."""

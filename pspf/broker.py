@@ -259,7 +259,8 @@ class Broker:
         start = keys.StreamId.parse(after).next()
         counted = 0
         while counted < LAG_COUNT_LIMIT:
-            page = cast(list[tuple[bytes, Any]], self.client.xrange(stream, str(start), "+", 1000))
+            with self.translate_errors(stream):
+                page = cast(list[tuple[bytes, Any]], self.client.xrange(stream, str(start), "+", 1000))
             counted += len(page)
             if len(page) < 1000:
                 break

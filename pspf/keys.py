@@ -96,6 +96,8 @@ class StreamId(NamedTuple):
 
     def next(self) -> StreamId:
         """The smallest id after this one (for exclusive range starts that Redis 6.2 lacks)."""
+        if self.seq == MAX_SEQ:
+            return StreamId(self.ms + 1, 0)
         return StreamId(self.ms, self.seq + 1)
 
 

@@ -36,6 +36,15 @@ _MULTI_INSERT = "INSERT OR REPLACE INTO state (ns, key, value) VALUES " + ",".jo
 )
 
 
+def _to_row(entry_id: StreamId) -> tuple[int, int]:
+    """(ms, seq) as SQLite's signed 64-bit integers: seq may use all 64 bits unsigned."""
+    return entry_id.ms, entry_id.seq - 2**64 if entry_id.seq >= 2**63 else entry_id.seq
+
+
+def _from_row(ms: int, seq: int) -> StreamId:
+    return StreamId(ms, seq + 2**64 if seq < 0 else seq)
+
+
 class SQLiteStore(StateStore):
     """State of one (group, partition) in one SQLite file."""
 
@@ -58,7 +67,7 @@ class SQLiteStore(StateStore):
                 self._db.execute(f"PRAGMA synchronous={sync}")
                 self._db.executescript(_SCHEMA)
             self._checkpoints = {
-                topic: StreamId(ms, seq)
+                topic: _from_row(ms, seq)
                 for topic, ms, seq in self._db.execute("SELECT topic, ms, seq FROM checkpoints")
             }
         except (sqlite3.Error, OSError) as exc:
@@ -118,7 +127,7 @@ class SQLiteStore(StateStore):
                 )
                 db.executemany(
                     "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
-                    [(topic, cid.ms, cid.seq) for topic, cid in checkpoints.items()],
+                    [(topic, *_to_row(cid)) for topic, cid in checkpoints.items()],
                 )
                 db.execute("COMMIT")
             except BaseException:
@@ -140,7 +149,7 @@ class SQLiteStore(StateStore):
                     else:
                         db.execute(
                             "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
-                            (topic, cid.ms, cid.seq),
+                            (topic, *_to_row(cid)),
                         )
                 db.execute("COMMIT")
             except BaseException:
@@ -159,7 +168,7 @@ class SQLiteStore(StateStore):
         db.execute("BEGIN")  # one read transaction: a snapshot even while a worker commits
         try:
             checkpoints = {
-                topic: StreamId(ms, seq)
+                topic: _from_row(ms, seq)
                 for topic, ms, seq in db.execute("SELECT topic, ms, seq FROM checkpoints")
             }
         except BaseException:

@@ -104,6 +104,21 @@ def test_rewind_clears_namespaces_and_moves_checkpoints_back(store: StateStore) 
 
 
 @pytest.mark.parametrize("engine", FILE_ENGINES)
+def test_checkpoints_keep_the_largest_stream_ids(engine: str, tmp_path: Path) -> None:
+    """A regression test: SQLite refused sequence numbers over 2**63 (its INTEGER is signed),
+    which Redis allows (``XADD key 5-18446744073709551615``) and a replay to a time uses."""
+    largest = StreamId(2**48, 2**64 - 1)
+    with open_store(engine, tmp_path, "g", 0) as s:
+        with s.transaction() as tx:
+            tx.set_checkpoint("a", StreamId(7, 2**63))
+            tx.set_checkpoint("b", largest)
+        s.rewind(set(), {"c": StreamId(1, 2**64 - 2)})
+    with open_store(engine, tmp_path, "g", 0) as s:
+        assert s.checkpoints() == {"a": StreamId(7, 2**63), "b": largest, "c": StreamId(1, 2**64 - 2)}
+        assert s.dump()[0] == s.checkpoints()
+
+
+@pytest.mark.parametrize("engine", FILE_ENGINES)
 def test_rewind_survives_a_reopen(engine: str, tmp_path: Path) -> None:
     with open_store(engine, tmp_path, "g", 0) as s, s.transaction() as tx:
         tx.set("state", "k", b"v")

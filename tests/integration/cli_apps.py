@@ -11,10 +11,12 @@ from pspf import App, Context
 def make() -> App:
     app = App(os.environ["PSPF_TEST_APP"])
 
-    @app.handler(os.environ["PSPF_TEST_TOPIC"])
     def add(order: dict[str, Any], ctx: Context) -> None:
         ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
         ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    for topic in os.environ["PSPF_TEST_TOPIC"].split(","):  # one topic, or several
+        app.handler(topic)(add)
 
     return app
 

@@ -63,3 +63,11 @@ def test_importing_pspf_loads_no_optional_engine() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_next_id_carries_into_the_millisecond_at_the_largest_sequence() -> None:
+    """A regression test: ``next`` of ``ms-(2**64-1)`` was ``ms-2**64``, which Redis refuses."""
+    from pspf.keys import MAX_SEQ
+
+    assert StreamId(5, 1).next() == StreamId(5, 2)
+    assert StreamId(5, MAX_SEQ).next() == StreamId(6, 0)

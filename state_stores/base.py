@@ -83,6 +83,15 @@ class StateStore(ABC):
         self.close()
 
 
+def apply_checkpoints(cache: dict[str, StreamId], checkpoints: Mapping[str, StreamId | None]) -> None:
+    """Mirror a rewind's checkpoints in an engine's in-memory copy (None deletes one)."""
+    for topic, entry_id in checkpoints.items():
+        if entry_id is None:
+            cache.pop(topic, None)
+        else:
+            cache[topic] = entry_id
+
+
 class TxStatus(enum.Enum):
     OPEN = "open"
     COMMITTED = "committed"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from pspf.keys import StreamId
-from state_stores.base import StateStore
+from state_stores.base import StateStore, apply_checkpoints
 
 
 class MemoryStore(StateStore):
@@ -47,11 +47,7 @@ class MemoryStore(StateStore):
 
     def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
         self._values = {name: value for name, value in self._values.items() if name[0] not in clear}
-        for topic, entry_id in checkpoints.items():
-            if entry_id is None:
-                self._checkpoints.pop(topic, None)
-            else:
-                self._checkpoints[topic] = entry_id
+        apply_checkpoints(self._checkpoints, checkpoints)
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         rows = sorted((ns, key, value) for (ns, key), value in self._values.items())

@@ -16,7 +16,7 @@ from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import StreamId
-from state_stores.base import Durability, StateStore
+from state_stores.base import Durability, StateStore, apply_checkpoints
 
 _READONLY_OPEN_ATTEMPTS = 5
 _STATE = b"s"
@@ -126,11 +126,7 @@ class RocksDBStore(StateStore):
             self._db.write(batch, self._write_options)
         except Exception as exc:
             raise StateError(f"cannot rewind state store {self.path}: {exc}") from exc
-        for topic, entry_id in checkpoints.items():
-            if entry_id is None:
-                self._checkpoints.pop(topic, None)
-            else:
-                self._checkpoints[topic] = entry_id
+        apply_checkpoints(self._checkpoints, checkpoints)
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         # A read-only open sees the files as they were when it opened: already a snapshot.

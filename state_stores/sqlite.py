@@ -12,11 +12,12 @@ import itertools
 import os
 import sqlite3
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import StreamId
-from state_stores.base import Durability, StateStore
+from state_stores.base import Durability, StateStore, apply_checkpoints
 
 _SCHEMA = """
 BEGIN;
@@ -116,52 +117,43 @@ class SQLiteStore(StateStore):
         updates: Mapping[tuple[str, str], bytes | None],
         checkpoints: Mapping[str, StreamId],
     ) -> None:
-        db = self._db
-        try:
-            db.execute("BEGIN")
-            try:
-                _upsert(db, [(ns, key, value) for (ns, key), value in updates.items() if value is not None])
-                db.executemany(
-                    "DELETE FROM state WHERE ns = ? AND key = ?",
-                    [nk for nk, value in updates.items() if value is None],
-                )
-                db.executemany(
-                    "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
-                    [(topic, *_to_row(cid)) for topic, cid in checkpoints.items()],
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise StateError(f"cannot commit state store {self.path}: {exc}") from exc
+        with self._atomic("commit") as db:
+            _upsert(db, [(ns, key, value) for (ns, key), value in updates.items() if value is not None])
+            db.executemany(
+                "DELETE FROM state WHERE ns = ? AND key = ?",
+                [nk for nk, value in updates.items() if value is None],
+            )
+            db.executemany(
+                "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
+                [(topic, *_to_row(cid)) for topic, cid in checkpoints.items()],
+            )
         self._checkpoints.update(checkpoints)
 
     def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+        with self._atomic("rewind") as db:
+            db.executemany("DELETE FROM state WHERE ns = ?", [(ns,) for ns in clear])
+            gone = [(topic,) for topic, cid in checkpoints.items() if cid is None]
+            db.executemany("DELETE FROM checkpoints WHERE topic = ?", gone)
+            db.executemany(
+                "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
+                [(t, *_to_row(cid)) for t, cid in checkpoints.items() if cid is not None],
+            )
+        apply_checkpoints(self._checkpoints, checkpoints)
+
+    @contextmanager
+    def _atomic(self, what: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed when the block ends, rolled back when it raises."""
         db = self._db
         try:
             db.execute("BEGIN")
             try:
-                db.executemany("DELETE FROM state WHERE ns = ?", [(ns,) for ns in clear])
-                for topic, cid in checkpoints.items():
-                    if cid is None:
-                        db.execute("DELETE FROM checkpoints WHERE topic = ?", (topic,))
-                    else:
-                        db.execute(
-                            "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
-                            (topic, *_to_row(cid)),
-                        )
+                yield db
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            raise StateError(f"cannot rewind state store {self.path}: {exc}") from exc
-        for topic, cid in checkpoints.items():
-            if cid is None:
-                self._checkpoints.pop(topic, None)
-            else:
-                self._checkpoints[topic] = cid
+            raise StateError(f"cannot {what} state store {self.path}: {exc}") from exc
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         db = self._db

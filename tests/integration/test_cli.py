@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from cli import cli
+from pspf.embedded import free_port
 from pspf.keys import stream_key
-from tests.conftest import Names, free_port
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 

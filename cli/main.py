@@ -144,6 +144,24 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
         "the DLQ  [default: 5]",
     ),
     ("--handler-timeout-ms", int, "A handler running longer fails that attempt  [default: none]"),
+    (
+        "--metrics-port",
+        int,
+        "Serve Prometheus metrics on /metrics and health on /healthz at this port (0: any free "
+        "port)  [default: none, no server]",
+    ),
+    (
+        "--metrics-host",
+        str,
+        "Interface of the metrics server; 0.0.0.0 lets Prometheus scrape from other machines  "
+        "[default: 127.0.0.1]",
+    ),
+    (
+        "--stuck-after-s",
+        float,
+        "/healthz reports stuck when an owned partition has lag and nothing was committed for "
+        "it this long  [default: 60]",
+    ),
 ]
 
 

@@ -139,13 +139,38 @@ class CycleResult(msgspec.Struct, kw_only=True):
 
 
 class ProcessorHooks:
-    """Extension points (metrics, audit); the defaults do nothing. A failing hook is logged."""
+    """Extension points (metrics, audit); the defaults do nothing. A failing hook is logged.
+
+    Hooks run on the worker's thread. The success path calls them per cycle, partition or stream,
+    never per entry, so they stay cheap; only failures are reported entry by entry.
+    """
+
+    def on_read(self, entries: int) -> None:
+        """A cycle read ``entries`` entries (> 0) over all owned streams."""
 
     def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
-        """A stream's batch is committed and about to be acknowledged."""
+        """A stream's batch is committed and about to be acknowledged.
+
+        ``handled``: entries its handler completed; ``skipped``: entries that needed no handler
+        (at or below the checkpoint, or redriven for another app). Also called when the batch
+        needed no store write, if it handled or skipped anything.
+        """
+
+    def on_commit(self, partition: int, seconds: float) -> None:
+        """One store transaction of a partition's batch took ``seconds``."""
+
+    def on_ack(self, seconds: float) -> None:
+        """The cycle's acknowledging round trip (acks and DLQ moves) took ``seconds``."""
+
+    def on_failure(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
+        """An attempt failed: a handler error, an undecodable entry or a poison entry.
+
+        ``on_retry`` follows if it will be tried again; otherwise the entry goes to the DLQ and
+        ``on_dead_letter`` is called once the move is acknowledged.
+        """
 
     def on_retry(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
-        """An entry failed and will be tried again."""
+        """An entry failed and will be tried again (ordered retry or parked)."""
 
     def on_dead_letter(self, record: DeadLetter) -> None:
         """An entry was moved to the DLQ."""
@@ -278,6 +303,8 @@ class BatchProcessor:
         for read in reads:
             by_partition.setdefault(read.cursor.partition, []).append(read)
             result.read += len(read.entries)
+        if result.read:
+            self._call_hook(self.hooks.on_read, result.read)
         outcomes: list[tuple[PartitionBatch, list[_StreamOutcome]]] = []
         for partition, partition_reads in by_partition.items():
             batch = PartitionBatch(self.owned[partition], self.app.state_decoder)
@@ -426,8 +453,9 @@ class BatchProcessor:
         policy = self.policies[cursor.topic]
         done_ids: list[bytes] = []
         dead: list[tuple[bytes, Fields]] = []
+        skipped_before = result.skipped
         todo = self._screen(batch, read, done_ids, dead, result)
-        skipped = len(done_ids)
+        skipped = result.skipped - skipped_before  # not the lost entries, also in done_ids
         meta = EntryMeta(cursor.topic, cursor.partition, read.counts, read.poison, policy.max_deliveries or 1)
         decisions: dict[int, tuple[Outcome, Failure]] = {}
 
@@ -495,6 +523,7 @@ class BatchProcessor:
                 continue
             outcome, failure = decisions[index]
             result.failed += 1
+            self._call_hook(self.hooks.on_failure, cursor.topic, cursor.partition, id_b.decode(), failure)
             if outcome is not Outcome.DEAD:
                 batch.failures[name] = failure
                 self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
@@ -620,14 +649,20 @@ class BatchProcessor:
     def _commit(self, batch: PartitionBatch, outcomes: list[_StreamOutcome]) -> None:
         checkpoints = {o.cursor.topic: o.checkpoint for o in outcomes if o.checkpoint is not None}
         if not checkpoints and not batch.overlay and not batch.failures and not batch.dead:
+            for o in outcomes:  # nothing to write, but entries were done: report them all the same
+                if o.handled or o.skipped:
+                    c = o.cursor
+                    self._call_hook(self.hooks.on_batch_committed, c.topic, c.partition, o.handled, o.skipped)
             return
         owned = batch.owned
+        started = time.perf_counter()
         with owned.store.transaction() as tx:
             _put(tx, STATE_NAMESPACE, batch.overlay)
             _put(tx, FAILURES_NAMESPACE, {n: _encode(f) for n, f in batch.failures.items()})
             _put(tx, DEAD_NAMESPACE, {n: _encode(f) for n, f in batch.dead.items()})
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
+        self._call_hook(self.hooks.on_commit, owned.partition, time.perf_counter() - started)
         if len(owned.cache) + len(batch.overlay) > CACHE_LIMIT:
             owned.cache.clear()
         owned.cache.update(batch.overlay)
@@ -662,7 +697,12 @@ class BatchProcessor:
                 requests.append(
                     AckRequest(stream, self.app.name, c.lease_key, c.lease_value, ids, c.dlq, dead)
                 )
-        for request, reply in zip(requests, self.broker.ack(requests), strict=True):
+        if not requests:
+            return
+        started = time.perf_counter()
+        replies = self.broker.ack(requests)
+        self._call_hook(self.hooks.on_ack, time.perf_counter() - started)
+        for request, reply in zip(requests, replies, strict=True):
             if isinstance(reply, LeaseLost):
                 self._lease_lost(request.stream, str(reply), result)
             elif request.dead:

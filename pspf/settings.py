@@ -63,6 +63,19 @@ class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     durability: Durability = "normal"
 
 
+class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a worker serves Prometheus metrics and its health; without a port it serves nothing.
+
+    The host defaults to the loopback interface so a worker exposes nothing by accident; set
+    0.0.0.0 to let a Prometheus on another machine scrape it. Port 0 takes any free port.
+    """
+
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    host: str = "127.0.0.1"
+    #: A worker that owns a partition with lag and has not committed for this long is "stuck".
+    stuck_after_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a worker or a CLI command needs to know, validated once."""
 
@@ -70,6 +83,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     consumer: ConsumerSettings = msgspec.field(default_factory=ConsumerSettings)
     retry: RetrySettings = msgspec.field(default_factory=RetrySettings)
     state: StateSettings = msgspec.field(default_factory=StateSettings)
+    metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
 
     @classmethod
     def load(
@@ -117,6 +131,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_STATE_DIR": ("state", "dir"),
     "PSPF_STORE": ("state", "engine"),
     "PSPF_DURABILITY": ("state", "durability"),
+    "PSPF_METRICS_PORT": ("metrics", "port"),
+    "PSPF_METRICS_HOST": ("metrics", "host"),
+    "PSPF_STUCK_AFTER_S": ("metrics", "stuck_after_s"),
 }
 
 

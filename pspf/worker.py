@@ -3,6 +3,9 @@
 The first SIGINT/SIGTERM stops reading; the batch in hand is committed and acknowledged, leases are
 released so a standby takes over at once, and ``run`` returns. A second signal exits at once,
 which loses nothing: nothing uncommitted was ever acknowledged.
+
+With a metrics port in the settings, ``run`` also serves Prometheus metrics and a health check
+(``pspf.metrics``) while it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerUnavailable, ConfigError, GroupMissing, StateError, StoreLocked
 from pspf.failures import policy_from
 from pspf.keys import StreamId
+from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases
 from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, ProcessorHooks, StreamCursor
 from pspf.settings import Settings
@@ -44,6 +48,8 @@ StoreFactory = Callable[[str, int], "StateStore"]
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
 _IDLE_POLL_S = 0.05
+#: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
+_METRICS_REDIS_TIMEOUT_S = 2.0
 
 
 class RunSummary(msgspec.Struct, kw_only=True):
@@ -86,6 +92,17 @@ class Worker:
         self.leases = PartitionLeases(
             self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
         )
+        #: Counters and health, when the settings ask for a metrics port.
+        self.metrics: WorkerMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
+        if settings.metrics.port is not None:
+            timeout_s = min(settings.redis.connect_timeout_s, _METRICS_REDIS_TIMEOUT_S)
+            metrics_broker = Broker(
+                msgspec.structs.replace(settings.redis, connect_timeout_s=timeout_s),
+                socket_timeout_s=_METRICS_REDIS_TIMEOUT_S,
+            )
+            self.metrics = WorkerMetrics(app.name, app.topics, metrics_broker, settings.metrics.stuck_after_s)
+            hooks = self.metrics if hooks is None else HookChain(self.metrics, hooks)
         run_policy = policy_from(settings.retry)
         self.processor = BatchProcessor(
             app,
@@ -109,16 +126,20 @@ class Worker:
     def run(self, until_idle: bool = False) -> RunSummary:
         """Process until stopped (or, with ``until_idle``, until nothing is left to read)."""
         summary = RunSummary()
-        self._start()
-        # What exists now (modules, the app) lives as long as the worker: keep it out of the
-        # collector's scans, which otherwise revisit it for every batch's garbage.
-        gc.collect()
-        gc.freeze()
+        self._serve_metrics()
         try:
-            self._loop(until_idle, summary)
+            self._start()
+            # What exists now (modules, the app) lives as long as the worker: keep it out of the
+            # collector's scans, which otherwise revisit it for every batch's garbage.
+            gc.collect()
+            gc.freeze()
+            try:
+                self._loop(until_idle, summary)
+            finally:
+                self._shutdown()
+                gc.unfreeze()
         finally:
-            self._shutdown()
-            gc.unfreeze()
+            self._close_metrics()
         log.info(
             "worker stopped app=%s handled=%s skipped=%s failed=%s",
             self.app.name,
@@ -131,6 +152,28 @@ class Worker:
     def stop(self) -> None:
         """Ask the worker to finish the batch in hand and return from ``run``."""
         self._stopping.set()
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where ``/metrics`` and ``/healthz`` are served while ``run`` runs (the bound port)."""
+        server = self._metrics_server
+        return None if server is None else server.address
+
+    def _serve_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        config = self.settings.metrics
+        assert config.port is not None
+        self._metrics_server = MetricsServer(self.metrics, config.host, config.port)
+        host, port = self._metrics_server.address
+        log.info("serving metrics on http://%s:%s/metrics and health on /healthz", host, port)
+
+    def _close_metrics(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        if self.metrics is not None:
+            self.metrics.broker.close()
 
     @contextmanager
     def signals_handled(self) -> Iterator[None]:
@@ -204,6 +247,8 @@ class Worker:
                 # "Nothing left to read" needs only a look, not a blocking read.
                 result = self.processor.run_once(block=not until_idle)
                 finished = until_idle and result.idle and self._others_drained()
+                if failures and self.metrics is not None:
+                    self.metrics.broker_lost(False)
                 failures = 0
             except GroupMissing as exc:
                 log.error("%s: giving the partitions up to take them again", exc)
@@ -212,6 +257,8 @@ class Worker:
                 next_lease_round = 0.0
                 continue
             except BrokerUnavailable as exc:
+                if self.metrics is not None:
+                    self.metrics.broker_lost(True)
                 failures += 1
                 delay = min(_RECONNECT_MAX_S, _RECONNECT_MIN_S * 2 ** (failures - 1))
                 delay *= random.uniform(0.5, 1.0)
@@ -320,6 +367,8 @@ class Worker:
             raise
         self._held[partition] = leases
         self.processor.add(OwnedPartition(partition, store, streams))
+        if self.metrics is not None:
+            self.metrics.partition_taken(partition)
         log.info(
             "partition assigned app=%s partition=%s checkpoints=%s", self.app.name, partition, checkpoints
         )
@@ -350,6 +399,8 @@ class Worker:
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)
+        if self.metrics is not None:
+            self.metrics.partition_released(partition)
         if partition in self.processor.owned:
             self.processor.remove(partition).store.close()
         if release and leases:

@@ -86,10 +86,12 @@ class StreamId(NamedTuple):
         """Parse ``b"1700000000000-3"``; raise ConfigError when it is not a stream id."""
         text = raw.decode() if isinstance(raw, bytes) else raw
         ms, sep, seq = text.partition("-")
-        try:
-            return cls(int(ms), int(seq) if sep else 0)
-        except ValueError:
-            raise ConfigError(f"invalid stream id {text!r}: expected MS-SEQ") from None
+        # int() alone would take "1_0", " 1" or other scripts' digits, which Redis refuses.
+        if ms.isdigit() and (seq.isdigit() or not sep) and text.isascii():
+            parsed = cls(int(ms), int(seq) if sep else 0)
+            if parsed.ms <= MAX_SEQ and parsed.seq <= MAX_SEQ:
+                return parsed
+        raise ConfigError(f"invalid stream id {text!r}: expected MS-SEQ")
 
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -179,22 +180,42 @@ _export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec
 )
 
 
+class DeadLetterCounts:
+    """DLQ entries per app of each topic partition, each DLQ read once (it is shared by apps)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._counts: dict[tuple[str, int], Counter[str]] = {}
+
+    def of(self, topic: str, partition: int, app: str) -> int:
+        counts = self._counts.get((topic, partition))
+        if counts is None:
+            counts = self._counts[(topic, partition)] = self._read(keys.dlq_key(topic, partition))
+        return counts[app]
+
+    def _read(self, dlq: str) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        if not self.broker.dlq_length(dlq):
+            return counts
+        start = "-"
+        while True:
+            page = self.broker.dlq_range(dlq, start, "+", 500)
+            counts.update(fields.get(b"app", b"").decode() for _, fields in page)
+            if len(page) < 500:
+                return counts
+            start = str(StreamId.parse(page[-1][0]).next())
+
+
 class Service:
     """Topic, produce and state operations over one broker and one state directory."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._broker: Broker | None = None
-
-    @property
-    def broker(self) -> Broker:
-        if self._broker is None:
-            self._broker = Broker(self.settings.redis)
-        return self._broker
+        # Connects on first use; one pool, shared by the admin API's request threads.
+        self.broker = Broker(settings.redis)
 
     def close(self) -> None:
-        if self._broker is not None:
-            self._broker.close()
+        self.broker.close()
 
     # -- topics ---------------------------------------------------------------------------------
 
@@ -434,9 +455,13 @@ class Service:
         """The apps that have run against this broker."""
         return self.broker.list_apps()
 
-    def lag(self, app: str) -> AppLag:
-        """Per topic partition of ``app``: newest id, checkpoint, lag, pending, owner, DLQ entries."""
+    def lag(self, app: str, dead_letters: DeadLetterCounts | None = None) -> AppLag:
+        """Per topic partition of ``app``: newest id, checkpoint, lag, pending, owner, DLQ entries.
+
+        ``dead_letters`` shares the DLQ counts between the apps of one ``groups`` call.
+        """
         keys.check_name("app", app)
+        counts = dead_letters if dead_letters is not None else DeadLetterCounts(self.broker)
         partitions = self.broker.app_partitions(app)
         topics = sorted(self.broker.app_topics(app))
         checkpoints = self._checkpoints(app, partitions)
@@ -462,7 +487,7 @@ class Service:
                     if oldest is None
                     else max(0.0, (now_ms - StreamId.parse(oldest).ms) / 1000),
                     owner=owners[index],
-                    dead_letters=self._dead_letter_count(topic, partition, app),
+                    dead_letters=counts.of(topic, partition, app),
                 )
             )
         ages = [d.oldest_pending_age_s for d in detail if d.oldest_pending_age_s is not None]
@@ -480,7 +505,8 @@ class Service:
 
     def groups(self) -> list[AppLag]:
         """Every app that has run against this broker, with its lag."""
-        return [self.lag(app) for app in self.apps()]
+        counts = DeadLetterCounts(self.broker)
+        return [self.lag(app, counts) for app in self.apps()]
 
     def replay(
         self,
@@ -500,40 +526,22 @@ class Service:
         """
         keys.check_name("app", app)
         partitions = self.broker.app_partitions(app)
-        read = self.broker.app_topics(app)
-        chosen = sorted(set(topics))
-        if not chosen:
-            raise ConfigError("give at least one topic to replay")
-        unknown = [t for t in chosen if t not in read]
-        if unknown:
-            raise NotFound(f"app {app!r} does not read topic(s) {unknown}; it reads {sorted(read)}")
-        others = sorted(read - set(chosen))
-        if others and not keep_state:
-            raise ConfigError(
-                f"app {app!r} also reads {others}, and its state comes from all its topics: replay "
-                "them too (one --topic each), or keep the state with --keep-state"
-            )
-        self._refuse_if_running(app, sorted(read), partitions)
-        for topic in chosen:
-            for partition in range(partitions):
-                delivered = self.broker.group_position(keys.stream_key(topic, partition), app).delivered_id
-                if delivered is not None and position > StreamId.parse(delivered):
-                    raise ConfigError(
-                        f"{position} is after where app {app!r} stands in {topic!r} partition "
-                        f"{partition} ({delivered.decode()}): replay only moves back"
-                    )
+        read = sorted(self.broker.app_topics(app))
+        chosen = self._replay_topics(app, read, topics, keep_state)
+        self._refuse_if_running(app, read, partitions)
+        self._refuse_moving_forward(app, chosen, partitions, position)
         state = self.settings.state
-        stored = stored_partitions(state.engine, state.dir, app)
         if not (Path(state.dir) / app).is_dir():
             raise NotFound(
                 f"no state of app {app!r} under {state.dir}: replay resets the app's checkpoints "
                 "there, give the app's state directory (--state-dir)"
             )
+        stored = stored_partitions(state.engine, state.dir, app)
         stores = []
         try:
             for partition in stored:  # locks them: a worker starting now waits for us
                 stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
-            self._refuse_if_running(app, sorted(read), partitions)
+            self._refuse_if_running(app, read, partitions)
             streams = [keys.stream_key(t, p) for t in chosen for p in range(partitions)]
             if not dry_run:
                 for stream in streams:
@@ -555,6 +563,33 @@ class Service:
             state_reset=not keep_state,
             dry_run=dry_run,
         )
+
+    @staticmethod
+    def _replay_topics(app: str, read: list[str], topics: Sequence[str], keep_state: bool) -> list[str]:
+        """The topics to replay; all the app reads unless its state is kept."""
+        chosen = sorted(set(topics))
+        if not chosen:
+            raise ConfigError("give at least one topic to replay")
+        unknown = [t for t in chosen if t not in read]
+        if unknown:
+            raise NotFound(f"app {app!r} does not read topic(s) {unknown}; it reads {read}")
+        others = [t for t in read if t not in chosen]
+        if others and not keep_state:
+            raise ConfigError(
+                f"app {app!r} also reads {others}, and its state comes from all its topics: replay "
+                "them too (one --topic each), or keep the state with --keep-state"
+            )
+        return chosen
+
+    def _refuse_moving_forward(self, app: str, topics: list[str], partitions: int, to: StreamId) -> None:
+        for topic in topics:
+            for partition in range(partitions):
+                delivered = self.broker.group_position(keys.stream_key(topic, partition), app).delivered_id
+                if delivered is not None and to > StreamId.parse(delivered):
+                    raise ConfigError(
+                        f"{to} is after where app {app!r} stands in {topic!r} partition "
+                        f"{partition} ({delivered.decode()}): replay only moves back"
+                    )
 
     def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
         leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
@@ -578,19 +613,6 @@ class Service:
                 with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
                     found[partition] = store.checkpoints()
         return found
-
-    def _dead_letter_count(self, topic: str, partition: int, app: str) -> int:
-        dlq = keys.dlq_key(topic, partition)
-        if not self.broker.dlq_length(dlq):
-            return 0
-        count = 0
-        start = "-"
-        while True:
-            page = self.broker.dlq_range(dlq, start, "+", 500)
-            count += sum(1 for _, fields in page if fields.get(b"app", b"").decode() == app)
-            if len(page) < 500:
-                return count
-            start = str(StreamId.parse(page[-1][0]).next())
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -686,10 +708,9 @@ class Service:
 def parse_dlq_id(dlq_id: str) -> tuple[int, bytes]:
     """``"2:1700000000000-0"`` -> (partition 2, the DLQ stream's entry id)."""
     partition, sep, entry_id = dlq_id.partition(":")
-    if not sep or not partition.isdigit():
+    if not sep or not partition.isascii() or not partition.isdigit():
         raise ConfigError(f"invalid DLQ id {dlq_id!r}: expected PARTITION:ID as `pspf dlq list` prints it")
-    StreamId.parse(entry_id)
-    return int(partition), entry_id.encode()
+    return int(partition), str(StreamId.parse(entry_id)).encode()
 
 
 def parse_duration_ms(text: str) -> int:

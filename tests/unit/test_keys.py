@@ -71,3 +71,26 @@ def test_next_id_carries_into_the_millisecond_at_the_largest_sequence() -> None:
 
     assert StreamId(5, 1).next() == StreamId(5, 2)
     assert StreamId(5, MAX_SEQ).next() == StreamId(6, 0)
+
+
+@pytest.mark.parametrize(
+    "text", ["1_0-0", " 1-0", "+1-0", "1-0 ", "²-0", "1-²", "18446744073709551616-0", "1-"]
+)
+def test_stream_ids_that_int_would_take_but_redis_refuses_are_rejected(text: str) -> None:
+    with pytest.raises(ConfigError, match="invalid stream id"):
+        StreamId.parse(text)
+
+
+@pytest.mark.parametrize("text", ["²:1-0", "0:1_0-0", "x:1-0", "1-0", "0:"])
+def test_malformed_dlq_ids_are_config_errors(text: str) -> None:
+    """A regression test: ``²:1-0`` passed ``isdigit`` and raised a bare ValueError."""
+    from pspf.service import parse_dlq_id
+
+    with pytest.raises(ConfigError, match="invalid"):
+        parse_dlq_id(text)
+
+
+def test_dlq_ids_are_normalised() -> None:
+    from pspf.service import parse_dlq_id
+
+    assert parse_dlq_id("2:1700000000000") == (2, b"1700000000000-0")

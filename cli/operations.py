@@ -52,6 +52,9 @@ def groups(
             for g in found
         ],
     )
+    for g in found:
+        if g.error:
+            click.echo(f"warning: app {g.app}: {g.error}", err=True)
 
 
 @cli.command(epilog="\b\nExample:\n  pspf lag order-totals --state-dir ./state")

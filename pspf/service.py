@@ -13,7 +13,15 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.broker import Broker
-from pspf.errors import AppRunning, ConfigError, DecodeError, NotFound
+from pspf.errors import (
+    AppRunning,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigError,
+    DecodeError,
+    NotFound,
+    StateError,
+)
 from pspf.failures import DeadLetter
 from pspf.keys import StreamId
 from pspf.processor import DEAD_NAMESPACE, FAILURES_NAMESPACE, REDRIVE_APP_HEADER, STATE_NAMESPACE
@@ -126,6 +134,9 @@ class AppLag(msgspec.Struct, frozen=True, kw_only=True):
     owners: list[str]
     dead_letters: int
     detail: list[PartitionLag]
+    #: why the figures are missing (``groups`` lists an app it cannot read, e.g. a key of the
+    #: wrong type, instead of failing for every app)
+    error: str | None = None
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -506,7 +517,28 @@ class Service:
     def groups(self) -> list[AppLag]:
         """Every app that has run against this broker, with its lag."""
         counts = DeadLetterCounts(self.broker)
-        return [self.lag(app, counts) for app in self.apps()]
+        found = []
+        for app in self.apps():
+            try:
+                found.append(self.lag(app, counts))
+            except BrokerUnavailable:
+                raise
+            except (BrokerError, NotFound, StateError) as exc:
+                found.append(
+                    AppLag(
+                        app=app,
+                        topics=sorted(self.broker.app_topics(app)),
+                        partitions=0,
+                        lag=0,
+                        pending=0,
+                        oldest_pending_age_s=None,
+                        owners=[],
+                        dead_letters=0,
+                        detail=[],
+                        error=str(exc),
+                    )
+                )
+        return found
 
     def replay(
         self,

@@ -300,3 +300,23 @@ def test_replay_of_an_app_with_two_topics_needs_both_or_keep_state(ops: Callable
     assert "10 entries to replay" in both.output
     o.run(topic=f"{o.topic},{second}")
     assert o.state("u1") == {"total": 3, "count": 2}
+
+
+def test_groups_lists_an_app_it_cannot_read_with_the_reason(
+    ops: Callable[[int], Ops], rclient: redis.Redis
+) -> None:
+    """A regression test: one app whose stream key has the wrong type made ``groups`` fail for all."""
+    good, bad = ops(1), ops(1)
+    good.produce(3, 1)
+    good.run()
+    bad.produce(3, 1)
+    bad.run()
+    rclient.delete(stream_key(bad.topic, 0))
+    rclient.set(stream_key(bad.topic, 0), "not a stream")
+
+    listed = good("groups", "--json")
+    assert listed.exit_code == 0, listed.output
+    by_app = {g["app"]: g for g in json.loads(listed.stdout)}
+    assert by_app[good.app]["error"] is None and by_app[good.app]["lag"] == 0
+    assert "wrong Redis type" in by_app[bad.app]["error"]
+    assert bad("lag", bad.app).exit_code == 3

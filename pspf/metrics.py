@@ -64,7 +64,7 @@ DURATION_BUCKETS = (
 Status = Literal["ok", "stuck", "broker_unavailable"]
 
 
-class Health(msgspec.Struct, frozen=True):
+class WorkerHealth(msgspec.Struct, frozen=True):
     """What ``GET /healthz`` answers; ``lag`` is None when Redis could not be asked."""
 
     status: Status
@@ -260,7 +260,7 @@ class WorkerMetrics(ProcessorHooks):
             return None
         return found
 
-    def health(self) -> Health:
+    def health(self) -> WorkerHealth:
         """The worker's health now (see the module docstring for the rules)."""
         with self._lock:
             taken = dict(self._taken)
@@ -270,7 +270,7 @@ class WorkerMetrics(ProcessorHooks):
         now = self._clock()
         age = round(max(0.0, now - last_commit), 3) if last_commit else None
         if positions is None or self._broker_lost:
-            return Health("broker_unavailable", len(taken), age, None)
+            return WorkerHealth("broker_unavailable", len(taken), age, None)
         lag = {partition: 0 for partition in taken}
         for (_, partition), position in positions.items():
             lag[partition] += position.lag
@@ -278,7 +278,7 @@ class WorkerMetrics(ProcessorHooks):
             lag[partition] > 0 and now - progress.get(partition, since) > self.stuck_after_s
             for partition, since in taken.items()
         )
-        return Health("stuck" if stuck else "ok", len(taken), age, sum(lag.values()))
+        return WorkerHealth("stuck" if stuck else "ok", len(taken), age, sum(lag.values()))
 
 
 class _ScrapeCollector(Collector):

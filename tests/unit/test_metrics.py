@@ -15,7 +15,7 @@ from pspf.broker import GroupPosition
 from pspf.errors import BrokerUnavailable, ConfigError
 from pspf.failures import Failure
 from pspf.keys import stream_key
-from pspf.metrics import Health, HookChain, WorkerMetrics
+from pspf.metrics import HookChain, WorkerHealth, WorkerMetrics
 
 
 class FakeBroker:
@@ -72,7 +72,7 @@ def test_a_standby_that_owns_nothing_is_healthy_but_notices_a_lost_redis(
 ) -> None:
     metrics, broker, _ = parts
     health = metrics.health()
-    assert health == Health("ok", 0, None, 0)
+    assert health == WorkerHealth("ok", 0, None, 0)
     assert broker.pings == 1
     broker.down = True
     assert metrics.health().status == "broker_unavailable"

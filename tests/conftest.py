@@ -39,6 +39,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of one test's own, which it may stop and start again."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 

@@ -13,7 +13,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -248,14 +248,6 @@ def test_healthz_reports_a_stuck_ordered_retry_and_a_healthy_standby(
             )
             assert "pspf_partition_lag_entries" not in scrape(standby_address)
             assert health(address)[1]["status"] == "stuck"
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_healthz_reports_a_lost_redis_and_its_return(own_server: RedisServer, tmp_path: Path) -> None:

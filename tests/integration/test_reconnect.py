@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,6 @@ from pspf.worker import RunSummary
 from tests.conftest import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_worker_survives_a_redis_restart_with_exact_state(

@@ -177,7 +177,7 @@ def spark_session(master: str) -> Any:
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        sys.exit("the benchmark needs pyspark 4 and pyarrow: pip install -e '.[spark]' (and Java 17+)")
+        sys.exit("the benchmark needs pyspark 4.1+ and pyarrow: pip install -e '.[spark]' (and Java 17+)")
     spark = (
         SparkSession.builder.master(master)
         .appName("pspf-spark-sink-benchmark")

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
@@ -277,10 +278,6 @@ class Broker:
             values = self.client.mget(lease_keys) if lease_keys else []
         return [None if v is None else _text(v).rpartition("|")[0] for v in values]
 
-    def dlq_length(self, dlq: str) -> int:
-        with self.translate_errors(dlq):
-            return int(self.client.xlen(dlq))
-
     def reset_group(self, stream: str, group: str, position: str) -> None:
         """Re-create ``group`` at ``position`` with an empty pending list, atomically.
 
@@ -458,15 +455,14 @@ class Broker:
         """
         if not requests:
             return []
-        replies = self._run_ack_scripts(requests)
-        if any(isinstance(reply, NoScriptError) for reply in replies):
-            # The server lost its script cache (a restart): load it and send the batch again,
-            # which is safe because XACK of an acknowledged entry changes nothing.
-            with self.translate_errors():
-                self.client.script_load(self._ack.script)
-            replies = self._run_ack_scripts(requests)
+        calls: list[tuple[list[Any], list[Any]]] = []
+        for r in requests:
+            args: list[Any] = [r.group, r.lease_value, len(r.ids), *r.ids]
+            for entry_id, fields in r.dead:
+                args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+            calls.append(([r.stream, r.lease_key, r.dlq or r.stream], args))
         results: list[tuple[int, int] | LeaseLost] = []
-        for reply in replies:
+        for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False):
             if isinstance(reply, redis.ResponseError):
                 if "LEASE_LOST" in str(reply):
                     results.append(LeaseLost(str(reply)))
@@ -476,17 +472,36 @@ class Broker:
             results.append((int(reply[0]), int(reply[1])))
         return results
 
-    def _run_ack_scripts(self, requests: Sequence[AckRequest]) -> list[Any]:
-        # EVALSHA straight into the pipeline: redis-py's Script objects would add a SCRIPT
-        # EXISTS round trip to every pipeline.
+    def _eval_pipelined(
+        self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]], raise_on_error: bool = True
+    ) -> list[Any]:
+        """Run ``script`` once per (keys, args) in ONE pipelined round trip.
+
+        EVALSHA goes straight into the pipeline: redis-py's Script objects would add a SCRIPT
+        EXISTS round trip to every pipeline. When the server lost its script cache (a restart),
+        the script is loaded and only the calls it refused are sent again, so nothing runs twice.
+        """
         with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for r in requests:
-                args: list[Any] = [r.group, r.lease_value, len(r.ids), *r.ids]
-                for entry_id, fields in r.dead:
-                    args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
-                pipe.evalsha(self._ack.sha, 3, r.stream, r.lease_key, r.dlq or r.stream, *args)
-            return list(pipe.execute(raise_on_error=False))
+            replies = self._evalsha_each(script, calls)
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if missing:
+                self.client.script_load(script.script)
+                for i, reply in zip(
+                    missing, self._evalsha_each(script, [calls[i] for i in missing]), strict=True
+                ):
+                    replies[i] = reply
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, redis.ResponseError):
+                    with self.translate_errors():
+                        raise reply
+        return replies
+
+    def _evalsha_each(self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for call_keys, args in calls:
+            pipe.evalsha(script.sha, len(call_keys), *call_keys, *args)
+        return list(pipe.execute(raise_on_error=False))
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -498,19 +513,12 @@ class Broker:
 
     def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_ms: int) -> list[bool]:
         """Extend leases (key, value) in one round trip; False where a lease is lost."""
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in leases:
-                self._lease_renew(keys=[key], args=[value, ttl_ms], client=pipe)
-            return [bool(r) for r in pipe.execute()]
+        calls = [([key], [value, ttl_ms]) for key, value in leases]
+        return [bool(r) for r in self._eval_pipelined(self._lease_renew, calls)]
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         """Give leases up so a standby takes the partitions at once."""
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in leases:
-                self._lease_release(keys=[key], args=[value], client=pipe)
-            pipe.execute()
+        self._eval_pipelined(self._lease_release, [([key], [value]) for key, value in leases])
 
     # -- DLQ ------------------------------------------------------------------------------------
 
@@ -566,15 +574,11 @@ class Broker:
         value arguments, then those arguments. A chunk's marker counts its entries already added,
         which are skipped. Returns how many entries each chunk added.
         """
-        with self.translate_errors(chunks[0][0] if len(chunks) == 1 else None):
-            pipe = self.client.pipeline(transaction=False)
-            for stream, marker, flat in chunks:
-                self._sink_write(
-                    keys=[stream] if marker is None else [stream, marker],
-                    args=[marker_ttl_s, maxlen, minid, *flat],
-                    client=pipe,
-                )
-            return [int(added) for added in pipe.execute()]
+        calls = [
+            ([stream] if marker is None else [stream, marker], [marker_ttl_s, maxlen, minid, *flat])
+            for stream, marker, flat in chunks
+        ]
+        return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
 
 
 def _text(value: bytes | str | None) -> str:

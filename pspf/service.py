@@ -191,6 +191,17 @@ _export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec
 )
 
 
+def _dlq_entries(broker: Broker, dlq: str) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of one DLQ stream, in id order, read 500 at a time."""
+    start = "-"
+    while True:
+        page = broker.dlq_range(dlq, start, "+", 500)
+        yield from page
+        if len(page) < 500:
+            return
+        start = str(StreamId.parse(page[-1][0]).next())
+
+
 class DeadLetterCounts:
     """DLQ entries per app of each topic partition, each DLQ read once (it is shared by apps)."""
 
@@ -205,16 +216,7 @@ class DeadLetterCounts:
         return counts[app]
 
     def _read(self, dlq: str) -> Counter[str]:
-        counts: Counter[str] = Counter()
-        if not self.broker.dlq_length(dlq):
-            return counts
-        start = "-"
-        while True:
-            page = self.broker.dlq_range(dlq, start, "+", 500)
-            counts.update(fields.get(b"app", b"").decode() for _, fields in page)
-            if len(page) < 500:
-                return counts
-            start = str(StreamId.parse(page[-1][0]).next())
+        return Counter(fields.get(b"app", b"").decode() for _, fields in _dlq_entries(self.broker, dlq))
 
 
 class Service:
@@ -304,15 +306,8 @@ class Service:
     def _dead_letters(self, topic: str) -> Iterator[tuple[int, bytes, DeadLetter]]:
         """Every DLQ entry of ``topic``, partition by partition, in id order."""
         for partition in range(self.broker.topic_partitions(topic)):
-            dlq = keys.dlq_key(topic, partition)
-            start = "-"
-            while True:
-                page = self.broker.dlq_range(dlq, start, "+", 500)
-                for entry_id, fields in page:
-                    yield partition, entry_id, DeadLetter.from_fields(fields)
-                if len(page) < 500:
-                    break
-                start = str(StreamId.parse(page[-1][0]).next())
+            for entry_id, fields in _dlq_entries(self.broker, keys.dlq_key(topic, partition)):
+                yield partition, entry_id, DeadLetter.from_fields(fields)
 
     def dlq_list(
         self, topic: str, app: str | None = None, error_type: str | None = None, limit: int | None = None
@@ -616,7 +611,9 @@ class Service:
     def _refuse_moving_forward(self, app: str, topics: list[str], partitions: int, to: StreamId) -> None:
         for topic in topics:
             for partition in range(partitions):
-                delivered = self.broker.group_position(keys.stream_key(topic, partition), app).delivered_id
+                # XINFO GROUPS alone: group_position might also count the lag, not needed here.
+                _, _, groups = self.broker.stream_info(keys.stream_key(topic, partition))
+                delivered = next((g["last-delivered-id"] for g in groups if g["name"] == app.encode()), None)
                 if delivered is not None and to > StreamId.parse(delivered):
                     raise ConfigError(
                         f"{to} is after where app {app!r} stands in {topic!r} partition "

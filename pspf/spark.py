@@ -47,7 +47,7 @@ try:
     )
     from pyspark.sql.types import ArrayType, BinaryType, DataType, MapType, StringType, StructType
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("the Spark sink needs pyspark 4 and pyarrow: pip install 'pspf[spark]'") from exc
+    raise ImportError("the Spark sink needs pyspark 4.1+ and pyarrow: pip install 'pspf[spark]'") from exc
 
 NAME = "pspf"
 _CHUNK_ROWS = 2_000

@@ -47,6 +47,15 @@ class AckRequest(NamedTuple):
     dead: Sequence[tuple[bytes, Fields]] = ()
 
 
+class PendingEntry(NamedTuple):
+    """One entry of a group's pending list: who holds it, since when, how often delivered."""
+
+    id: bytes
+    consumer: str
+    idle_ms: int
+    deliveries: int
+
+
 class ServerInfo(NamedTuple):
     """What the connected server is and what it lacks for PSPF's guarantees."""
 
@@ -430,6 +439,51 @@ class Broker:
                 )
             if _text(cursor) == "0-0":
                 return claimed, deleted
+
+    def pending_entries(
+        self, stream: str, group: str, end: keys.StreamId | None = None, min_idle_ms: int = 0
+    ) -> list[PendingEntry]:
+        """The group's pending entries up to ``end`` (all without), of every consumer, in id order.
+
+        With ``min_idle_ms`` only those idle at least that long. Read in pages of XPENDING.
+        """
+        found: list[PendingEntry] = []
+        start, last = "-", "+" if end is None else str(end)
+        while True:
+            with self.translate_errors(stream):
+                rows = cast(
+                    list[dict[str, Any]],
+                    self.client.xpending_range(
+                        stream, group, start, last, _CLAIM_COUNT, idle=min_idle_ms or None
+                    ),
+                )
+            found += [
+                PendingEntry(
+                    row["message_id"],
+                    _text(row["consumer"]),
+                    int(row["time_since_delivered"]),
+                    int(row["times_delivered"]),
+                )
+                for row in rows
+            ]
+            if len(rows) < _CLAIM_COUNT:
+                return found
+            start = str(keys.StreamId.parse(rows[-1]["message_id"]).next())
+
+    def claim_ids(
+        self, stream: str, group: str, consumer: str, min_idle_ms: int, ids: Sequence[bytes]
+    ) -> list[bytes]:
+        """Move these pending entries to ``consumer`` where still idle ``min_idle_ms``; the ids moved.
+
+        Unlike XAUTOCLAIM, it takes nothing but the entries named, so an entry that became
+        pending (or active again) since they were chosen is left alone.
+        """
+        claimed: list[bytes] = []
+        for start in range(0, len(ids), _CLAIM_COUNT):
+            chunk = ids[start : start + _CLAIM_COUNT]
+            with self.translate_errors(stream):
+                claimed += self._command("XCLAIM", stream, group, consumer, min_idle_ms, *chunk, "JUSTID")
+        return claimed
 
     def pending_counts(
         self, stream: str, group: str, consumer: str, after: keys.StreamId, count: int

@@ -42,7 +42,7 @@ from pspf import codec
 from pspf.app import App, Handler
 from pspf.broker import AckRequest, Broker, Fields, RawEntry
 from pspf.codec import StateDecoder
-from pspf.errors import LeaseLost
+from pspf.errors import LeaseLost, StateError
 from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, RetryPolicy, classify, record_failure
 from pspf.keys import ZERO_ID, StreamId
@@ -58,6 +58,13 @@ STATE_NAMESPACE = "state"
 FAILURES_NAMESPACE = "__failures"
 #: Entries judged dead whose move to the DLQ is not confirmed yet, by "topic/id".
 DEAD_NAMESPACE = "__dead"
+#: The consumers whose reads this store's checkpoints account for: an entry pending at one of
+#: them, at or below a checkpoint, was applied. Others (a foreign consumer of the group) never
+#: applied anything here.
+CONSUMERS_NAMESPACE = "__consumers"
+#: Entries taken over from consumers outside that history at or below the checkpoint, by
+#: "topic/id": run although the checkpoint passed them, then forgotten in the same commit.
+FOREIGN_NAMESPACE = "__foreign"
 #: Committed values kept in memory per partition; the store is ours alone while we own it.
 CACHE_LIMIT = 100_000
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
@@ -94,8 +101,8 @@ class StreamCursor:
     #: Deliveries this worker made that ended without an attempt (the stream stopped before
     #: them): they explain part of an entry's delivery count, so they do not make it look poison.
     unattempted: dict[bytes, int] = field(default_factory=dict)
-    #: Entries the periodic claim took from other consumers: never applied, even below the
-    #: checkpoint, so they are run.
+    #: Entries taken from foreign consumers (mirrors FOREIGN_NAMESPACE): never applied, even
+    #: at or below the checkpoint, so they are run.
     foreign: set[bytes] = field(default_factory=set)
 
     def rewind(self) -> None:
@@ -117,10 +124,35 @@ class OwnedPartition:
     cache: dict[str, bytes | None] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     dead: dict[str, Fields] = field(default_factory=dict)
+    consumers: set[str] = field(default_factory=set)
 
     def load_bookkeeping(self) -> None:
         self.failures = {k: _failure_decoder.decode(v) for k, v in self.store.items(FAILURES_NAMESPACE)}
         self.dead = {k: _fields_decoder.decode(v) for k, v in self.store.items(DEAD_NAMESPACE)}
+        self.consumers = {name for name, _ in self.store.items(CONSUMERS_NAMESPACE)}
+        by_topic = {cursor.topic: cursor for cursor in self.streams.values()}
+        for name, _ in self.store.items(FOREIGN_NAMESPACE):
+            topic, _, entry_id = name.rpartition("/")
+            if topic in by_topic:
+                by_topic[topic].foreign.add(entry_id.encode())
+
+    def mark_foreign(self, marks: dict[StreamCursor, list[bytes]], consumer: str | None = None) -> None:
+        """Record entries to run although at or below the checkpoint, before they are claimed.
+
+        With ``consumer``, also that this consumer's reads count here from now on.
+        """
+        if not any(marks.values()) and (consumer is None or consumer in self.consumers):
+            return
+        with self.store.transaction() as tx:
+            for cursor, ids in marks.items():
+                for entry_id in ids:
+                    tx.set(FOREIGN_NAMESPACE, failure_key(cursor.topic, entry_id), b"")
+            if consumer is not None:
+                tx.set(CONSUMERS_NAMESPACE, consumer, b"")
+        for cursor, ids in marks.items():
+            cursor.foreign.update(ids)
+        if consumer is not None:
+            self.consumers.add(consumer)
 
 
 class CycleResult(msgspec.Struct, kw_only=True):
@@ -179,7 +211,7 @@ class ProcessorHooks:
 class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
-    __slots__ = ("dead", "decode_state", "failures", "overlay", "owned")
+    __slots__ = ("broken", "dead", "decode_state", "failures", "overlay", "owned")
 
     def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder) -> None:
         self.owned = owned
@@ -187,6 +219,9 @@ class PartitionBatch:
         self.overlay: dict[str, bytes | None] = {}
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
+        #: A store read that failed under a handler: it stops the worker, whatever the handler
+        #: did with the exception, and is never an entry's failure.
+        self.broken: StateError | None = None
 
     def base(self, key: str) -> bytes | None:
         """The value of ``key`` as the next entry must see it."""
@@ -196,7 +231,11 @@ class PartitionBatch:
         cache = self.owned.cache
         if key in cache:
             return cache[key]
-        value = self.owned.store.get(STATE_NAMESPACE, key)
+        try:
+            value = self.owned.store.get(STATE_NAMESPACE, key)
+        except Exception as exc:
+            self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
+            raise self.broken from exc
         if len(cache) < CACHE_LIMIT:
             cache[key] = value
         return value
@@ -277,6 +316,75 @@ class BatchProcessor:
 
     def cursors(self) -> list[StreamCursor]:
         return list(self._by_stream.values())
+
+    def take_over(self, owned: OwnedPartition) -> None:
+        """Start on a partition whose leases are ours: claim every pending entry of its streams.
+
+        An entry pending at a consumer outside the store's history, at or below the checkpoint,
+        was never applied here (a foreign consumer of the group took it): it is marked, durably
+        and before the claim, so it runs. A store from before the history was kept (checkpoints
+        but no history) trusts every consumer, as it did then.
+        """
+        self.add(owned)
+        legacy = not owned.consumers and any(c.checkpoint is not None for c in owned.streams.values())
+        marks = {
+            cursor: [
+                pending.id
+                for pending in self.broker.pending_entries(cursor.stream, self.app.name, cursor.checkpoint)
+                if pending.consumer not in owned.consumers
+            ]
+            for cursor in owned.streams.values()
+            if cursor.checkpoint is not None and not legacy
+        }
+        owned.mark_foreign(marks, self.consumer)
+        for cursor in owned.streams.values():
+            claimed, _ = self.broker.claim_idle(cursor.stream, self.app.name, self.consumer, 0)
+            if claimed:
+                log.info(
+                    "claimed %s pending entries of earlier consumers stream=%s (%s never applied here)",
+                    len(claimed),
+                    cursor.stream,
+                    len(marks.get(cursor, ())),
+                )
+
+    def claim_idle(self, min_idle_ms: int) -> None:
+        """Take over entries other consumers of the group left idle on the owned streams.
+
+        Takeover claims an earlier owner's entries at once; this periodic pass is the safety net
+        for entries another consumer took without holding the lease. Those at or below the
+        checkpoint are marked foreign before they are claimed, so they run.
+        """
+        for owned in self.owned.values():
+            for cursor in owned.streams.values():
+                idle = [
+                    pending
+                    for pending in self.broker.pending_entries(
+                        cursor.stream, self.app.name, min_idle_ms=min_idle_ms
+                    )
+                    if pending.consumer != self.consumer
+                ]
+                if not idle:
+                    continue
+                checkpoint = cursor.checkpoint
+                foreign = [
+                    p.id
+                    for p in idle
+                    if checkpoint is not None
+                    and p.consumer not in owned.consumers
+                    and StreamId.parse(p.id) <= checkpoint
+                ]
+                owned.mark_foreign({cursor: foreign})
+                claimed = self.broker.claim_ids(
+                    cursor.stream, self.app.name, self.consumer, min_idle_ms, [p.id for p in idle]
+                )
+                log.warning(
+                    "claimed %s entries idle over %s ms from other consumers stream=%s; "
+                    "they are applied now, out of order",
+                    len(claimed),
+                    min_idle_ms,
+                    cursor.stream,
+                )
+                cursor.rewind()
 
     def rewind_all(self) -> None:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
@@ -449,30 +557,14 @@ class BatchProcessor:
 
     def _handle(self, batch: PartitionBatch, read: _Read, result: CycleResult) -> _StreamOutcome:
         cursor = read.cursor
-        handler = self.app.handlers[cursor.topic]
         policy = self.policies[cursor.topic]
         done_ids: list[bytes] = []
         dead: list[tuple[bytes, Fields]] = []
         skipped_before = result.skipped
         todo = self._screen(batch, read, done_ids, dead, result)
         skipped = result.skipped - skipped_before  # not the lost entries, also in done_ids
-        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, read.poison, policy.max_deliveries or 1)
         decisions: dict[int, tuple[Outcome, Failure]] = {}
-
-        def stop(index: int, exc: BaseException) -> bool:
-            decisions[index] = self._decide(batch, cursor, handler, policy, todo[index][0], exc, read.due)
-            return decisions[index][0] is Outcome.RETRY
-
-        if handler.is_async:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            ran, errors, states = run_async(self._loop, handler, meta, todo, batch, stop)
-            for index in sorted(states):
-                key, new = states[index]
-                if index < ran and new is not UNCHANGED:
-                    batch.overlay[key] = new
-        else:
-            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch, stop)
+        ran, errors = self._run(batch, read, todo, decisions)
         owned = batch.owned
         retry_in_s = None
         if not errors:  # the common case, kept free of per-entry bookkeeping
@@ -496,6 +588,42 @@ class BatchProcessor:
         if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
             checkpoint = None  # only entries taken from other consumers, below the checkpoint
         return _StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, skipped)
+
+    def _run(
+        self,
+        batch: PartitionBatch,
+        read: _Read,
+        todo: list[Entry],
+        decisions: dict[int, tuple[Outcome, Failure]],
+    ) -> tuple[int, dict[int, BaseException]]:
+        """Run the handler over ``todo``; how many ran, their errors, and each failure's outcome.
+
+        A store that failed under a handler stops here, whatever the handler did with its error.
+        """
+        cursor = read.cursor
+        handler = self.app.handlers[cursor.topic]
+        policy = self.policies[cursor.topic]
+        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, read.poison, policy.max_deliveries or 1)
+
+        def stop(index: int, exc: BaseException) -> bool:
+            if batch.broken is not None:
+                raise batch.broken
+            decisions[index] = self._decide(batch, cursor, handler, policy, todo[index][0], exc, read.due)
+            return decisions[index][0] is Outcome.RETRY
+
+        if handler.is_async:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            ran, errors, states = run_async(self._loop, handler, meta, todo, batch, stop)
+            for index in sorted(states):
+                key, new = states[index]
+                if index < ran and new is not UNCHANGED:
+                    batch.overlay[key] = new
+        else:
+            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch, stop)
+        if batch.broken is not None:
+            raise batch.broken
+        return ran, errors
 
     def _settle(
         self,
@@ -648,7 +776,14 @@ class BatchProcessor:
 
     def _commit(self, batch: PartitionBatch, outcomes: list[_StreamOutcome]) -> None:
         checkpoints = {o.cursor.topic: o.checkpoint for o in outcomes if o.checkpoint is not None}
-        if not checkpoints and not batch.overlay and not batch.failures and not batch.dead:
+        foreign_done = [
+            failure_key(o.cursor.topic, entry_id)
+            for o in outcomes
+            if o.cursor.foreign
+            for entry_id in [*o.ack_ids, *(entry_id for entry_id, _ in o.dead)]
+            if entry_id in o.cursor.foreign
+        ]
+        if not (checkpoints or batch.overlay or batch.failures or batch.dead or foreign_done):
             for o in outcomes:  # nothing to write, but entries were done: report them all the same
                 if o.handled or o.skipped:
                     c = o.cursor
@@ -660,6 +795,8 @@ class BatchProcessor:
             _put(tx, STATE_NAMESPACE, batch.overlay)
             _put(tx, FAILURES_NAMESPACE, {n: _encode(f) for n, f in batch.failures.items()})
             _put(tx, DEAD_NAMESPACE, {n: _encode(f) for n, f in batch.dead.items()})
+            for name in foreign_done:
+                tx.delete(FOREIGN_NAMESPACE, name)
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         self._call_hook(self.hooks.on_commit, owned.partition, time.perf_counter() - started)

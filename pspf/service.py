@@ -24,7 +24,13 @@ from pspf.errors import (
 )
 from pspf.failures import DeadLetter
 from pspf.keys import StreamId
-from pspf.processor import DEAD_NAMESPACE, FAILURES_NAMESPACE, REDRIVE_APP_HEADER, STATE_NAMESPACE
+from pspf.processor import (
+    DEAD_NAMESPACE,
+    FAILURES_NAMESPACE,
+    FOREIGN_NAMESPACE,
+    REDRIVE_APP_HEADER,
+    STATE_NAMESPACE,
+)
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
@@ -574,7 +580,8 @@ class Service:
                 for stream in streams:
                     self.broker.reset_group(stream, app, str(position))
                 checkpoint = None if position == keys.ZERO_ID else position
-                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE} | (set() if keep_state else {STATE_NAMESPACE})
+                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE}
+                clear |= set() if keep_state else {STATE_NAMESPACE}
                 for store in stores:
                     store.rewind(clear, {topic: checkpoint for topic in chosen})
             entries = sum(self._entries_after(stream, position) for stream in streams)

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -287,11 +287,19 @@ class Worker:
     # -- ownership ------------------------------------------------------------------------------
 
     def _lease_round(self) -> None:
-        """Renew held leases, give up lost partitions, take free ones, claim idle entries."""
+        """Renew held leases, give up lost partitions, take free ones, claim idle entries.
+
+        Also checks that the owned stores are still in place: a worker with nothing to commit
+        notices a deleted state dir too.
+        """
+        for owned in self.processor.owned.values():
+            owned.store.check_in_place()
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
         if time.monotonic() >= self._next_idle_claim:
-            self._claim_idle()
+            min_idle_ms = self.settings.consumer.min_idle_ms
+            self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
+            self.processor.claim_idle(min_idle_ms)
         for partition in range(self._partitions):
             if partition in self._held:
                 continue
@@ -303,31 +311,11 @@ class Worker:
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
-
-    def _claim_idle(self) -> None:
-        """Take over entries that other consumers of the app left idle on our partitions.
-
-        Takeover claims a previous owner's entries at once; this periodic pass is the safety net
-        for entries another consumer of the group took without holding the lease.
-        """
-        min_idle_ms = self.settings.consumer.min_idle_ms
-        self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
-        for cursor in self.processor.cursors():
-            claimed, deleted = self.broker.claim_idle(
-                cursor.stream, self.app.name, self.consumer, min_idle_ms
-            )
-            if claimed:
-                log.warning(
-                    "claimed %s entries idle over %s ms from other consumers stream=%s (%s deleted); "
-                    "they are applied now, out of order",
-                    len(claimed),
-                    min_idle_ms,
-                    cursor.stream,
-                    deleted,
-                )
-                # Another consumer took them, so they were never applied, even below the checkpoint.
-                cursor.foreign.update(claimed)
-                cursor.rewind()
+            except BaseException:
+                # The worker stops: give the partition up now, not when the lease expires.
+                with suppress(BrokerError):
+                    self.leases.release(partition, leases)
+                raise
 
     def _others_drained(self) -> bool:
         """True when no partition this worker does not own has entries left for the app.
@@ -350,9 +338,6 @@ class Worker:
             for topic, lease_value in leases.items():
                 stream = keys.stream_key(topic, partition)
                 self._check_stream(stream, checkpoints.get(topic))
-                claimed, _ = self.broker.claim_idle(stream, self.app.name, self.consumer, 0)
-                if claimed:
-                    log.info("claimed %s pending entries of earlier owners stream=%s", len(claimed), stream)
                 streams[stream] = StreamCursor(
                     topic=topic,
                     partition=partition,
@@ -362,11 +347,13 @@ class Worker:
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
                 )
+            self.processor.take_over(OwnedPartition(partition, store, streams))
         except BaseException:
+            if partition in self.processor.owned:
+                self.processor.remove(partition)
             store.close()
             raise
         self._held[partition] = leases
-        self.processor.add(OwnedPartition(partition, store, streams))
         if self.metrics is not None:
             self.metrics.partition_taken(partition)
         log.info(

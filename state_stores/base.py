@@ -9,8 +9,10 @@ read-your-own-writes and the checkpoint guard live here once.
 from __future__ import annotations
 
 import enum
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
@@ -22,6 +24,34 @@ Durability = Literal["normal", "fsync"]
 
 class StateStore(ABC):
     """The committed state of one (group, partition)."""
+
+    #: Where the engine keeps its files (None for the memory engine).
+    path: Path | None = None
+    #: (device, inode) of ``path`` when a writer opened it; see ``check_in_place``.
+    _identity: tuple[int, int] | None = None
+
+    def _remember_identity(self) -> None:
+        assert self.path is not None
+        found = os.stat(self.path)
+        self._identity = (found.st_dev, found.st_ino)
+
+    def check_in_place(self) -> None:
+        """Raise StateError when the store's files were deleted or replaced since it was opened.
+
+        Writes into deleted files succeed and then vanish: a worker that went on would
+        acknowledge entries whose effects no restart can find.
+        """
+        if self._identity is None or self.path is None:
+            return
+        try:
+            found = os.stat(self.path)
+        except OSError:
+            found = None
+        if found is None or (found.st_dev, found.st_ino) != self._identity:
+            raise StateError(
+                f"state store {self.path} was deleted or replaced while in use: nothing more is "
+                "committed or acknowledged; restore the state directory before starting again"
+            )
 
     @abstractmethod
     def get(self, namespace: str, key: str) -> bytes | None:
@@ -147,6 +177,7 @@ class StoreTransaction:
         self._check_open()
         try:
             self._store.write(self._updates, self._checkpoints)
+            self._store.check_in_place()
         except BaseException:
             self.status = TxStatus.FAILED
             raise

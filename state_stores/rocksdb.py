@@ -37,6 +37,8 @@ class RocksDBStore(StateStore):
         if readonly and not (path / "CURRENT").exists():
             raise NotFound(f"state store {path} holds no state yet")
         self._db = self._open(path, options, readonly)
+        if not readonly:
+            self._remember_identity()
         self._write_options = WriteOptions()
         self._write_options.sync = durability == "fsync"
         self._checkpoints = {
@@ -77,12 +79,18 @@ class RocksDBStore(StateStore):
             raise StateError(f"state store {self.path} is damaged: {exc}") from exc
 
     def get(self, namespace: str, key: str) -> bytes | None:
-        value = self._db.get(_state_key(namespace, key))
+        try:
+            value = self._db.get(_state_key(namespace, key))
+        except Exception as exc:
+            raise StateError(f"cannot read state store {self.path}: {exc}") from exc
         return None if value is None else bytes(value)
 
     def get_many(self, namespace: str, keys: Iterable[str]) -> dict[str, bytes]:
         wanted = list(keys)
-        values = self._db.get([_state_key(namespace, key) for key in wanted]) or []
+        try:
+            values = self._db.get([_state_key(namespace, key) for key in wanted]) or []
+        except Exception as exc:
+            raise StateError(f"cannot read state store {self.path}: {exc}") from exc
         return {key: bytes(value) for key, value in zip(wanted, values, strict=True) if value is not None}
 
     def items(self, namespace: str, prefix: str = "") -> Iterator[tuple[str, bytes]]:

@@ -12,7 +12,7 @@ import itertools
 import os
 import sqlite3
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from pspf.errors import NotFound, StateError, StoreLocked
@@ -67,6 +67,7 @@ class SQLiteStore(StateStore):
                 sync = "FULL" if durability == "fsync" else "NORMAL"
                 self._db.execute(f"PRAGMA synchronous={sync}")
                 self._db.executescript(_SCHEMA)
+                self._remember_identity()
             self._checkpoints = {
                 topic: _from_row(ms, seq)
                 for topic, ms, seq in self._db.execute("SELECT topic, ms, seq FROM checkpoints")
@@ -81,10 +82,19 @@ class SQLiteStore(StateStore):
         ).fetchone()
         return found is not None
 
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Name the store in a failed read: damage is the store's fault, not the caller's."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StateError(f"cannot read state store {self.path}: {exc}") from exc
+
     def get(self, namespace: str, key: str) -> bytes | None:
-        row = self._db.execute(
-            "SELECT value FROM state WHERE ns = ? AND key = ?", (namespace, key)
-        ).fetchone()
+        with self._reading():
+            row = self._db.execute(
+                "SELECT value FROM state WHERE ns = ? AND key = ?", (namespace, key)
+            ).fetchone()
         return None if row is None else bytes(row[0])
 
     def get_many(self, namespace: str, keys: Iterable[str]) -> dict[str, bytes]:
@@ -93,21 +103,23 @@ class SQLiteStore(StateStore):
         for start in range(0, len(wanted), _MANY_CHUNK):
             chunk = wanted[start : start + _MANY_CHUNK]
             marks = ",".join("?" * len(chunk))
-            found.update(
-                self._db.execute(
-                    f"SELECT key, value FROM state WHERE ns = ? AND key IN ({marks})",
-                    (namespace, *chunk),
+            with self._reading():
+                found.update(
+                    self._db.execute(
+                        f"SELECT key, value FROM state WHERE ns = ? AND key IN ({marks})",
+                        (namespace, *chunk),
+                    )
                 )
-            )
         return found
 
     def items(self, namespace: str, prefix: str = "") -> Iterator[tuple[str, bytes]]:
-        cursor = self._db.execute(
-            "SELECT key, value FROM state WHERE ns = ? AND substr(key, 1, ?) = ? ORDER BY key",
-            (namespace, len(prefix), prefix),
-        )
-        for key, value in cursor:
-            yield key, bytes(value)
+        with self._reading():
+            cursor = self._db.execute(
+                "SELECT key, value FROM state WHERE ns = ? AND substr(key, 1, ?) = ? ORDER BY key",
+                (namespace, len(prefix), prefix),
+            )
+            for key, value in cursor:
+                yield key, bytes(value)
 
     def checkpoints(self) -> dict[str, StreamId]:
         return dict(self._checkpoints)
@@ -150,7 +162,11 @@ class SQLiteStore(StateStore):
                 yield db
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                # SQLite may have rolled back already (a full disk does): then ROLLBACK fails,
+                # and its error must not hide the cause.
+                with suppress(sqlite3.Error):
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
             raise StateError(f"cannot {what} state store {self.path}: {exc}") from exc

@@ -271,3 +271,26 @@ def test_rocksdb_missing_names_the_extra(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 7, done.stderr
     assert "pip install 'pspf[rocksdb]'" in done.stdout
+
+
+def test_sqlite_full_disk_reports_the_cause_and_keeps_the_last_commit(tmp_path: Path) -> None:
+    """A full disk (here: the file's page limit) fails the commit with SQLite's own reason."""
+    store = open_store("sqlite", tmp_path, "g", 0)
+    try:
+        with store.transaction() as tx:
+            tx.set("ns", "kept", b"1")
+            tx.set_checkpoint("t", StreamId(1, 0))
+        pages = store._db.execute("PRAGMA page_count").fetchone()[0]  # type: ignore[attr-defined]
+        store._db.execute(f"PRAGMA max_page_count = {pages + 2}")  # type: ignore[attr-defined]
+        tx = store.transaction()
+        for i in range(200):
+            tx.set("ns", f"big{i}", b"x" * 4096)
+        tx.set_checkpoint("t", StreamId(2, 0))
+        with pytest.raises(StateError, match="database or disk is full") as failed:
+            tx.commit()
+        assert "no transaction is active" not in str(failed.value)
+        assert tx.status is TxStatus.FAILED
+        assert store.get("ns", "kept") == b"1" and store.get("ns", "big0") is None
+        assert store.checkpoints() == {"t": StreamId(1, 0)}
+    finally:
+        store.close()

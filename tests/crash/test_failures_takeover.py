@@ -111,7 +111,7 @@ def test_takeover_of_5000_pending_entries_with_some_deleted_while_pending(
     assert len(seen) == len(set(seen)) == ENTRIES - DELETED
     messages = [r.getMessage() for r in caplog.records]
     assert any(
-        re.match(rf"claimed {BATCH - DELETED} pending entries of earlier owners", m) for m in messages
+        re.match(rf"claimed {BATCH - DELETED} pending entries of earlier consumers", m) for m in messages
     ), [m for m in messages if "claimed" in m]
     # Reported: by the takeover's XAUTOCLAIM (a list of ids) or by the processor (one id a line).
     reported: list[str] = []

@@ -185,3 +185,43 @@ def test_periodic_claim_takes_over_entries_a_foreign_consumer_left_idle(
     )
     assert_exact(rclient, state_dir, topic, app_name, 1, records)
     assert read_state(state_dir, app_name, 1)["stolen0"] == {"count": 1, "total": 1000}
+
+
+def test_entries_a_foreign_consumer_took_are_applied_at_takeover_though_below_the_checkpoint(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """A foreign consumer takes 5 entries; the worker applies the 25 after them, so its checkpoint
+    passes the 5; it restarts long before ``min_idle_ms``. Its takeover claims the 5 with the
+    rest of the pending list: they were never applied and must be, not acknowledged as done."""
+    topic, app_name = make_topic(1), names.app()
+    records = order_records(10, 5, seed=3)
+    produce(topic, records)
+    settings = make_settings(PSPF_MIN_IDLE_MS=600_000, PSPF_CONSUMER="worker")
+    state_dir = Path(settings.state.dir)
+    seen: list[str] = []
+
+    with WorkerThread(totals_app(app_name, topic, seen), settings) as runner:
+        wait_until(lambda: applied(rclient, state_dir, topic, app_name, 1) == 10, 15, "the first entries")
+        stolen = steal(rclient, topic, app_name, 5)
+        records += [(f"stolen{i}", {"amount": 1000}) for i in range(5)]
+        later = order_records(25, 5, seed=4)
+        produce(topic, later)
+        records += later
+        wait_until(lambda: applied(rclient, state_dir, topic, app_name, 1) == 35, 15, "the later entries")
+        runner.stop()
+    stream = stream_key(topic, 0)
+    assert {row["consumer"] for row in rclient.xpending_range(stream, app_name, "-", "+", 100)} == {
+        b"intruder"
+    }
+
+    with WorkerThread(totals_app(app_name, topic, seen), settings) as runner:
+        wait_until(lambda: rclient.xpending(stream, app_name)["pending"] == 0, 15, "the takeover")
+        runner.stop()
+
+    ran = {entry_id.decode() for entry_id in stolen} & set(seen)
+    assert len(ran) == 5, f"the restarted worker acknowledged the 5 stolen entries but ran {len(ran)}"
+    assert_exact(rclient, state_dir, topic, app_name, 1, records)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import msgspec
 
@@ -144,13 +144,22 @@ def _name_error(message: str) -> str:
     return message
 
 
+_ENCODE_HINT = "percent-encode / ? # @ [ ] in a password"
+
+
 def check_broker_url(url: str) -> None:
     """Raise ConfigError unless ``url`` is a redis://, rediss:// or unix:// URL we can use."""
+    # Never the exceptions' text: it quotes parts of the URL, which may be a password cut short.
     try:
         parts = urlsplit(url)
+    except ValueError:
+        raise ConfigError(f"invalid broker URL: cannot parse it ({_ENCODE_HINT})") from None
+    try:
         parts.port  # noqa: B018 - reading it validates the port number
-    except ValueError as exc:
-        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
+    except ValueError:
+        raise ConfigError(
+            f"invalid broker URL {mask_url(url)!r}: the port must be a number up to 65535 ({_ENCODE_HINT})"
+        ) from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(
             f"invalid broker URL {mask_url(url)!r}: scheme must be redis://, rediss:// or unix://"
@@ -166,14 +175,64 @@ def check_broker_url(url: str) -> None:
         raise ConfigError(f"invalid broker URL {mask_url(url)!r}: database must be a number")
 
 
+#: Query parameters of a broker URL whose values carry no credential and are shown in messages
+#: (redis-py's connection options); the value of any other parameter, ``password``,
+#: ``ssl_password`` or a misspelt one alike, is masked.
+_SHOWN_QUERY_ARGS = frozenset(
+    {
+        "db",
+        "username",
+        "client_name",
+        "protocol",
+        "timeout",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_read_size",
+        "retry_on_timeout",
+        "max_connections",
+        "health_check_interval",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+        "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)
+
+
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ``***``, safe to log or print."""
+    """The URL with every credential replaced by ``***``, safe to log or print.
+
+    A user name is shown next to its masked password; a user-info without a password is hidden
+    whole, since some clients read ``redis://secret@host`` as a password. Query values are shown
+    only for the options in ``_SHOWN_QUERY_ARGS``. An ``@`` after the host means a password with an
+    unencoded ``/``, ``?`` or ``#`` cut the URL short, so everything up to the last ``@`` is hidden.
+    """
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = unquote(parts.username or "")
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    if "@" in parts.path + parts.query + parts.fragment:
+        tail = mask_url(f"{parts.scheme}://{url.rpartition('@')[2]}")
+        return tail.replace("://", "://***@", 1)
+    masked = url.partition("#")[0].partition("?")[0]
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at:
+        user = f"{userinfo.partition(':')[0]}:" if parts.password is not None else ""
+        masked = masked.replace(parts.netloc, f"{user}***@{host}", 1)
+    if parts.query:
+        masked += "?" + "&".join(_mask_query_arg(arg) for arg in parts.query.split("&"))
+    return masked + ("#***" if parts.fragment else "")
+
+
+def _mask_query_arg(arg: str) -> str:
+    name, sep, _ = arg.partition("=")
+    if unquote_plus(name) in _SHOWN_QUERY_ARGS:
+        return arg
+    return f"{name}=***" if sep else "***"

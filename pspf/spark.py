@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -63,7 +63,7 @@ def register(spark: SparkSession) -> None:
 class SinkOptions:
     """The validated options of one write; sent to every task."""
 
-    url: str
+    url: str = field(repr=False)  # it may hold a password
     topic: str
     partitions: int
     key: str | None

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pspf.errors import ConfigError
-from pspf.settings import Settings, check_broker_url, mask_url
+from pspf.settings import RedisSettings, Settings, check_broker_url, mask_url
 
 
 def test_defaults() -> None:
@@ -66,3 +66,81 @@ def test_passwords_never_show() -> None:
     with pytest.raises(ConfigError) as info:
         check_broker_url("ftp://alice:s3cret@host")
     assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        # user-info: the user name is shown next to a masked password
+        ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://alice:s3cret@h/0", "redis://alice:***@h/0"),
+        ("redis://alice:s%40cr%3Aet@h/0", "redis://alice:***@h/0"),
+        ("redis://alice:s3c@ret@h/0", "redis://alice:***@h/0"),
+        # a lone user-info may be a password (other clients read it so): hidden whole
+        ("redis://s3cret@h/0", "redis://***@h/0"),
+        # query parameters redis-py turns into credentials, and any it does not know
+        ("redis://h:6379/0?password=s3cret", "redis://h:6379/0?password=***"),
+        ("redis://h/0?username=alice&password=s3cret", "redis://h/0?username=alice&password=***"),
+        ("redis://h/0?pass%77ord=s3cret", "redis://h/0?pass%77ord=***"),
+        (
+            "rediss://h/0?ssl_password=s3cret&ssl_keyfile=k.pem",
+            "rediss://h/0?ssl_password=***&ssl_keyfile=k.pem",
+        ),
+        ("redis://h/0?pasword=s3cret", "redis://h/0?pasword=***"),
+        ("redis://h/0?s3cret", "redis://h/0?***"),
+        ("unix:///run/redis.sock?db=1&password=s3cret", "unix:///run/redis.sock?db=1&password=***"),
+        ("unix://:s3cret@/run/redis.sock", "unix://:***@/run/redis.sock"),
+        # options that carry no credential stay readable
+        (
+            "rediss://h:6380/0?ssl_ca_certs=ca.crt&ssl_cert_reqs=required&socket_timeout=5",
+            "rediss://h:6380/0?ssl_ca_certs=ca.crt&ssl_cert_reqs=required&socket_timeout=5",
+        ),
+        # a password with an unencoded / ? or # cuts the URL short: all before the last @ is hidden
+        ("redis://alice:s3/cret@h:6379/0", "redis://***@h:6379/0"),
+        ("redis://:s3?cret@h:6379/0?password=s3cret", "redis://***@h:6379/0?password=***"),
+        ("redis://:s3#cret@h/0", "redis://***@h/0"),
+        ("redis://h/0#s3cret", "redis://h/0#***"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ],
+)
+def test_mask_url_hides_every_credential(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+    assert "s3cret" not in repr(RedisSettings(url=url))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://alice:s3cret/x@h:6379/0",
+        "redis://:s3cret#x@h/0",
+        "redis://:s3cret[@h/0",
+        "ftp://h/0?password=s3cret",
+        "redis://:12/s3cret@h/0",
+    ],
+)
+def test_malformed_url_errors_never_show_the_password(url: str) -> None:
+    with pytest.raises(ConfigError, match="invalid broker URL") as info:
+        check_broker_url(url)
+    assert "s3cret" not in str(info.value)
+
+
+def test_spark_sink_options_repr_never_shows_the_url() -> None:
+    """Spark may print the options it ships to its tasks; they hold the URL with its password."""
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pyarrow")
+    from pspf.spark import SinkOptions
+
+    options = SinkOptions(
+        url="redis://h/0?password=s3cret",
+        topic="orders",
+        partitions=1,
+        key=None,
+        value=None,
+        columns=(),
+        maxlen="",
+        minid="",
+        idempotency_key=None,
+        marker_ttl_s=1,
+    )
+    assert "s3cret" not in repr(options)
+    assert "orders" in repr(options)

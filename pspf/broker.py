@@ -96,6 +96,17 @@ class Broker:
 
     def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
         self.url = mask_url(settings.url)
+        # Given only when set: redis-py's plain connections take no ssl_* arguments, and the URL's
+        # own ssl_* options win over these in from_url.
+        tls = {
+            option: path
+            for option, path in [
+                ("ssl_ca_certs", settings.tls_ca_file),
+                ("ssl_certfile", settings.tls_cert_file),
+                ("ssl_keyfile", settings.tls_key_file),
+            ]
+            if path
+        }
         self.client = redis.Redis.from_url(
             settings.url,
             protocol=2,
@@ -104,6 +115,7 @@ class Broker:
             socket_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
+            **tls,
         )
         # Stream replies are parsed by _entries below, which keeps deleted entries visible.
         for command in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):
@@ -383,6 +395,10 @@ class Broker:
                 pipe.xrevrange(stream, count=1)
             last = pipe.execute()
         return lost, [], {s: (found[0][0] if found else b"0-0") for s, found in zip(held, last, strict=True)}
+
+    def last_id(self, stream: str) -> bytes | None:
+        """The stream's last generated id (also of deleted entries); None when it does not exist."""
+        return self.stream_info(stream)[1]
 
     def wait_for_new(self, last_ids: dict[str, bytes], block_ms: int) -> None:
         """Block until an entry newer than ``last_ids`` arrives or ``block_ms`` passes.

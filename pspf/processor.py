@@ -42,7 +42,7 @@ from pspf import codec
 from pspf.app import App, Handler
 from pspf.broker import AckRequest, Broker, Fields, RawEntry
 from pspf.codec import StateDecoder
-from pspf.errors import LeaseLost, StateError
+from pspf.errors import BrokerError, LeaseLost, StateError
 from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, RetryPolicy, classify, record_failure
 from pspf.keys import ZERO_ID, StreamId
@@ -268,6 +268,24 @@ class _StreamOutcome(NamedTuple):
     skipped: int
 
 
+def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
+    """Refuse a stream whose last id is below the checkpoint, before anything more is acknowledged.
+
+    Redis gives a new entry an id above the stream's last one: once that is below the checkpoint,
+    new entries can land at or below it and would be skipped as done.
+    """
+    if checkpoint is None or last_id is None or StreamId.parse(last_id) >= checkpoint:
+        return
+    raise BrokerError(
+        f"stream {stream} went back: its last id {last_id.decode()} is below the app's checkpoint "
+        f"{checkpoint} (the topic was recreated, or Redis lost writes: a restart without its data, "
+        "a fail-over, a restore). Entries added now could get ids at or below the checkpoint and "
+        "be skipped as done, so nothing more is acknowledged. If no entry was added since, "
+        f"`XSETID {stream} {checkpoint}` moves the stream past the checkpoint; otherwise replay "
+        "the app (pspf replay)"
+    )
+
+
 def failure_key(topic: str, entry_id: bytes) -> str:
     return f"{topic}/{entry_id.decode()}"
 
@@ -456,14 +474,25 @@ class BatchProcessor:
             )
             for stream in lost:
                 self._lease_lost(stream, "the read found the lease taken", result)
-            out += [
-                _Read(self._by_stream[stream_b.decode()], entries, {})
-                for stream_b, entries in replies
-                if entries
-            ]
+            new = [_Read(self._by_stream[s.decode()], entries, {}) for s, entries in replies if entries]
+            self._check_tails(new, last_ids)
+            out += new
             if block and not out and last_ids:
                 self.broker.wait_for_new(last_ids, self.block_ms)
         return out
+
+    def _check_tails(self, new: list[_Read], last_ids: dict[str, bytes]) -> None:
+        """Check the streams' last ids against the checkpoints wherever they are at hand.
+
+        New entries at or below the checkpoint mean the group's position went back: the stream's
+        last id is looked up then, so that a lost tail is seen before they are skipped as done.
+        """
+        for stream, last_id in last_ids.items():
+            check_tail(stream, last_id, self._by_stream[stream].checkpoint)
+        for read in new:
+            checkpoint = read.cursor.checkpoint
+            if checkpoint is not None and StreamId.parse(read.entries[0][0]) <= checkpoint:
+                check_tail(read.cursor.stream, self.broker.last_id(read.cursor.stream), checkpoint)
 
     def _pending_window(self, cursor: StreamCursor) -> list[tuple[bytes, int]]:
         """The next own pending entries and their delivery counts (XPENDING delivers nothing).

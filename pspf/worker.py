@@ -35,7 +35,14 @@ from pspf.failures import policy_from
 from pspf.keys import StreamId
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases
-from pspf.processor import BatchProcessor, CycleResult, OwnedPartition, ProcessorHooks, StreamCursor
+from pspf.processor import (
+    BatchProcessor,
+    CycleResult,
+    OwnedPartition,
+    ProcessorHooks,
+    StreamCursor,
+    check_tail,
+)
 from pspf.settings import Settings
 
 if TYPE_CHECKING:
@@ -119,6 +126,8 @@ class Worker:
         self._partitions = 0
         self._stopping = threading.Event()
         self._next_idle_claim = 0.0
+        #: Set by a lost connection: the next lease round checks the owned streams again.
+        self._recheck_streams = False
         self._signals = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -264,6 +273,7 @@ class Worker:
                 delay *= random.uniform(0.5, 1.0)
                 log.warning("Redis unavailable, retrying in %.1fs: %s", delay, exc)
                 self.processor.rewind_all()
+                self._recheck_streams = True
                 next_lease_round = 0.0
                 self._stopping.wait(delay)
                 continue
@@ -289,11 +299,16 @@ class Worker:
     def _lease_round(self) -> None:
         """Renew held leases, give up lost partitions, take free ones, claim idle entries.
 
-        Also checks that the owned stores are still in place: a worker with nothing to commit
-        notices a deleted state dir too.
+        Also checks that the owned stores are still in place (a worker with nothing to commit
+        notices a deleted state dir too) and, after a lost connection, the owned streams.
         """
         for owned in self.processor.owned.values():
             owned.store.check_in_place()
+        if self._recheck_streams:
+            # Redis may be back with less than it had: check before anything is read again.
+            for cursor in self.processor.cursors():
+                self._check_stream(cursor.stream, cursor.checkpoint)
+            self._recheck_streams = False
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
         if time.monotonic() >= self._next_idle_claim:
@@ -367,12 +382,7 @@ class Worker:
         entries after the checkpoint must still be processed.
         """
         _, last_id, groups = self.broker.stream_info(stream)
-        if checkpoint is not None and last_id is not None and StreamId.parse(last_id) < checkpoint:
-            raise BrokerError(
-                f"stream {stream} was recreated: its last id {last_id.decode()} is below the app's "
-                f"checkpoint {checkpoint}; entries there would be skipped as done. Reset the app's "
-                "state for this topic before running it again"
-            )
+        check_tail(stream, last_id, checkpoint)
         if not any(g["name"].decode() == self.app.name for g in groups):
             start = str(checkpoint or "0")
             log.error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import Counter
@@ -13,11 +14,13 @@ import pytest
 
 from pspf import App, Context, Producer, Settings, Worker
 from pspf.broker import Broker
-from pspf.errors import BrokerUnavailable
-from pspf.keys import stream_key
+from pspf.errors import BrokerError, BrokerUnavailable, NotFound
+from pspf.keys import StreamId, stream_key
 from pspf.service import Service
 from pspf.worker import RunSummary
+from state_stores import open_store
 from tests.conftest import RedisServer
+from tests.integration.failures_support import WorkerThread, read_state, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +113,120 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
     assert summary.skipped == 100  # committed before the drop: acknowledged, not re-applied
     assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
     assert Service(settings).state_get(app.name, "k") == {"count": 500}
+
+
+def test_a_stream_whose_tail_went_back_below_the_checkpoint_stops_the_worker_after_reconnect(
+    own_server: RedisServer, tmp_path: Path
+) -> None:
+    """Redis comes back from an older copy of its data (a lost AOF tail, a fail-over, a restore):
+    the stream's last id is below the worker's checkpoint, and 1,000 entries added then get ids
+    at or below it. The running worker must stop with a clear error after it reconnects, before
+    it acknowledges any of them as "already done"."""
+    settings = Settings.load(
+        {
+            "PSPF_BROKER": own_server.url,
+            "PSPF_STATE_DIR": str(tmp_path / "state"),
+            "PSPF_BLOCK_MS": 100,
+            "PSPF_LEASE_TTL_MS": 3000,
+        },
+        environ={},
+    )
+    Service(settings).create_topic("orders", 1)
+    stream, data = stream_key("orders", 0), own_server.directory
+
+    def produce(n: int) -> None:
+        with Producer(settings=settings) as producer:
+            for i in range(n):
+                producer.send("orders", {"n": 1}, key=f"k{i % 5}")
+
+    def applied() -> int:
+        try:
+            return sum(v["count"] for v in read_state(settings.state.dir, "tail-app", 1).values())
+        except NotFound:  # not created yet
+            return 0
+
+    app = App("tail-app")
+
+    @app.handler("orders")
+    def count(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
+
+    produce(50)
+    with WorkerThread(app, settings) as runner:
+        wait_until(lambda: applied() == 50, 15, "the first entries")
+        own_server.stop()
+        shutil.copytree(data, tmp_path / "older")
+        own_server.start()
+        time.sleep(0.01)  # the next entries' ids are later than the copy's last id
+        produce(50)
+        wait_until(lambda: applied() == 100, 20, "the entries after the copy")
+        checkpoint = read_store_checkpoint(settings.state.dir, "tail-app", "orders")
+
+        own_server.stop()
+        shutil.rmtree(data)
+        shutil.copytree(tmp_path / "older", data)
+        own_server.start()
+        client = own_server.client()
+        last = StreamId.parse(client.xinfo_stream(stream)["last-generated-id"])
+        assert last < checkpoint
+        with client.pipeline(transaction=False) as pipe:
+            for i in range(1, 1001):
+                pipe.xadd(stream, {"key": "late", "value": b'{"n": 1}'}, id=f"{last.ms}-{last.seq + i}")
+            pipe.execute()
+        assert StreamId(last.ms, last.seq + 1000) < checkpoint
+
+        wait_until(lambda: not runner.alive(), 20, "the worker to stop")
+    assert isinstance(runner.error, BrokerError), runner.error
+    assert "below the app's checkpoint" in str(runner.error)
+    group = client.xinfo_groups(stream)[0]
+    unacknowledged = group["pending"] + len(client.xrange(stream, f"({group['last-delivered-id'].decode()}"))
+    assert unacknowledged == 1000, "entries added below the checkpoint were acknowledged as done"
+    assert applied() == 100
+
+
+def read_store_checkpoint(state_dir: str | Path, app: str, topic: str) -> StreamId:
+    with open_store("sqlite", state_dir, app, 0, readonly=True) as store:
+        return store.checkpoints()[topic]
+
+
+def test_entries_below_the_checkpoint_read_as_new_stop_the_worker_without_a_reconnect(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """The stream is deleted and written again with low ids under a running worker (its group
+    re-created at 0): the entries arrive as new, at or below the checkpoint. The worker looks the
+    stream's last id up, sees it below the checkpoint and stops; nothing is acknowledged."""
+    topic, app_name = make_topic(1), names.app()
+    produce(topic, [(f"k{i}", {"n": 1}) for i in range(20)])
+    settings = make_settings()
+    stream = stream_key(topic, 0)
+    app = App(app_name)
+
+    @app.handler(topic)
+    def count(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
+
+    with WorkerThread(app, settings) as runner:
+        last = StreamId.parse(rclient.xinfo_stream(stream)["last-generated-id"])
+
+        def done() -> bool:
+            try:
+                return read_store_checkpoint(settings.state.dir, app_name, topic) == last
+            except (NotFound, KeyError):
+                return False
+
+        wait_until(done, 15, "the first entries")
+        with rclient.pipeline(transaction=True) as pipe:
+            pipe.delete(stream)
+            pipe.xgroup_create(stream, app_name, id="0", mkstream=True)
+            for i in range(1, 11):
+                pipe.xadd(stream, {"key": "late", "value": b'{"n": 1}'}, id=f"1-{i}")
+            pipe.execute()
+        wait_until(lambda: not runner.alive(), 15, "the worker to stop")
+    assert isinstance(runner.error, BrokerError), runner.error
+    assert "below the app's checkpoint" in str(runner.error)
+    group = rclient.xinfo_groups(stream)[0]
+    assert group["pending"] + len(rclient.xrange(stream, f"({group['last-delivered-id'].decode()}")) == 10

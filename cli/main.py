@@ -35,9 +35,11 @@ class CliState:
 
     def __init__(self, verbose: int) -> None:
         self.verbose = verbose
+        #: settings given by options that commands do not see themselves (the TLS files)
+        self.options: dict[str, Any] = {}
 
     def settings(self, overrides: dict[str, Any]) -> Settings:
-        return Settings.load(overrides)
+        return Settings.load({**self.options, **overrides})
 
 
 class PSPFGroup(click.Group):
@@ -54,7 +56,31 @@ class PSPFGroup(click.Group):
             ctx.exit(exc.exit_code)
 
 
+#: The TLS options that come with --broker: (flag, help). Their values go to CliState.options, not
+#: to the command, so every command that reaches the broker takes them without naming them.
+TLS_OPTIONS: list[tuple[str, str]] = [
+    ("--tls-ca-file", "CA certificate(s), PEM, to verify a rediss:// server with  [default: the system's]"),
+    ("--tls-cert-file", "Client certificate, PEM, for servers that ask for one (mutual TLS)"),
+    ("--tls-key-file", "Private key, PEM, of --tls-cert-file when that file does not hold it"),
+]
+
+
+def _remember_setting(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is not None and isinstance(ctx.obj, CliState):
+        ctx.obj.options[_env_name(param.opts[0])] = value
+
+
 def broker_option(func: F) -> F:
+    for flag, text in reversed(TLS_OPTIONS):
+        func = click.option(
+            flag,
+            envvar=_env_name(flag),
+            show_envvar=True,
+            metavar="FILE",
+            help=text,
+            expose_value=False,
+            callback=_remember_setting,
+        )(func)
     return click.option(
         "--broker",
         envvar="PSPF_BROKER",

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -47,10 +48,14 @@ def free_port() -> int:
 class LocalRedis:
     """A redis-server process on 127.0.0.1; with ``aof`` a restart keeps the streams."""
 
-    def __init__(self, directory: Path, aof: bool = False, binary: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, aof: bool = False, binary: str | None = None, args: Sequence[str] = ()
+    ) -> None:
         self.directory = directory
         self.aof = aof
         self.binary = binary or redis_server_binary()
+        #: more redis-server options (the TLS tests add a TLS port); the plain port stays on
+        self.args = list(args)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.version = ""
@@ -63,6 +68,7 @@ class LocalRedis:
         command += ["--save", "", "--protected-mode", "no", "--appendonly", "yes" if self.aof else "no"]
         if self.aof:
             command += ["--appendfsync", "everysec"]
+        command += self.args
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,

@@ -23,13 +23,45 @@ RetryMode = Literal["ordered", "deferred"]
 
 
 class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How to reach the broker."""
+    """How to reach the broker.
+
+    The TLS files are for ``rediss://`` URLs: the CA to verify the server with (else the system's
+    trust store), and the client certificate and key for servers that ask for one (mutual TLS).
+    """
 
     url: str = "redis://127.0.0.1:6379/0"
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def __repr__(self) -> str:
-        return f"RedisSettings(url={mask_url(self.url)!r}, connect_timeout_s={self.connect_timeout_s})"
+        tls = "".join(
+            f", {name}={value!r}"
+            for name, value in [
+                ("tls_ca_file", self.tls_ca_file),
+                ("tls_cert_file", self.tls_cert_file),
+                ("tls_key_file", self.tls_key_file),
+            ]
+            if value
+        )
+        return f"RedisSettings(url={mask_url(self.url)!r}, connect_timeout_s={self.connect_timeout_s}{tls})"
+
+    def check_tls(self) -> None:
+        """Raise ConfigError for TLS files that cannot work, before a connection fails obscurely."""
+        files = {
+            "PSPF_TLS_CA_FILE (--tls-ca-file)": self.tls_ca_file,
+            "PSPF_TLS_CERT_FILE (--tls-cert-file)": self.tls_cert_file,
+            "PSPF_TLS_KEY_FILE (--tls-key-file)": self.tls_key_file,
+        }
+        given = {name: path for name, path in files.items() if path}
+        if given and not self.url.startswith("rediss://"):
+            raise ConfigError(f"{', '.join(given)}: TLS files need a rediss:// broker URL")
+        if self.tls_key_file and not self.tls_cert_file:
+            raise ConfigError("PSPF_TLS_KEY_FILE (--tls-key-file) needs the certificate of that key too")
+        for name, path in given.items():
+            if not os.path.isfile(path):
+                raise ConfigError(f"{name}: no such file {path!r}")
 
 
 class ConsumerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,11 +142,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid setting: {_name_error(str(exc))}") from None
         check_broker_url(settings.redis.url)
+        settings.redis.check_tls()
         return settings
 
 
 ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_BROKER": ("redis", "url"),
+    "PSPF_TLS_CA_FILE": ("redis", "tls_ca_file"),
+    "PSPF_TLS_CERT_FILE": ("redis", "tls_cert_file"),
+    "PSPF_TLS_KEY_FILE": ("redis", "tls_key_file"),
     "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
     "PSPF_BLOCK_MS": ("consumer", "block_ms"),
     "PSPF_CONSUMER": ("consumer", "consumer_name"),

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pspf.errors import ConfigError
@@ -144,3 +146,18 @@ def test_spark_sink_options_repr_never_shows_the_url() -> None:
     )
     assert "s3cret" not in repr(options)
     assert "orders" in repr(options)
+
+
+def test_tls_files_from_the_environment_and_their_checks(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not checked here: the TLS handshake reads it")
+    env = {"PSPF_BROKER": "rediss://h:6380/0", "PSPF_TLS_CA_FILE": str(ca)}
+    settings = Settings.load(environ=env)
+    assert settings.redis.tls_ca_file == str(ca)
+    assert "tls_ca_file" in repr(settings.redis)
+    with pytest.raises(ConfigError, match="need a rediss://"):
+        Settings.load(environ={**env, "PSPF_BROKER": "redis://h:6379/0"})
+    with pytest.raises(ConfigError, match="no such file"):
+        Settings.load({"PSPF_TLS_CERT_FILE": str(tmp_path / "missing.crt")}, environ=env)
+    with pytest.raises(ConfigError, match="needs the certificate"):
+        Settings.load({"PSPF_TLS_KEY_FILE": str(ca)}, environ=env)

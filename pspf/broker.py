@@ -293,11 +293,15 @@ class Broker:
         with self.translate_errors():
             return sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))
 
-    def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
-        """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
+    def lease_values(self, lease_keys: Sequence[str]) -> list[str | None]:
+        """Each lease's value (``consumer/pid/nonce|token``), None where it is free."""
         with self.translate_errors():
             values = self.client.mget(lease_keys) if lease_keys else []
-        return [None if v is None else _text(v).rpartition("|")[0] for v in values]
+        return [None if v is None else _text(v) for v in values]
+
+    def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
+        """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
+        return [None if v is None else v.rpartition("|")[0] for v in self.lease_values(lease_keys)]
 
     def reset_group(self, stream: str, group: str, position: str) -> None:
         """Re-create ``group`` at ``position`` with an empty pending list, atomically.

@@ -45,6 +45,27 @@ class PartitionLeases:
             held[topic] = value
         return held
 
+    def takeable(self, partitions: list[int]) -> list[int]:
+        """Those of ``partitions`` whose leases are free, or ours without our knowing it.
+
+        A lease call that timed out on our side may still have been applied by the server (after
+        a stall): such a lease carries our owner id but we do not hold it, and nobody would work
+        the partition until it expires. It is released here, so it can be taken again now.
+        """
+        pairs = [(p, keys.lease_key(topic, p, self.group)) for p in partitions for topic in self.topics]
+        values = self.broker.lease_values([key for _, key in pairs])
+        orphans: list[tuple[str, str]] = []
+        busy: set[int] = set()
+        for (partition, key), value in zip(pairs, values, strict=True):
+            if value is not None and value.rpartition("|")[0] == self.owner:
+                orphans.append((key, value))
+            elif value is not None:
+                busy.add(partition)
+        if orphans:
+            log.warning("releasing leases of ours that a timed-out call took: %s", [k for k, _ in orphans])
+            self.broker.release_leases(orphans)
+        return [p for p in partitions if p not in busy]
+
     def renew(self, held: dict[int, Leases]) -> list[int]:
         """Extend every held lease; the partitions whose lease was lost."""
         pairs = [

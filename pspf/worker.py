@@ -315,9 +315,7 @@ class Worker:
             min_idle_ms = self.settings.consumer.min_idle_ms
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
             self.processor.claim_idle(min_idle_ms)
-        for partition in range(self._partitions):
-            if partition in self._held:
-                continue
+        for partition in self.leases.takeable([p for p in range(self._partitions) if p not in self._held]):
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue

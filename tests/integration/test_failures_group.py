@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pspf import App, Context, Settings
-from pspf.keys import stream_key
+from pspf import App, Context, Settings, Worker
+from pspf.keys import lease_key, stream_key
 from tests.crash.support import assert_exact, order_records, view_all
 from tests.integration.failures_support import WorkerThread, read_state, wait_until
 
@@ -225,3 +226,34 @@ def test_entries_a_foreign_consumer_took_are_applied_at_takeover_though_below_th
     ran = {entry_id.decode() for entry_id in stolen} & set(seen)
     assert len(ran) == 5, f"the restarted worker acknowledged the 5 stolen entries but ran {len(ran)}"
     assert_exact(rclient, state_dir, topic, app_name, 1, records)
+
+
+def test_a_lease_of_our_own_that_a_timed_out_call_took_is_given_up_and_taken_again(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """After a stall of Redis, a lease acquisition whose reply the worker never got (its call timed
+    out) was applied by the server later: the lease carries the worker's own identity, and nobody
+    works the partition until it expires. The worker must recognise it as its own at once."""
+    topic, app_name = make_topic(2), names.app()
+    records = order_records(200, 20, seed=5)
+    produce(topic, records)
+    settings = make_settings(PSPF_LEASE_TTL_MS=2000)
+    worker = Worker(totals_app(app_name, topic), settings)
+    # What the late acquisition left: the worker's owner id, a token, a long time to live.
+    rclient.set(lease_key(topic, 0, app_name), f"{worker.leases.owner}|999", px=60_000)
+    thread = threading.Thread(target=worker.run, kwargs={"until_idle": True}, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(15)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(10)
+        raise AssertionError(
+            "partition 0 stayed without a working owner while its lease was the worker's own"
+        )
+    print(f"finished in {time.monotonic() - started:.1f}s")
+    assert_exact(rclient, Path(settings.state.dir), topic, app_name, 2, records)

@@ -234,7 +234,11 @@ def state_export(
 ) -> None:
     """Write APP's state and checkpoints as NDJSON to stdout (a snapshot, also while it runs)."""
     out = sys.stdout.buffer
-    for line in service_for(obj, None, state_dir, store).state_export(app, partition):
+
+    def warn(text: str) -> None:
+        click.echo(f"Warning: {text}", err=True)
+
+    for line in service_for(obj, None, state_dir, store).state_export(app, partition, warn):
         out.write(line + b"\n")
     out.flush()
 

@@ -14,6 +14,7 @@ handler receives them converted leniently (``"3"`` becomes ``3`` for an ``int`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -49,6 +50,28 @@ class StateDecoder:
             raise StateError(
                 f"stored state of key {key!r} does not match the app's state type {self.value_type!r}: {exc}"
             ) from None
+
+
+def unreadable_state(key: str, state: dict[Any, Any], decode: Callable[[str, bytes], object]) -> str:
+    """Why ``decode``, the app's read of the state of ``key``, cannot read ``state`` back.
+
+    Names the first item at fault: a key of ``ctx.state`` that is not a string, or an item the
+    app's state type rejects (msgspec's own path says only ``$[...]``).
+    """
+    prefix = f"state of key {key!r} cannot be stored"
+    for name, value in state.items():
+        try:
+            state_decoder.decode(state_encoder.encode({name: None}))
+        except msgspec.ValidationError:
+            return (
+                f"{prefix}: ctx.state has the key {name!r} ({type(name).__name__}); "
+                "the keys of ctx.state must be strings"
+            )
+        try:
+            decode(key, state_encoder.encode({name: value}))
+        except StateError as exc:
+            return f"{prefix}: ctx.state[{name!r}] would not read back ({exc})"
+    return f"{prefix}: it would not read back"
 
 
 _headers_decoder = msgspec.json.Decoder(dict[str, str])

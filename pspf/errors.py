@@ -69,3 +69,11 @@ class NotFound(PSPFError):
 
 class NonRetryableError(PSPFError):
     """Raised by a handler to say that retrying the entry cannot help."""
+
+
+class StateValueError(StateError, NonRetryableError):
+    """A state value PSPF cannot encode, read back or show, such as a ``ctx.state`` key that is not a string.
+
+    The entry that writes one fails at once, without retries: every later entry of its key would
+    fail reading it back. The store itself is sound, so this never stops a worker.
+    """

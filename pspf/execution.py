@@ -19,7 +19,7 @@ import msgspec
 from pspf import codec
 from pspf.app import Handler
 from pspf.context import Context, StateSource
-from pspf.errors import DecodeError, StateError
+from pspf.errors import DecodeError, StateError, StateValueError
 from pspf.failures import HandlerTimeout, PoisonEntry
 
 #: Marks an attempt that left its key's state untouched.
@@ -54,15 +54,27 @@ def entry_key(fields: dict[bytes, bytes]) -> str:
 
 
 def state_result(ctx: Context) -> bytes | None:
-    """The key's new encoded state after a handler returned, UNCHANGED if untouched."""
+    """The key's new encoded state after a handler returned, UNCHANGED if untouched.
+
+    A new state is read back the way the app reads it (its decoder, its state type): one it could
+    not read, such as a ``ctx.state`` key that is not a string, would fail every later entry of
+    the key, so this entry fails instead, without retries (``StateValueError``).
+    """
     state = ctx._state
     if state is None:
         return UNCHANGED
     try:
         new = codec.state_encoder.encode(state) if state else None
-    except (TypeError, msgspec.EncodeError) as exc:
-        raise StateError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
-    return UNCHANGED if new == ctx._base else new
+    except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
+        raise StateValueError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
+    if new == ctx._base:
+        return UNCHANGED
+    if new is not None:
+        try:
+            ctx._source.decode_state(ctx.key, new)
+        except StateError:
+            raise StateValueError(codec.unreadable_state(ctx.key, state, ctx._source.decode_state)) from None
+    return new
 
 
 def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:

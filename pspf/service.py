@@ -21,6 +21,7 @@ from pspf.errors import (
     DecodeError,
     NotFound,
     StateError,
+    StateValueError,
 )
 from pspf.failures import DeadLetter
 from pspf.keys import StreamId
@@ -177,13 +178,18 @@ class ExportCheckpoints(msgspec.Struct, frozen=True, kw_only=True, tag="checkpoi
 
 
 class ExportValue(msgspec.Struct, frozen=True, kw_only=True, tag="value", tag_field="kind"):
-    """An export line: one stored value, exact (``value``) and, for state, readable (``state``)."""
+    """An export line: one stored value, exact (``value``) and, for state, readable (``state``).
+
+    A state value that cannot be decoded or shown as JSON has ``state`` null and ``error`` saying
+    why (the field is absent otherwise); its ``value`` is exact all the same.
+    """
 
     partition: int
     namespace: str
     key: str
     value: bytes
     state: Any = None
+    error: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -662,13 +668,17 @@ class Service:
             raw = store.get(STATE_NAMESPACE, key)
         if raw is None:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
-        return codec.state_decoder.decode(raw)
+        return _shown_state(key, raw)
 
-    def state_export(self, app: str, partition: int | None = None) -> Iterator[bytes]:
+    def state_export(
+        self, app: str, partition: int | None = None, warn: Callable[[str], None] | None = None
+    ) -> Iterator[bytes]:
         """NDJSON lines of an app's stores: per partition its checkpoints, then every value.
 
         Each store is read in one snapshot (a running app keeps committing meanwhile). ``value``
-        is the stored msgpack, base64: exact; ``state`` repeats a state value readably.
+        is the stored msgpack, base64: exact; ``state`` repeats a state value readably. A state
+        value that cannot be shown is exported all the same, with ``error`` instead of ``state``,
+        and ``warn`` hears of it: a backup must not stop at a value the app cannot read either.
         """
         keys.check_name("app", app)
         state = self.settings.state
@@ -682,10 +692,15 @@ class Service:
                     ExportCheckpoints(partition=p, checkpoints={t: str(c) for t, c in checkpoints.items()})
                 )
                 for namespace, key, value in rows:
-                    readable = codec.state_decoder.decode(value) if namespace == STATE_NAMESPACE else None
-                    yield _export_encoder.encode(
-                        ExportValue(partition=p, namespace=namespace, key=key, value=value, state=readable)
-                    )
+                    line = ExportValue(partition=p, namespace=namespace, key=key, value=value)
+                    if namespace == STATE_NAMESPACE:
+                        try:
+                            line = msgspec.structs.replace(line, state=_shown_state(key, value))
+                        except StateValueError as exc:
+                            line = msgspec.structs.replace(line, error=str(exc))
+                            if warn is not None:
+                                warn(f"app {app!r} partition {p}: {exc}; exported exactly, with state null")
+                    yield _export_encoder.encode(line)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
         """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
@@ -809,6 +824,22 @@ def _redrive_fields(record: DeadLetter) -> dict[bytes, bytes]:
     headers[REDRIVE_APP_HEADER] = record.app
     fields[codec.HEADERS] = codec.json_encoder.encode(headers)
     return fields
+
+
+def _shown_state(key: str, raw: bytes) -> dict[str, Any]:
+    """A stored state value as JSON shows it; StateValueError when it cannot be decoded or shown.
+
+    Such a value can predate the check when a handler writes it, or be written by hand.
+    """
+    try:
+        value = codec.state_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise StateValueError(f"stored state of key {key!r} cannot be decoded: {exc}") from None
+    try:
+        shown: dict[str, Any] = msgspec.to_builtins(value, str_keys=True)
+    except (TypeError, RecursionError) as exc:
+        raise StateValueError(f"stored state of key {key!r} cannot be shown as JSON: {exc}") from None
+    return shown
 
 
 def _has_values(store: StateStore) -> bool:

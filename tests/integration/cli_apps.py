@@ -21,6 +21,29 @@ def make() -> App:
     return app
 
 
+def state_keys() -> App:
+    """Orders that say ``"state_key"`` also write ``ctx.state`` under that key, maybe not a string.
+
+    ``{"state_key": 1}`` writes ``ctx.state[1]``, ``{"state_key": "b:x"}`` ``ctx.state[b"x"]``,
+    ``{"state_key": "nested"}`` a dict with int and bytes keys under the string key ``"nested"``.
+    """
+    app = App(os.environ["PSPF_TEST_APP"])
+
+    @app.handler(os.environ["PSPF_TEST_TOPIC"])
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+        name = order.get("state_key")
+        if name == "nested":
+            ctx.state["nested"] = {1: "one", b"two": 2}
+        elif isinstance(name, str) and name.startswith("b:"):
+            ctx.state[name[2:].encode()] = order["amount"]
+        elif name is not None:
+            ctx.state[name] = order["amount"]
+
+    return app
+
+
 def needs_arguments(name: str) -> App:
     return App(name)
 

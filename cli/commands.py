@@ -125,7 +125,8 @@ def produce(
     if value is not None:
         if path is not None or key_field is not None:
             raise click.UsageError("give either VALUE (with --key) or NDJSON input (--file, --key-field)")
-        service.produce(topic, value.encode(), key)
+        # A VALUE that is not UTF-8 reaches the JSON check as the bytes it was, and fails there.
+        service.produce(topic, value.encode(errors="surrogateescape"), key)
         click.echo("1 entry written", err=True)
         return
     if key is not None:

@@ -127,8 +127,35 @@ def encode_value(value: Any) -> bytes:
         return bytes(value)
     try:
         return json_encoder.encode(value)
-    except (TypeError, msgspec.EncodeError) as exc:
+    except (TypeError, UnicodeEncodeError, msgspec.EncodeError) as exc:
         raise ConfigError(f"cannot encode value as JSON: {exc}") from None
+
+
+def encode_text(what: str, text: str) -> bytes:
+    """``text`` as UTF-8; a ConfigError naming it when it holds a lone surrogate.
+
+    Python keeps each byte that is not UTF-8 in a command line, an environment variable or a
+    file name as one (surrogateescape); such text has no UTF-8 form to store.
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{what} {text!r} is not valid UTF-8: {text[exc.start]!r} is a lone surrogate "
+            "(a byte that was not UTF-8 where the text came from)"
+        ) from None
+
+
+def _encode_headers(headers: dict[str, str]) -> bytes:
+    """The headers field; ConfigError for a header that readers could not decode."""
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"header name {name!r} must be a string, not {type(name).__name__}")
+        if not isinstance(value, str):
+            raise ConfigError(f"header {name!r} value must be a string, not {type(value).__name__}")
+        encode_text("header name", name)
+        encode_text(f"header {name!r} value", value)
+    return json_encoder.encode(headers)
 
 
 def entry_fields(
@@ -137,8 +164,8 @@ def entry_fields(
     """The stream fields of one entry in the wire format."""
     fields: dict[bytes, bytes] = {}
     if key is not None:
-        fields[KEY] = key.encode()
+        fields[KEY] = encode_text("key", key)
     fields[VALUE] = value
     if headers:
-        fields[HEADERS] = json_encoder.encode(headers)
+        fields[HEADERS] = _encode_headers(headers)
     return fields

@@ -33,22 +33,33 @@ class Producer:
     def send(
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
-        """Queue one entry; ``value`` is encoded as JSON unless it is bytes already."""
+        """Queue one entry; ``value`` is encoded as JSON unless it is bytes already.
+
+        Raises:
+            ConfigError: the value cannot be encoded as JSON, or as in ``send_raw``.
+        """
         self.send_raw(topic, codec.encode_value(value), key, headers)
 
     def send_raw(
         self, topic: str, value: bytes, key: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
-        """Queue one entry whose value bytes are already encoded."""
+        """Queue one entry whose value bytes are already encoded.
+
+        Raises:
+            ConfigError: the topic name is invalid, or the key or a header is not UTF-8 text
+                (checked before Redis is asked anything).
+        """
+        fields = codec.entry_fields(value, key, headers)
         partitions = self._partitions.get(topic)
         if partitions is None:
+            keys.check_name("topic", topic)
             partitions = self._partitions[topic] = self.broker.topic_partitions(topic)
             self._round_robin[topic] = itertools.cycle(range(partitions))
         if key is None:
             partition = next(self._round_robin[topic])
         else:
-            partition = keys.partition_for(key.encode(), partitions)
-        self._buffer.append((keys.stream_key(topic, partition), codec.entry_fields(value, key, headers)))
+            partition = keys.partition_for(fields[codec.KEY], partitions)
+        self._buffer.append((keys.stream_key(topic, partition), fields))
         if len(self._buffer) >= self.batch_size:
             self.flush()
 

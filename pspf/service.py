@@ -661,7 +661,7 @@ class Service:
     def state_get(self, app: str, key: str) -> dict[str, Any]:
         """The state of ``key`` in ``app``, read from its partition's store without locking it."""
         keys.check_name("app", app)
-        partition = keys.partition_for(key.encode(), self.broker.app_partitions(app))
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
         with open_store(
             self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
         ) as store:
@@ -864,6 +864,8 @@ def _line_key(line: bytes, key_field: str | None) -> str | None:
         record = _json_any.decode(line)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"invalid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"invalid JSON: not valid UTF-8 ({exc.reason})") from None
     if key_field is None:
         return None
     if not isinstance(record, dict):

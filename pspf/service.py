@@ -258,8 +258,12 @@ class Service:
             for name in self.broker.list_topics()
         ]
 
+    def _partitions(self, topic: str) -> int:
+        """The partition count of a topic named by a user: a malformed name is their mistake."""
+        return self.broker.topic_partitions(keys.check_name("topic", topic))
+
     def describe_topic(self, name: str) -> TopicDescription:
-        count = self.broker.topic_partitions(name)
+        count = self._partitions(name)
         partitions = []
         for partition in range(count):
             stream = keys.stream_key(name, partition)
@@ -317,7 +321,7 @@ class Service:
 
     def _dead_letters(self, topic: str) -> Iterator[tuple[int, bytes, DeadLetter]]:
         """Every DLQ entry of ``topic``, partition by partition, in id order."""
-        for partition in range(self.broker.topic_partitions(topic)):
+        for partition in range(self._partitions(topic)):
             for entry_id, fields in _dlq_entries(self.broker, keys.dlq_key(topic, partition)):
                 yield partition, entry_id, DeadLetter.from_fields(fields)
 
@@ -348,7 +352,7 @@ class Service:
 
     def dlq_show(self, topic: str, dlq_id: str) -> DeadLetterDetail:
         partition, entry_id = parse_dlq_id(dlq_id)
-        if partition >= self.broker.topic_partitions(topic):
+        if partition >= self._partitions(topic):
             raise NotFound(f"topic {topic!r} has no partition {partition}")
         page = self.broker.dlq_range(keys.dlq_key(topic, partition), entry_id.decode(), entry_id.decode(), 1)
         if not page:

@@ -72,3 +72,22 @@ def test_non_utf8_key_value_topic_and_input_lines_are_one_line_errors(
     code, stderr = _pspf("produce", topic, redis_url=redis_url, stdin=lines)
     assert code == 2 and "line 2: invalid JSON: not valid UTF-8" in _one_error_line(stderr)
     assert rclient.xlen(stream_key(topic, 0)) + rclient.xlen(stream_key(topic, 1)) == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("topic", "describe", b"\xff"),
+        ("dlq", "list", b"\xff"),
+        ("dlq", "show", b"\xff", "0:1-1"),
+        ("dlq", "redrive", b"\xff", "--all"),
+        ("dlq", "purge", b"\xff", "--all", "--yes"),
+    ],
+    ids=lambda args: " ".join(a for a in args if isinstance(a, str)),
+)
+def test_commands_naming_a_topic_refuse_a_name_that_is_not_utf8(
+    args: tuple[str | bytes, ...], redis_url: str
+) -> None:
+    code, stderr = _pspf(*args, redis_url=redis_url)
+    assert code == 2, stderr
+    assert "invalid topic name" in _one_error_line(stderr)

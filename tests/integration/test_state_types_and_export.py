@@ -98,7 +98,10 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
     assert exported.exit_code == 0, exported.output
     lines = [json.loads(line) for line in exported.stdout.splitlines()]
     assert sum(1 for line in lines if line["kind"] == "checkpoints") == 4
-    assert sum(1 for line in lines if line["kind"] == "value") == 40
+    values = [line for line in lines if line["kind"] == "value"]
+    assert sum(1 for line in values if line["namespace"] == "state") == 40
+    # Besides the state, each store holds its consumer history (one worker: one name).
+    assert sum(1 for line in values if line["namespace"] == "__consumers") == 4 == len(values) - 40
     (tmp_path / "state.ndjson").write_text(exported.stdout)
 
     target = ["--state-dir", str(tmp_path / "b"), "--store", "rocksdb"]
@@ -106,7 +109,7 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )
     assert imported.exit_code == 0, imported.output
-    assert "imported 40 values into 4 partition(s)" in imported.output
+    assert "imported 44 values into 4 partition(s)" in imported.output
     again = runner.invoke(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )
@@ -118,7 +121,8 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
             open_store("rocksdb", tmp_path / "b", app.name, p, readonly=True) as b,
         ):
             assert a.checkpoints() == b.checkpoints()
-            assert list(a.items("state")) == list(b.items("state"))
+            for namespace in ("state", "__consumers"):
+                assert list(a.items(namespace)) == list(b.items(namespace))
     # The imported state is live: the app goes on from the checkpoints with the other engine.
     produce(topic, [("u1", {"amount": 5})])
     target_settings = Settings.load(

@@ -17,6 +17,14 @@ without a nondeterministic shuffle). In batch mode a retried task writes its row
 whole job run again with the same key, write nothing twice. Markers expire after ``marker_ttl_s``
 (7 days by default).
 
+Trimming. ``maxlen`` or ``minid`` trim each stream in the Lua call that adds a chunk, but never an
+entry an app reading the topic has yet to acknowledge: the floor is the lowest, over the stream's
+consumer groups, of each group's oldest pending id, or its last-delivered-id when nothing is pending.
+``minid`` trims below the lower of itself and the floor; ``maxlen`` removes the oldest entries
+beyond ``maxlen`` but none at or above the floor, so a stream stays longer than ``maxlen`` while an
+app lags (a trim that deleted unread entries would lose them for good). A stream without groups is
+trimmed as ``XADD MAXLEN ~``/``MINID ~`` would. Trimming is approximate: whole nodes of entries go.
+
 Needs pyspark 4.1+ and pyarrow (``pip install 'pspf[spark]'``) and Java 17+. ``import pspf`` does not
 import this module.
 """

@@ -1,23 +1,50 @@
-"""PSPF: stateful stream processing with exactly-once state on Redis and Valkey Streams."""
+"""PSPF: stateful stream processing with exactly-once state on Redis and Valkey Streams.
 
-from pspf.app import App
-from pspf.context import Context
-from pspf.errors import (
-    BrokerError,
-    ConfigError,
-    DecodeError,
-    NonRetryableError,
-    NotFound,
-    PSPFError,
-    StateError,
-)
-from pspf.failures import RetryPolicy
-from pspf.processor import ProcessorHooks
-from pspf.producer import Producer
-from pspf.settings import Settings
-from pspf.worker import Worker
+The names below are loaded on first use, so importing a small part of PSPF (``pspf.errors``, or
+``state_stores``, which uses it) does not load the worker and everything it needs.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pspf.app import App
+    from pspf.context import Context
+    from pspf.errors import (
+        BrokerError,
+        ConfigError,
+        DecodeError,
+        NonRetryableError,
+        NotFound,
+        PSPFError,
+        StateError,
+    )
+    from pspf.failures import RetryPolicy
+    from pspf.processor import ProcessorHooks
+    from pspf.producer import Producer
+    from pspf.settings import Settings
+    from pspf.worker import Worker
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "App": "pspf.app",
+    "BrokerError": "pspf.errors",
+    "ConfigError": "pspf.errors",
+    "Context": "pspf.context",
+    "DecodeError": "pspf.errors",
+    "NonRetryableError": "pspf.errors",
+    "NotFound": "pspf.errors",
+    "PSPFError": "pspf.errors",
+    "ProcessorHooks": "pspf.processor",
+    "Producer": "pspf.producer",
+    "RetryPolicy": "pspf.failures",
+    "Settings": "pspf.settings",
+    "StateError": "pspf.errors",
+    "Worker": "pspf.worker",
+}
 
 __all__ = [
     "App",
@@ -36,3 +63,11 @@ __all__ = [
     "Worker",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pspf' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -56,6 +56,22 @@ class PendingEntry(NamedTuple):
     deliveries: int
 
 
+class GroupInfo(NamedTuple):
+    """One consumer group of a stream, as XINFO GROUPS says."""
+
+    consumers: int
+    pending: int
+    last_delivered_id: bytes
+
+
+class StreamInfo(NamedTuple):
+    """A stream's length, last generated id and consumer groups by name (empty if absent)."""
+
+    length: int
+    last_id: bytes | None
+    groups: dict[str, GroupInfo]
+
+
 class ServerInfo(NamedTuple):
     """What the connected server is and what it lacks for PSPF's guarantees."""
 
@@ -238,14 +254,21 @@ class Broker:
             raise NotFound(f"app {app!r} has never run against the broker at {self.url}")
         return int(raw)
 
-    def stream_info(self, stream: str) -> tuple[int, bytes | None, list[dict[str, Any]]]:
+    def stream_info(self, stream: str) -> StreamInfo:
         """Length, last entry id and consumer groups of a stream (zero and none if absent)."""
         with self.translate_errors(stream):
             if not self.client.exists(stream):
-                return 0, None, []
+                return StreamInfo(0, None, {})
             info = self.client.xinfo_stream(stream)
             groups = self.client.xinfo_groups(stream)
-        return int(info["length"]), info.get("last-generated-id"), groups
+        return StreamInfo(
+            int(info["length"]),
+            info.get("last-generated-id"),
+            {
+                _text(g["name"]): GroupInfo(int(g["consumers"]), int(g["pending"]), g["last-delivered-id"])
+                for g in groups
+            },
+        )
 
     def group_position(self, stream: str, group: str) -> GroupPosition:
         """Length, last id, lag and pending of ``group`` in ``stream``, in one or two round trips."""
@@ -317,14 +340,14 @@ class Broker:
 
     def has_backlog(self, stream: str, group: str) -> bool:
         """Whether ``group`` has pending or not yet delivered entries in ``stream``."""
-        length, last_id, groups = self.stream_info(stream)
-        for info in groups:
-            if _text(info["name"]) == group:
-                if int(info["pending"]):
-                    return True
-                delivered = keys.StreamId.parse(info["last-delivered-id"])
-                return last_id is not None and keys.StreamId.parse(last_id) > delivered
-        return length > 0
+        info = self.stream_info(stream)
+        mine = info.groups.get(group)
+        if mine is None:
+            return info.length > 0
+        if mine.pending:
+            return True
+        delivered = keys.StreamId.parse(mine.last_delivered_id)
+        return info.last_id is not None and keys.StreamId.parse(info.last_id) > delivered
 
     # -- consuming ------------------------------------------------------------------------------
 
@@ -402,7 +425,7 @@ class Broker:
 
     def last_id(self, stream: str) -> bytes | None:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
-        return self.stream_info(stream)[1]
+        return self.stream_info(stream).last_id
 
     def wait_for_new(self, last_ids: dict[str, bytes], block_ms: int) -> None:
         """Block until an entry newer than ``last_ids`` arrives or ``block_ms`` passes.

@@ -10,6 +10,7 @@ with a due time and the partition goes on (per-key order is NOT kept for that en
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 import traceback
@@ -21,6 +22,14 @@ from pspf.errors import ConfigError, DecodeError, NonRetryableError
 from pspf.settings import RetryMode, RetrySettings
 
 TRACEBACK_LIMIT = 4000
+
+
+class Outcome(enum.Enum):
+    """What a failed attempt means for its entry."""
+
+    RETRY = "retry"  # ordered mode: the stream waits and tries again
+    PARKED = "parked"  # deferred mode: tried again when due, the stream goes on
+    DEAD = "dead"
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +99,26 @@ def classify(exc: BaseException, non_retryable: tuple[type[BaseException], ...])
     return isinstance(exc, (NonRetryableError, DecodeError, PoisonEntry, *non_retryable))
 
 
+def decide(
+    exc: BaseException,
+    previous: Failure | None,
+    policy: RetryPolicy,
+    non_retryable: tuple[type[BaseException], ...],
+    due: bool,
+) -> tuple[Outcome, Failure]:
+    """The outcome of one more failed attempt, and its bookkeeping.
+
+    ``due``: the attempt was a parked entry's, which stays parked when it fails again.
+    """
+    failure = record_failure(exc, previous)
+    if classify(exc, non_retryable) or failure.attempts >= (policy.max_retries or 1):
+        return Outcome.DEAD, failure
+    if policy.mode == "deferred" or due:
+        due_ms = int(time.time() * 1000 + policy.delay_s(failure.attempts) * 1000) or 1
+        return Outcome.PARKED, msgspec.structs.replace(failure, due_ms=due_ms)
+    return Outcome.RETRY, failure
+
+
 def record_failure(exc: BaseException, previous: Failure | None) -> Failure:
     """The bookkeeping after one more failed attempt."""
     now = int(time.time() * 1000)
@@ -138,6 +167,33 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
         if self.key is not None:
             fields[b"key"] = self.original[b"key"]
         return fields
+
+    @classmethod
+    def of(
+        cls,
+        topic: str,
+        partition: int,
+        entry_id: bytes,
+        app: str,
+        consumer: str,
+        original: dict[bytes, bytes],
+        failure: Failure,
+    ) -> DeadLetter:
+        """The record of an entry that dies with ``failure``."""
+        return cls(
+            source_topic=topic,
+            source_partition=partition,
+            source_id=entry_id.decode(),
+            app=app,
+            consumer=consumer,
+            original=original,
+            error_type=failure.error_type,
+            message=failure.message,
+            traceback=failure.traceback,
+            attempts=failure.attempts,
+            first_failed_ms=failure.first_failed_ms,
+            last_failed_ms=failure.last_failed_ms,
+        )
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> DeadLetter:

@@ -1,8 +1,9 @@
-"""Redis key names, the partition function and stream ids.
+"""Every persisted name: Redis keys, store namespaces and headers; the partition function; ids.
 
 This is the only module that formats Redis key names. Every key that belongs to one topic
 partition carries the hash tag ``{topic:partition}``, so one Lua call or MULTI can touch the
-stream, its lease and (later) its DLQ together, also on Redis Cluster.
+stream, its lease and its DLQ together, also on Redis Cluster. The names a partition's store
+holds are here too, so that readers (the service, tests) need not import the processor.
 """
 
 from __future__ import annotations
@@ -17,6 +18,27 @@ PREFIX = "pspf"
 TOPICS_KEY = f"{PREFIX}:topics"
 APPS_KEY = f"{PREFIX}:apps"
 MAX_PARTITIONS = 1024
+
+#: The store namespace that holds ``ctx.state``.
+STATE_NAMESPACE = "state"
+#: Retry bookkeeping by "topic/id" (``entry_name``): attempts so far, due time of parked entries.
+FAILURES_NAMESPACE = "__failures"
+#: Entries judged dead whose move to the DLQ is not confirmed yet, by "topic/id".
+DEAD_NAMESPACE = "__dead"
+#: The consumers whose reads this store's checkpoints account for: an entry pending at one of
+#: them, at or below a checkpoint, was applied. Others (a foreign consumer of the group) never
+#: applied anything here.
+CONSUMERS_NAMESPACE = "__consumers"
+#: Entries taken over from consumers outside that history at or below the checkpoint, by
+#: "topic/id": run although the checkpoint passed them, then forgotten in the same commit.
+FOREIGN_NAMESPACE = "__foreign"
+
+#: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
+REDRIVE_APP_HEADER = "pspf-redrive-app"
+#: Header a redrive adds: how often the entry was redriven.
+REDRIVE_COUNT_HEADER = "pspf-redrive-count"
+#: Header a redrive adds: the entry's id before its first redrive.
+ORIGINAL_ID_HEADER = "pspf-original-id"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
@@ -73,6 +95,11 @@ def lease_key(topic: str, partition: int, group: str) -> str:
 def fence_key(topic: str, partition: int, group: str) -> str:
     """Counter that hands out increasing fencing tokens for a lease."""
     return f"{PREFIX}:{{{topic}:{partition}}}:fence:{group}"
+
+
+def entry_name(topic: str, entry_id: bytes) -> str:
+    """The store key of one entry's bookkeeping (failures, dead, foreign): ``topic/id``."""
+    return f"{topic}/{entry_id.decode()}"
 
 
 class StreamId(NamedTuple):

@@ -1,22 +1,44 @@
-"""Partition leases: one owner per partition of a group, with fencing tokens.
+"""Owning a partition: its leases, and taking it on and giving it up.
 
 A worker owns partition ``p`` of its app when it holds the lease of ``p`` on every topic the app
 reads (one store per (app, p) holds the state of all those topics). A lease has a time to live,
 is renewed while the worker runs and released when it stops; its value carries a fencing token
 that the acknowledging Lua call checks, so an ex-owner can no longer acknowledge.
+
+Taking a partition on (``Partitions.take``): open its store, check each stream against the
+store's checkpoint (a stream that went back below it is refused; a vanished group is re-created
+at it), load the store's bookkeeping, and claim every pending entry of the partition's streams,
+marking first the ones a foreign consumer took (they were never applied, even at or below the
+checkpoint). Only then does the batch processor get the partition.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from pspf import keys
-from pspf.broker import Broker
+from pspf.broker import Broker, Fields
+from pspf.errors import BrokerError
+from pspf.failures import Failure
+from pspf.keys import ZERO_ID, StreamId
+
+if TYPE_CHECKING:
+    from state_stores import StateStore
 
 log = logging.getLogger(__name__)
 
 #: topic -> lease value held for one partition
 Leases = dict[str, str]
+#: Opens the store of (app, partition).
+StoreFactory = Callable[[str, int], "StateStore"]
+
+_failure_decoder = msgspec.msgpack.Decoder(Failure)
+_fields_decoder = msgspec.msgpack.Decoder(dict[bytes, bytes])
 
 
 class PartitionLeases:
@@ -84,3 +106,216 @@ class PartitionLeases:
             self.broker.release_leases(
                 [(keys.lease_key(topic, partition, self.group), value) for topic, value in leases.items()]
             )
+
+
+@dataclass(slots=True, eq=False)
+class StreamCursor:
+    """Where this worker stands in one owned topic partition."""
+
+    topic: str
+    partition: int
+    stream: str
+    dlq: str
+    lease_key: str
+    lease_value: str
+    checkpoint: StreamId | None
+    #: Read own pending entries after this id before new ones; None once caught up.
+    pending_after: StreamId | None = ZERO_ID
+    #: After a failure, the stream is not read before this monotonic time.
+    retry_at: float = 0.0
+    #: The next pending read takes one entry: the one being retried.
+    isolate: bool = False
+    #: Deliveries this worker made that ended without an attempt (the stream stopped before
+    #: them): they explain part of an entry's delivery count, so they do not make it look poison.
+    unattempted: dict[bytes, int] = field(default_factory=dict)
+    #: Entries taken from foreign consumers (mirrors FOREIGN_NAMESPACE): never applied, even
+    #: at or below the checkpoint, so they are run.
+    foreign: set[bytes] = field(default_factory=set)
+
+    def rewind(self) -> None:
+        """Re-read all own pending entries: after a failure or a lost connection.
+
+        From the start, not from the checkpoint: entries at or below it may be pending too when
+        their acknowledgement was lost; reading them again acknowledges them.
+        """
+        self.pending_after = ZERO_ID
+
+
+@dataclass(slots=True, eq=False)
+class OwnedPartition:
+    """A partition this worker holds the leases of, with its open store and bookkeeping."""
+
+    partition: int
+    store: StateStore
+    streams: dict[str, StreamCursor]
+    cache: dict[str, bytes | None] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    dead: dict[str, Fields] = field(default_factory=dict)
+    consumers: set[str] = field(default_factory=set)
+
+    def load_bookkeeping(self) -> None:
+        store = self.store
+        self.failures = {k: _failure_decoder.decode(v) for k, v in store.items(keys.FAILURES_NAMESPACE)}
+        self.dead = {k: _fields_decoder.decode(v) for k, v in store.items(keys.DEAD_NAMESPACE)}
+        self.consumers = {name for name, _ in store.items(keys.CONSUMERS_NAMESPACE)}
+        by_topic = {cursor.topic: cursor for cursor in self.streams.values()}
+        for name, _ in store.items(keys.FOREIGN_NAMESPACE):
+            topic, _, entry_id = name.rpartition("/")
+            if topic in by_topic:
+                by_topic[topic].foreign.add(entry_id.encode())
+
+    def mark_foreign(self, marks: dict[StreamCursor, list[bytes]], consumer: str | None = None) -> None:
+        """Record entries to run although at or below the checkpoint, before they are claimed.
+
+        With ``consumer``, also that this consumer's reads count here from now on.
+        """
+        if not any(marks.values()) and (consumer is None or consumer in self.consumers):
+            return
+        with self.store.transaction() as tx:
+            for cursor, ids in marks.items():
+                for entry_id in ids:
+                    tx.set(keys.FOREIGN_NAMESPACE, keys.entry_name(cursor.topic, entry_id), b"")
+            if consumer is not None:
+                tx.set(keys.CONSUMERS_NAMESPACE, consumer, b"")
+        for cursor, ids in marks.items():
+            cursor.foreign.update(ids)
+        if consumer is not None:
+            self.consumers.add(consumer)
+
+
+def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
+    """Refuse a stream whose last id is below the checkpoint, before anything more is acknowledged.
+
+    Redis gives a new entry an id above the stream's last one: once that is below the checkpoint,
+    new entries can land at or below it and would be skipped as done.
+    """
+    if checkpoint is None or last_id is None or StreamId.parse(last_id) >= checkpoint:
+        return
+    raise BrokerError(
+        f"stream {stream} went back: its last id {last_id.decode()} is below the app's checkpoint "
+        f"{checkpoint} (the topic was recreated, or Redis lost writes: a restart without its data, "
+        "a fail-over, a restore). Entries added now could get ids at or below the checkpoint and "
+        "be skipped as done, so nothing more is acknowledged. If no entry was added since, "
+        f"`XSETID {stream} {checkpoint}` moves the stream past the checkpoint; otherwise replay "
+        "the app (pspf replay)"
+    )
+
+
+class Partitions:
+    """Takes partitions on for one worker of an app (the leases are already held)."""
+
+    def __init__(self, broker: Broker, group: str, consumer: str, open_store: StoreFactory) -> None:
+        self.broker = broker
+        self.group = group
+        self.consumer = consumer
+        self.open_store = open_store
+
+    def take(self, partition: int, leases: Leases) -> OwnedPartition:
+        """Open the partition's store, check its streams and claim their pending entries.
+
+        An entry pending at a consumer outside the store's history, at or below the checkpoint,
+        was never applied here (a foreign consumer of the group took it): it is marked, durably
+        and before the claim, so it runs. A store from before the history was kept (checkpoints
+        but no history) trusts every consumer, as it did then.
+        """
+        store = self.open_store(self.group, partition)
+        try:
+            checkpoints = store.checkpoints()
+            streams = {}
+            for topic, lease_value in leases.items():
+                stream = keys.stream_key(topic, partition)
+                self.check_stream(stream, checkpoints.get(topic))
+                streams[stream] = StreamCursor(
+                    topic=topic,
+                    partition=partition,
+                    stream=stream,
+                    dlq=keys.dlq_key(topic, partition),
+                    lease_key=keys.lease_key(topic, partition, self.group),
+                    lease_value=lease_value,
+                    checkpoint=checkpoints.get(topic),
+                )
+            owned = OwnedPartition(partition, store, streams)
+            owned.load_bookkeeping()
+            self._claim_pending(owned)
+        except BaseException:
+            store.close()
+            raise
+        log.info("partition assigned app=%s partition=%s checkpoints=%s", self.group, partition, checkpoints)
+        return owned
+
+    def _claim_pending(self, owned: OwnedPartition) -> None:
+        legacy = not owned.consumers and any(c.checkpoint is not None for c in owned.streams.values())
+        marks = {
+            cursor: [
+                pending.id
+                for pending in self.broker.pending_entries(cursor.stream, self.group, cursor.checkpoint)
+                if pending.consumer not in owned.consumers
+            ]
+            for cursor in owned.streams.values()
+            if cursor.checkpoint is not None and not legacy
+        }
+        owned.mark_foreign(marks, self.consumer)
+        for cursor in owned.streams.values():
+            claimed, _ = self.broker.claim_idle(cursor.stream, self.group, self.consumer, 0)
+            if claimed:
+                log.info(
+                    "claimed %s pending entries of earlier consumers stream=%s (%s never applied here)",
+                    len(claimed),
+                    cursor.stream,
+                    len(marks.get(cursor, ())),
+                )
+
+    def check_stream(self, stream: str, checkpoint: StreamId | None) -> None:
+        """Refuse a stream that went back below the checkpoint, and re-create a deleted group.
+
+        A group deleted while the app was away is re-created at the checkpoint, never at ``$``:
+        entries after the checkpoint must still be processed.
+        """
+        info = self.broker.stream_info(stream)
+        check_tail(stream, info.last_id, checkpoint)
+        if self.group not in info.groups:
+            start = str(checkpoint or "0")
+            log.error(
+                "consumer group %s is missing on %s although the app has read it before: "
+                "re-creating it at %s (entries up to the checkpoint are skipped as done)",
+                self.group,
+                stream,
+                start,
+            )
+            self.broker.ensure_group(stream, self.group, start)
+
+    def claim_idle(self, owned: OwnedPartition, min_idle_ms: int) -> None:
+        """Take over entries other consumers of the group left idle on a partition's streams.
+
+        Takeover claims an earlier owner's entries at once; this periodic pass is the safety net
+        for entries another consumer took without holding the lease. Those at or below the
+        checkpoint are marked foreign before they are claimed, so they run.
+        """
+        for cursor in owned.streams.values():
+            idle = [
+                pending
+                for pending in self.broker.pending_entries(cursor.stream, self.group, min_idle_ms=min_idle_ms)
+                if pending.consumer != self.consumer
+            ]
+            if not idle:
+                continue
+            checkpoint = cursor.checkpoint
+            foreign = [
+                p.id
+                for p in idle
+                if checkpoint is not None
+                and p.consumer not in owned.consumers
+                and StreamId.parse(p.id) <= checkpoint
+            ]
+            owned.mark_foreign({cursor: foreign})
+            claimed = self.broker.claim_ids(
+                cursor.stream, self.group, self.consumer, min_idle_ms, [p.id for p in idle]
+            )
+            log.warning(
+                "claimed %s entries idle over %s ms from other consumers stream=%s; "
+                "they are applied now, out of order",
+                len(claimed),
+                min_idle_ms,
+                cursor.stream,
+            )
+            cursor.rewind()

@@ -24,13 +24,15 @@ from pspf.errors import (
     StateValueError,
 )
 from pspf.failures import DeadLetter
-from pspf.keys import StreamId
-from pspf.processor import (
+from pspf.keys import (
     DEAD_NAMESPACE,
     FAILURES_NAMESPACE,
     FOREIGN_NAMESPACE,
+    ORIGINAL_ID_HEADER,
     REDRIVE_APP_HEADER,
+    REDRIVE_COUNT_HEADER,
     STATE_NAMESPACE,
+    StreamId,
 )
 from pspf.producer import Producer
 from pspf.settings import Settings
@@ -165,11 +167,6 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     latency_ms: float
 
 
-#: Headers a redrive adds to the entry it puts back.
-REDRIVE_COUNT_HEADER = "pspf-redrive-count"
-ORIGINAL_ID_HEADER = "pspf-original-id"
-
-
 class ExportCheckpoints(msgspec.Struct, frozen=True, kw_only=True, tag="checkpoints", tag_field="kind"):
     """An export line: one partition's checkpoints (it comes before the partition's values)."""
 
@@ -267,21 +264,21 @@ class Service:
         partitions = []
         for partition in range(count):
             stream = keys.stream_key(name, partition)
-            length, last_id, groups = self.broker.stream_info(stream)
+            info = self.broker.stream_info(stream)
             partitions.append(
                 PartitionInfo(
                     partition=partition,
                     stream=stream,
-                    length=length,
-                    last_id=last_id.decode() if last_id else None,
+                    length=info.length,
+                    last_id=info.last_id.decode() if info.last_id else None,
                     groups=[
                         GroupInfo(
-                            name=g["name"].decode(),
-                            consumers=int(g["consumers"]),
-                            pending=int(g["pending"]),
-                            last_delivered_id=g["last-delivered-id"].decode(),
+                            name=name,
+                            consumers=g.consumers,
+                            pending=g.pending,
+                            last_delivered_id=g.last_delivered_id.decode(),
                         )
-                        for g in groups
+                        for name, g in info.groups.items()
                     ],
                 )
             )
@@ -629,8 +626,8 @@ class Service:
         for topic in topics:
             for partition in range(partitions):
                 # XINFO GROUPS alone: group_position might also count the lag, not needed here.
-                _, _, groups = self.broker.stream_info(keys.stream_key(topic, partition))
-                delivered = next((g["last-delivered-id"] for g in groups if g["name"] == app.encode()), None)
+                mine = self.broker.stream_info(keys.stream_key(topic, partition)).groups.get(app)
+                delivered = None if mine is None else mine.last_delivered_id
                 if delivered is not None and to > StreamId.parse(delivered):
                     raise ConfigError(
                         f"{to} is after where app {app!r} stands in {topic!r} partition "
@@ -645,7 +642,7 @@ class Service:
             raise AppRunning(f"app {app!r} is running ({', '.join(owners)} holds leases): stop it first")
 
     def _entries_after(self, stream: str, position: StreamId) -> int:
-        length, _, _ = self.broker.stream_info(stream)
+        length = self.broker.stream_info(stream).length
         if position == keys.ZERO_ID or length == 0:
             return length
         return self.broker.count_after(stream, str(position))

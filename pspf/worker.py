@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
@@ -32,17 +32,9 @@ from pspf.app import App
 from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerUnavailable, ConfigError, GroupMissing, StateError, StoreLocked
 from pspf.failures import policy_from
-from pspf.keys import StreamId
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
-from pspf.ownership import Leases, PartitionLeases
-from pspf.processor import (
-    BatchProcessor,
-    CycleResult,
-    OwnedPartition,
-    ProcessorHooks,
-    StreamCursor,
-    check_tail,
-)
+from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory
+from pspf.processor import BatchProcessor, Counts, ProcessorHooks
 from pspf.settings import Settings
 
 if TYPE_CHECKING:
@@ -50,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-StoreFactory = Callable[[str, int], "StateStore"]
 
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
@@ -59,18 +50,10 @@ _IDLE_POLL_S = 0.05
 _METRICS_REDIS_TIMEOUT_S = 2.0
 
 
-class RunSummary(msgspec.Struct, kw_only=True):
+class RunSummary(Counts, kw_only=True):
     """Totals of one ``Worker.run``."""
 
     cycles: int = 0
-    read: int = 0
-    handled: int = 0
-    skipped: int = 0
-    failed: int = 0
-    retried: int = 0
-    parked: int = 0
-    dead_lettered: int = 0
-    lost_entries: int = 0
 
 
 def default_consumer_name() -> str:
@@ -122,6 +105,7 @@ class Worker:
             hooks=hooks,
         )
         self._store_factory = store_factory or self._open_store
+        self.partitions = Partitions(self.broker, app.name, self.consumer, self._store_factory)
         self._held: dict[int, Leases] = {}
         self._partitions = 0
         self._stopping = threading.Event()
@@ -277,7 +261,8 @@ class Worker:
                 next_lease_round = 0.0
                 self._stopping.wait(delay)
                 continue
-            _add(summary, result)
+            summary.cycles += 1
+            summary.add(result)
             for partition in result.lost_partitions:
                 self._drop(partition, release=False)
             if finished:
@@ -307,14 +292,15 @@ class Worker:
         if self._recheck_streams:
             # Redis may be back with less than it had: check before anything is read again.
             for cursor in self.processor.cursors():
-                self._check_stream(cursor.stream, cursor.checkpoint)
+                self.partitions.check_stream(cursor.stream, cursor.checkpoint)
             self._recheck_streams = False
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
         if time.monotonic() >= self._next_idle_claim:
             min_idle_ms = self.settings.consumer.min_idle_ms
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
-            self.processor.claim_idle(min_idle_ms)
+            for owned in self.processor.owned.values():
+                self.partitions.claim_idle(owned, min_idle_ms)
         for partition in self.leases.takeable([p for p in range(self._partitions) if p not in self._held]):
             leases = self.leases.acquire(partition)
             if leases is None:
@@ -344,53 +330,10 @@ class Worker:
         )
 
     def _take(self, partition: int, leases: Leases) -> None:
-        store = self._store_factory(self.app.name, partition)
-        try:
-            checkpoints = store.checkpoints()
-            streams = {}
-            for topic, lease_value in leases.items():
-                stream = keys.stream_key(topic, partition)
-                self._check_stream(stream, checkpoints.get(topic))
-                streams[stream] = StreamCursor(
-                    topic=topic,
-                    partition=partition,
-                    stream=stream,
-                    dlq=keys.dlq_key(topic, partition),
-                    lease_key=keys.lease_key(topic, partition, self.app.name),
-                    lease_value=lease_value,
-                    checkpoint=checkpoints.get(topic),
-                )
-            self.processor.take_over(OwnedPartition(partition, store, streams))
-        except BaseException:
-            if partition in self.processor.owned:
-                self.processor.remove(partition)
-            store.close()
-            raise
+        self.processor.add(self.partitions.take(partition, leases))
         self._held[partition] = leases
         if self.metrics is not None:
             self.metrics.partition_taken(partition)
-        log.info(
-            "partition assigned app=%s partition=%s checkpoints=%s", self.app.name, partition, checkpoints
-        )
-
-    def _check_stream(self, stream: str, checkpoint: StreamId | None) -> None:
-        """Refuse a stream that was recreated under the app, and re-create a deleted group.
-
-        A group deleted while the app was away is re-created at the checkpoint, never at ``$``:
-        entries after the checkpoint must still be processed.
-        """
-        _, last_id, groups = self.broker.stream_info(stream)
-        check_tail(stream, last_id, checkpoint)
-        if not any(g["name"].decode() == self.app.name for g in groups):
-            start = str(checkpoint or "0")
-            log.error(
-                "consumer group %s is missing on %s although the app has read it before: "
-                "re-creating it at %s (entries up to the checkpoint are skipped as done)",
-                self.app.name,
-                stream,
-                start,
-            )
-            self.broker.ensure_group(stream, self.app.name, start)
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)
@@ -405,10 +348,3 @@ class Worker:
     def _open_store(self, group: str, partition: int) -> StateStore:
         state = self.settings.state
         return state_stores.open_store(state.engine, state.dir, group, partition, durability=state.durability)
-
-
-def _add(summary: RunSummary, result: CycleResult) -> None:
-    summary.cycles += 1
-    for name in summary.__struct_fields__:
-        if name != "cycles":
-            setattr(summary, name, getattr(summary, name) + getattr(result, name))

@@ -15,9 +15,9 @@ from typing import Any
 
 import redis
 
+from pspf.batch import iter_state
 from pspf.errors import NotFound, StateError
 from pspf.keys import StreamId, lease_key, stream_key
-from pspf.processor import iter_state
 from state_stores import open_store
 from tests.conftest import pspf_command
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from pspf import App, Settings, Worker
+from pspf.batch import iter_state
 from pspf.failures import DeadLetter
-from pspf.keys import StreamId, dlq_key, stream_key
-from pspf.processor import FAILURES_NAMESPACE, iter_state
+from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
 from pspf.worker import RunSummary
 from state_stores import open_store
 

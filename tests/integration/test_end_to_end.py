@@ -12,8 +12,7 @@ import msgspec
 import pytest
 
 from pspf import App, Context, Settings, Worker
-from pspf.keys import StreamId, stream_key
-from pspf.processor import STATE_NAMESPACE
+from pspf.keys import STATE_NAMESPACE, StreamId, stream_key
 from pspf.service import Service
 from state_stores import open_store, stored_partitions
 

@@ -22,8 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pspf import App, Context, Producer, Settings, Worker
-from pspf.keys import partition_for, stream_key
-from pspf.processor import REDRIVE_APP_HEADER
+from pspf.keys import REDRIVE_APP_HEADER, partition_for, stream_key
 from pspf.service import Service
 from tests.conftest import ROOT, RedisServer, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, wait_until

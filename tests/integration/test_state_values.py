@@ -14,8 +14,7 @@ import msgspec
 import pytest
 
 from pspf import App, Context, NonRetryableError, Settings, Worker, errors
-from pspf.keys import partition_for
-from pspf.processor import STATE_NAMESPACE
+from pspf.keys import STATE_NAMESPACE, partition_for
 from pspf.service import Service
 from state_stores import open_store
 from tests.conftest import pspf_command, subprocess_env

@@ -94,3 +94,17 @@ def test_dlq_ids_are_normalised() -> None:
     from pspf.service import parse_dlq_id
 
     assert parse_dlq_id("2:1700000000000") == (2, b"1700000000000-0")
+
+
+def test_importing_the_state_stores_does_not_load_the_worker() -> None:
+    """``state_stores`` uses ``pspf.errors``: that must not import the worker, which imports it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, state_stores; "
+        "print(sorted(m for m in ('pspf.worker', 'pspf.processor', 'redis') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

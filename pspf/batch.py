@@ -1,0 +1,146 @@
+"""One partition's batch: its writes on top of the committed state, and their ONE commit.
+
+Handlers see the batch's own writes first (the overlay), then the values this worker committed
+(a cache: the store is ours alone while we own the partition), then the store. The commit is one
+store transaction holding the state writes, the new checkpoints and the retry bookkeeping of
+every stream of the partition (step 5 of the cycle); it happens before anything of the batch is
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
+
+from pspf import codec, keys
+from pspf.broker import Fields
+from pspf.codec import StateDecoder
+from pspf.errors import StateError
+from pspf.failures import Failure
+from pspf.keys import StreamId, entry_name
+from pspf.ownership import OwnedPartition, StreamCursor
+
+if TYPE_CHECKING:
+    from state_stores import StateStore, StoreTransaction
+
+#: Committed values kept in memory per partition; the store is ours alone while we own it.
+CACHE_LIMIT = 100_000
+
+
+class StreamOutcome(NamedTuple):
+    """What one stream's read came to in this batch."""
+
+    cursor: StreamCursor
+    #: the new checkpoint, None when it does not move
+    checkpoint: StreamId | None
+    ack_ids: list[bytes]
+    #: (id, DLQ fields) of entries to move to the DLQ
+    dead: list[tuple[bytes, Fields]]
+    #: the stream waits this long before the failed entry is tried again; None: no wait
+    retry_in_s: float | None
+    handled: int
+    skipped: int
+
+    @property
+    def finished(self) -> list[bytes]:
+        """The ids this batch is done with: acknowledged or dead-lettered."""
+        return [*self.ack_ids, *(entry_id for entry_id, _ in self.dead)]
+
+
+class PartitionBatch:
+    """The writes of one partition in one batch, on top of the committed state."""
+
+    __slots__ = ("broken", "dead", "decode_state", "failures", "overlay", "owned")
+
+    def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder) -> None:
+        self.owned = owned
+        self.decode_state = state_decoder.decode
+        self.overlay: dict[str, bytes | None] = {}
+        self.failures: dict[str, Failure | None] = {}
+        self.dead: dict[str, Fields | None] = {}
+        #: A store read that failed under a handler: it stops the worker, whatever the handler
+        #: did with the exception, and is never an entry's failure.
+        self.broken: StateError | None = None
+
+    def base(self, key: str) -> bytes | None:
+        """The value of ``key`` as the next entry must see it."""
+        overlay = self.overlay
+        if key in overlay:
+            return overlay[key]
+        cache = self.owned.cache
+        if key in cache:
+            return cache[key]
+        try:
+            value = self.owned.store.get(keys.STATE_NAMESPACE, key)
+        except Exception as exc:
+            self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
+            raise self.broken from exc
+        if len(cache) < CACHE_LIMIT:
+            cache[key] = value
+        return value
+
+    def failure(self, name: str) -> Failure | None:
+        if name in self.failures:
+            return self.failures[name]
+        return self.owned.failures.get(name)
+
+    def commit(self, outcomes: list[StreamOutcome]) -> float | None:
+        """Write the batch in ONE store transaction; the seconds it took, None if nothing to write.
+
+        Then the committed values, bookkeeping and checkpoints become the partition's own.
+        """
+        checkpoints = {o.cursor.topic: o.checkpoint for o in outcomes if o.checkpoint is not None}
+        foreign_done = [
+            entry_name(o.cursor.topic, entry_id)
+            for o in outcomes
+            if o.cursor.foreign
+            for entry_id in o.finished
+            if entry_id in o.cursor.foreign
+        ]
+        if not (checkpoints or self.overlay or self.failures or self.dead or foreign_done):
+            return None
+        owned = self.owned
+        started = time.perf_counter()
+        with owned.store.transaction() as tx:
+            _put(tx, keys.STATE_NAMESPACE, self.overlay)
+            _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
+            _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
+            for name in foreign_done:
+                tx.delete(keys.FOREIGN_NAMESPACE, name)
+            for topic, entry_id in checkpoints.items():
+                tx.set_checkpoint(topic, entry_id)
+        took = time.perf_counter() - started
+        if len(owned.cache) + len(self.overlay) > CACHE_LIMIT:
+            owned.cache.clear()
+        owned.cache.update(self.overlay)
+        for name, failure in self.failures.items():
+            if failure is None:
+                owned.failures.pop(name, None)
+            else:
+                owned.failures[name] = failure
+        owned.dead.update((name, fields) for name, fields in self.dead.items() if fields is not None)
+        for o in outcomes:
+            if o.checkpoint is not None:
+                o.cursor.checkpoint = o.checkpoint
+        return took
+
+
+def _encode(value: Any) -> bytes | None:
+    return None if value is None else msgspec.msgpack.encode(value)
+
+
+def _put(tx: StoreTransaction, namespace: str, values: dict[str, bytes | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            tx.delete(namespace, key)
+        else:
+            tx.set(namespace, key, value)
+
+
+def iter_state(store: StateStore, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every key's decoded state in one store, in key order."""
+    for key, raw in store.items(keys.STATE_NAMESPACE, prefix):
+        yield key, codec.state_decoder.decode(raw)

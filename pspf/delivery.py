@@ -1,0 +1,302 @@
+"""The read order of the owned streams: what each cycle delivers, and what needs a handler.
+
+A stream that must first re-read its own pending entries (after a takeover, a failure or a lost
+connection) reads them from its pending list before anything new. An entry whose delivery count
+says an earlier attempt may have crashed the worker is read alone, with nothing else delivered in
+that cycle, so a poison entry cannot drag its batch-mates' counts up with it; one delivered more
+than ``max_deliveries`` times with no recorded outcome is poison. Parked entries are claimed
+again when due. New entries are read in one XREADGROUP under the leases (``Broker.read_new``).
+
+Screening (step 2 of the cycle): an entry at or below its stream's checkpoint was applied before
+a crash and needs no handler, unless a foreign consumer took it; an entry judged dead before a
+crash is moved to the DLQ; a redriven entry meant for another app is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from pspf import codec, keys
+from pspf.broker import Broker, Fields, RawEntry
+from pspf.execution import Entry
+from pspf.failures import Failure, RetryPolicy
+from pspf.keys import StreamId, entry_name
+from pspf.ownership import OwnedPartition, StreamCursor, check_tail
+
+log = logging.getLogger(__name__)
+
+
+class Read(NamedTuple):
+    """Entries of one stream read in this cycle; ``due`` marks parked entries claimed again."""
+
+    cursor: StreamCursor
+    entries: list[RawEntry]
+    counts: dict[bytes, int]
+    poison: frozenset[bytes] = frozenset()
+    due: bool = False
+    #: a crash suspect, read with nothing else
+    alone: bool = False
+
+
+class Screened(NamedTuple):
+    """A read after screening: the entries that need a handler, in id order, and the others."""
+
+    todo: list[Entry]
+    #: entries done without a handler (applied before, lost, or meant for another app)
+    done_ids: list[bytes]
+    #: (id, DLQ fields) of entries judged dead before a crash, to move now
+    dead: list[tuple[bytes, Fields]]
+    skipped: int
+    lost: int
+
+
+def parked(failure: Failure | None) -> bool:
+    return failure is not None and failure.due_ms > 0
+
+
+class Delivery:
+    """Reads the owned streams in the order that keeps the guarantee (see the module docstring).
+
+    ``owned`` and ``streams`` are the processor's registry of owned partitions and their cursors.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        group: str,
+        consumer: str,
+        batch_size: int,
+        block_ms: int,
+        policies: dict[str, RetryPolicy],
+        owned: dict[int, OwnedPartition],
+        streams: dict[str, StreamCursor],
+    ) -> None:
+        self.broker = broker
+        self.group = group
+        self.consumer = consumer
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.policies = policies
+        self.owned = owned
+        self.streams = streams
+
+    def read(self, block: bool) -> tuple[list[Read], list[str]]:
+        """One cycle's reads, and the streams whose lease the read found taken.
+
+        With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
+        """
+        now = time.monotonic()
+        ready = [c for c in self.streams.values() if c.retry_at <= now]
+        if not ready:
+            self._wait_for_retry(now)
+            return [], []
+        windows = {c.stream: self._pending_window(c) for c in ready if c.pending_after is not None}
+        for stream, window in windows.items():
+            if window and self._unexplained(self.streams[stream], window[0]) >= 2:
+                # It may have crashed the worker before: it runs alone, nothing else is delivered,
+                # so if it crashes again only its own delivery count grows.
+                suspect = self._claim_pending(self.streams[stream], window[:1])
+                return [r._replace(alone=True) for r in suspect], []
+        out = [
+            read
+            for stream, window in windows.items()
+            for read in self._read_pending(self.streams[stream], window)
+        ]
+        lost: list[str] = []
+        live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
+        if live:
+            lost, replies, last_ids = self.broker.read_new(self.group, self.consumer, live, self.batch_size)
+            new = [Read(self.streams[s.decode()], entries, {}) for s, entries in replies if entries]
+            self._check_tails(new, last_ids)
+            out += new
+            if block and not out and last_ids:
+                self.broker.wait_for_new(last_ids, self.block_ms)
+        return out, lost
+
+    def _check_tails(self, new: list[Read], last_ids: dict[str, bytes]) -> None:
+        """Check the streams' last ids against the checkpoints wherever they are at hand.
+
+        New entries at or below the checkpoint mean the group's position went back: the stream's
+        last id is looked up then, so that a lost tail is seen before they are skipped as done.
+        """
+        for stream, last_id in last_ids.items():
+            check_tail(stream, last_id, self.streams[stream].checkpoint)
+        for read in new:
+            checkpoint = read.cursor.checkpoint
+            if checkpoint is not None and StreamId.parse(read.entries[0][0]) <= checkpoint:
+                check_tail(read.cursor.stream, self.broker.last_id(read.cursor.stream), checkpoint)
+
+    def _pending_window(self, cursor: StreamCursor) -> list[tuple[bytes, int]]:
+        """The next own pending entries and their delivery counts (XPENDING delivers nothing).
+
+        Parked entries are left out: their count must not grow while they wait.
+        """
+        assert cursor.pending_after is not None
+        window = self.broker.pending_counts(
+            cursor.stream, self.group, self.consumer, cursor.pending_after, self.batch_size
+        )
+        if not window:
+            cursor.pending_after = None
+            return []
+        failures = self.owned[cursor.partition].failures
+        wanted = [
+            (entry_id, delivered)
+            for entry_id, delivered in window
+            if not (failures and parked(failures.get(entry_name(cursor.topic, entry_id))))
+        ]
+        if not wanted:
+            cursor.pending_after = StreamId.parse(window[-1][0])
+        return wanted
+
+    def _unexplained(self, cursor: StreamCursor, pending: tuple[bytes, int]) -> int:
+        """Deliveries of an entry that ended with no recorded outcome: each may have been a crash."""
+        entry_id, delivered = pending
+        failure = self.owned[cursor.partition].failures.get(entry_name(cursor.topic, entry_id))
+        return delivered - (failure.attempts if failure else 0) - cursor.unattempted.get(entry_id, 0)
+
+    def _read_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read]:
+        """Re-deliver the next pending entries, stopping before any that may have crashed us."""
+        if not window:
+            return []
+        suspect = [i for i, pending in enumerate(window) if self._unexplained(cursor, pending) >= 2]
+        take = 1 if cursor.isolate else (suspect[0] if suspect else len(window))
+        return self._claim_pending(cursor, window[:take])
+
+    def _claim_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read]:
+        ids = [entry_id for entry_id, _ in window]
+        claimed = dict(self.broker.claim_entries(cursor.stream, self.group, self.consumer, ids))
+        entries: list[RawEntry] = [(entry_id, claimed.get(entry_id)) for entry_id in ids]
+        counts = {entry_id: delivered + 1 for entry_id, delivered in window}
+        return [Read(cursor, entries, counts, self._poison(cursor, counts))]
+
+    def _poison(self, cursor: StreamCursor, counts: dict[bytes, int]) -> frozenset[bytes]:
+        """Entries delivered more than ``max_deliveries`` times with no recorded outcome."""
+        limit = self.policies[cursor.topic].max_deliveries or 1
+        return frozenset(e for e, n in counts.items() if self._unexplained(cursor, (e, n)) > limit)
+
+    def read_due(self) -> list[Read]:
+        """Claim parked entries whose retry is due (XCLAIM counts it as a delivery)."""
+        now_ms = int(time.time() * 1000)
+        out = []
+        for owned in self.owned.values():
+            if not owned.failures:
+                continue
+            for cursor in owned.streams.values():
+                prefix = f"{cursor.topic}/"
+                due = [
+                    name[len(prefix) :].encode()
+                    for name, failure in owned.failures.items()
+                    if failure.due_ms and failure.due_ms <= now_ms and name.startswith(prefix)
+                ][: self.batch_size]
+                if not due:
+                    continue
+                entries = self.broker.claim_entries(cursor.stream, self.group, self.consumer, due)
+                gone = set(due) - {entry_id for entry_id, _ in entries}
+                for entry_id in gone:
+                    log.warning(
+                        "parked entry deleted from its stream, lost stream=%s id=%s", cursor.stream, entry_id
+                    )
+                    owned.failures.pop(entry_name(cursor.topic, entry_id), None)
+                    with owned.store.transaction() as tx:
+                        tx.delete(keys.FAILURES_NAMESPACE, entry_name(cursor.topic, entry_id))
+                if entries:
+                    counts = self.broker.delivery_counts(
+                        cursor.stream, self.group, [entry_id for entry_id, _ in entries]
+                    )
+                    out.append(Read(cursor, entries, counts, self._poison(cursor, counts), due=True))
+        return out
+
+    def _wait_for_retry(self, now: float) -> None:
+        """Sleep until the first stream may retry, but no longer than one read would block."""
+        if not self.streams:
+            time.sleep(self.block_ms / 1000)
+            return
+        first = min(c.retry_at for c in self.streams.values())
+        time.sleep(max(0.0, min(first - now, self.block_ms / 1000)))
+
+    # -- step 2: what needs a handler -----------------------------------------------------------
+
+    def screen(self, owned: OwnedPartition, read: Read) -> Screened:
+        """Sort out entries that need no handler; the ones that do come back in id order."""
+        cursor, entries = read.cursor, read.entries
+        done_ids: list[bytes] = []
+        dead: list[tuple[bytes, Fields]] = []
+        forced: list[RawEntry] = []
+        skipped = lost = 0
+        start = 0
+        checkpoint = cursor.checkpoint
+        # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix.
+        if checkpoint is not None and not read.due:
+            while start < len(entries) and StreamId.parse(entries[start][0]) <= checkpoint:
+                id_b, fields = entries[start]
+                start += 1
+                if id_b in cursor.foreign:
+                    forced.append((id_b, fields))
+                    continue
+                if owned.dead or owned.failures:
+                    name = entry_name(cursor.topic, id_b)
+                    if name in owned.dead:
+                        dead.append((id_b, owned.dead[name]))  # decided before a crash: move it now
+                        continue
+                    if parked(owned.failures.get(name)):
+                        continue  # stays pending until it is due
+                done_ids.append(id_b)
+                skipped += 1
+        rest = entries[start:]
+        if not forced and all(fields is not None and codec.HEADERS not in fields for _, fields in rest):
+            return Screened(rest, done_ids, dead, skipped, lost)  # type: ignore[arg-type]
+        todo: list[Entry] = []
+        for id_b, fields in forced + rest:
+            if fields is None:
+                log.warning(
+                    "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
+                    cursor.topic,
+                    cursor.partition,
+                    id_b.decode(),
+                )
+                done_ids.append(id_b)
+                lost += 1
+            elif codec.HEADERS in fields and not self._meant_for_us(fields[codec.HEADERS]):
+                done_ids.append(id_b)
+                skipped += 1
+            else:
+                todo.append((id_b, fields))
+        return Screened(todo, done_ids, dead, skipped, lost)
+
+    def _meant_for_us(self, headers: bytes) -> bool:
+        """False for an entry a redrive sent back for another app reading the same topic."""
+        if keys.REDRIVE_APP_HEADER.encode() not in headers:
+            return True
+        try:
+            target = codec.decode_headers(headers).get(keys.REDRIVE_APP_HEADER)
+        except Exception:
+            return True
+        return target is None or target == self.group
+
+    # -- after the cycle ------------------------------------------------------------------------
+
+    def advance(self, done: list[tuple[StreamCursor, list[bytes], float | None]], reads: list[Read]) -> None:
+        """Move each stream's read position: past what it read, or back to its pending entries.
+
+        ``done``: per stream outcome, the ids acknowledged or dead-lettered and the retry delay
+        (None when the stream need not wait).
+        """
+        last_read = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
+        for cursor, finished, retry_in_s in done:
+            if cursor.unattempted or cursor.foreign:
+                for entry_id in finished:
+                    cursor.unattempted.pop(entry_id, None)
+                    cursor.foreign.discard(entry_id)
+            if cursor.stream not in last_read:
+                continue  # only parked entries were tried
+            if retry_in_s is not None:
+                cursor.rewind()
+                cursor.isolate = True
+                cursor.retry_at = time.monotonic() + retry_in_s
+            else:
+                cursor.isolate = False
+                cursor.retry_at = 0.0
+                if cursor.pending_after is not None:
+                    cursor.pending_after = last_read[cursor.stream]

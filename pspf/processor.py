@@ -254,7 +254,14 @@ class BatchProcessor:
         cursor = read.cursor
         handler = self.app.handlers[cursor.topic]
         policy = self.policies[cursor.topic]
-        meta = EntryMeta(cursor.topic, cursor.partition, read.counts, read.poison, policy.max_deliveries or 1)
+        meta = EntryMeta(
+            cursor.topic,
+            cursor.partition,
+            read.counts,
+            read.poison,
+            policy.max_deliveries or 1,
+            policy.timeout_ms,
+        )
 
         def stop(index: int, exc: BaseException) -> bool:
             if batch.broken is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from typing import Any
 
 from pspf import App, Context
@@ -53,3 +55,28 @@ def broken_factory() -> App:
 
 
 not_an_app = 42
+
+
+def slow() -> App:
+    """Orders that say ``"sleep_s"`` take that long; ``PSPF_TEST_ASYNC=1`` makes the handler async."""
+    app = App(os.environ["PSPF_TEST_APP"])
+    topic = os.environ["PSPF_TEST_TOPIC"]
+
+    def count(ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    if os.environ.get("PSPF_TEST_ASYNC") == "1":
+
+        @app.handler(topic)
+        async def handle_async(order: dict[str, Any], ctx: Context) -> None:
+            await asyncio.sleep(order.get("sleep_s", 0))
+            count(ctx)
+
+    else:
+
+        @app.handler(topic)
+        def handle(order: dict[str, Any], ctx: Context) -> None:
+            time.sleep(order.get("sleep_s", 0))
+            count(ctx)
+
+    return app

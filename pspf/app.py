@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -18,6 +18,9 @@ from pspf.context import Context
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
+
+if TYPE_CHECKING:
+    from pspf.processor import ProcessorHooks
 
 HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
 
@@ -50,6 +53,7 @@ class App:
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
         state_type: Any = Any,
+        hooks: ProcessorHooks | None = None,
     ) -> None:
         """Declare an app.
 
@@ -59,6 +63,8 @@ class App:
             non_retryable: exception types that send an entry to the DLQ without retries.
             state_type: the type of the values in ``ctx.state`` (a msgspec Struct, or any type
                 msgspec handles); stored values are decoded into it.
+            hooks: called at the steps of each batch (metrics, audit, tracing) by every worker
+                that runs the app, ``pspf run`` included.
         """
         self.name = check_name("app", name)
         try:
@@ -70,6 +76,7 @@ class App:
         self.retry = (retry or RetryPolicy()).validated()
         self.non_retryable = non_retryable
         self.handlers: dict[str, Handler] = {}
+        self.hooks = hooks
 
     def handler(
         self,

@@ -96,6 +96,13 @@ class ProcessorHooks:
     def on_commit(self, partition: int, seconds: float) -> None:
         """One store transaction of a partition's batch took ``seconds``."""
 
+    def on_acknowledging(self, entries: dict[str, int]) -> None:
+        """Every batch of the cycle is committed; acknowledging is about to be sent.
+
+        ``entries``: per stream, the entries to acknowledge or move to the DLQ (only streams
+        with some).
+        """
+
     def on_ack(self, seconds: float) -> None:
         """The cycle's acknowledging round trip (acks and DLQ moves) took ``seconds``."""
 
@@ -373,6 +380,7 @@ class BatchProcessor:
                 )
         if not requests:
             return
+        self._call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in requests})
         started = time.perf_counter()
         replies = self.broker.ack(requests)
         self._call_hook(self.hooks.on_ack, time.perf_counter() - started)

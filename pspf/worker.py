@@ -82,6 +82,7 @@ class Worker:
         self.leases = PartitionLeases(
             self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
         )
+        hooks = hooks if hooks is not None else app.hooks
         #: Counters and health, when the settings ask for a metrics port.
         self.metrics: WorkerMetrics | None = None
         self._metrics_server: MetricsServer | None = None

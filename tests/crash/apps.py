@@ -7,8 +7,8 @@ Configured by environment variables, read when ``main`` is called:
 - ``PSPF_TEST_ASYNC``: when ``1``, the handler is ``async def`` (the concurrent per-key path);
 - ``PSPF_TEST_WHO``: when set, each key's state counts the entries each worker handled, by this
   label (``state["by"][label]``);
-- ``PSPF_TEST_CRASH``: a named crash point ``WHERE:N``, where the process kills itself with
-  SIGKILL, once (``PSPF_TEST_MARKER`` names the marker file that says it happened; the file holds
+- ``PSPF_TEST_CRASH``: a named crash point ``WHERE:N``, reached through the app's public
+  processor hooks (``CrashHooks``), where the process kills itself with SIGKILL, once (``PSPF_TEST_MARKER`` names the marker file that says it happened; the file holds
   a small JSON report):
 
   - ``handler:N``: inside the handler of the N-th entry this process handles, after its state
@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from pspf import App, Context
-from pspf.processor import BatchProcessor
+from pspf.processor import ProcessorHooks
 
 
 class Order(msgspec.Struct):
@@ -53,43 +53,31 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _install_crash_point(where: str, nth: int, marker: Path) -> None:
-    """Wrap a BatchProcessor step so the process SIGKILLs itself at its N-th call."""
-    if where == "commit":
-        original_commit = BatchProcessor._commit
-        commits = 0
+class CrashHooks(ProcessorHooks):
+    """Kills the process with SIGKILL at a named step of its N-th batch, once (public hooks only)."""
 
-        def commit(self: BatchProcessor, batch: Any, outcomes: Any) -> None:
-            nonlocal commits
-            original_commit(self, batch, outcomes)
-            if any(o.handled for o in outcomes):
-                commits += 1
-                if commits == nth and not marker.exists():
-                    applied = sum(o.handled for o in outcomes)
-                    _die(marker, {"where": where, "partition": batch.owned.partition, "applied": applied})
+    def __init__(self, where: str, nth: int, marker: Path) -> None:
+        if where not in ("handler", "commit", "ack"):
+            raise ValueError(f"unknown crash point {where!r}")
+        self.where, self.nth, self.marker = where, nth, marker
+        self.seen = 0
 
-        BatchProcessor._commit = commit  # type: ignore[method-assign]
-    elif where == "ack":
-        original_ack = BatchProcessor._acknowledge
-        rounds = 0
+    def _reached(self) -> bool:
+        self.seen += 1
+        return self.seen == self.nth and not self.marker.exists()
 
-        def acknowledge(self: BatchProcessor, outcomes: Any, result: Any) -> None:
-            nonlocal rounds
-            unacked = {o.cursor.stream: len(o.ack_ids) for _, stream in outcomes for o in stream if o.ack_ids}
-            if unacked:
-                rounds += 1
-                if rounds == nth and not marker.exists():
-                    _die(marker, {"where": where, "unacked": unacked})
-            original_ack(self, outcomes, result)
+    def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
+        # The app reads one topic: one stream per partition, so this is the partition's commit.
+        if self.where == "commit" and handled and self._reached():
+            _die(self.marker, {"where": "commit", "partition": partition, "applied": handled})
 
-        BatchProcessor._acknowledge = acknowledge  # type: ignore[method-assign]
-    elif where != "handler":
-        raise ValueError(f"unknown crash point {where!r}")
+    def on_acknowledging(self, entries: dict[str, int]) -> None:
+        if self.where == "ack" and self._reached():
+            _die(self.marker, {"where": "ack", "unacked": entries})
 
 
 def main() -> App:
     topic = os.environ["PSPF_TEST_TOPIC"]
-    app = App(os.environ["PSPF_TEST_APP"])
     work_s = int(os.environ.get("PSPF_TEST_WORK_US", "0")) / 1e6
     who = os.environ.get("PSPF_TEST_WHO")
     crash = os.environ.get("PSPF_TEST_CRASH")
@@ -98,7 +86,7 @@ def main() -> App:
         where, _, n = crash.partition(":")
         nth = int(n)
         marker = Path(os.environ["PSPF_TEST_MARKER"])
-        _install_crash_point(where, nth, marker)
+    app = App(os.environ["PSPF_TEST_APP"], hooks=CrashHooks(where, nth, marker) if crash else None)
     handled = 0
 
     def add(order: Order, ctx: Context) -> None:

@@ -165,6 +165,11 @@ def replay(
         f"{verb} app {result.app} to {result.position} in {', '.join(result.topics)} "
         f"({result.partitions} partition(s)): {result.entries_to_replay} entries to replay"
     )
+    if result.superseded:
+        click.echo(
+            f"{result.superseded} of them were redriven from the DLQ later: they are skipped and "
+            "their last redriven copies applied, as in the first run"
+        )
     if result.state_reset:
         done = "would be" if dry_run else "were"
         click.echo(f"state and checkpoints {done} reset; run the app to rebuild the state")

@@ -102,6 +102,12 @@ class PartitionBatch:
         ]
         if not (checkpoints or self.overlay or self.failures or self.dead or foreign_done):
             return None
+        # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
+        superseded_passed = {
+            o.cursor: o.cursor.superseded.passed(checkpoints[o.cursor.topic])
+            for o in outcomes
+            if o.checkpoint is not None and o.cursor.superseded
+        }
         owned = self.owned
         started = time.perf_counter()
         with owned.store.transaction() as tx:
@@ -110,9 +116,14 @@ class PartitionBatch:
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
                 tx.delete(keys.FOREIGN_NAMESPACE, name)
+            for cursor, passed in superseded_passed.items():
+                for done_id in passed:
+                    tx.delete(keys.SUPERSEDED_NAMESPACE, entry_name(cursor.topic, done_id))
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
+        for cursor, passed in superseded_passed.items():
+            cursor.superseded.forget(passed)
         if len(owned.cache) + len(self.overlay) > CACHE_LIMIT:
             owned.cache.clear()
         owned.cache.update(self.overlay)

@@ -9,7 +9,8 @@ again when due. New entries are read in one XREADGROUP under the leases (``Broke
 
 Screening (step 2 of the cycle): an entry at or below its stream's checkpoint was applied before
 a crash and needs no handler, unless a foreign consumer took it; an entry judged dead before a
-crash is moved to the DLQ; a redriven entry meant for another app is skipped.
+crash is moved to the DLQ; a redriven entry meant for another app is skipped, and so is an entry
+a replay marked superseded (a redriven copy of it, later in the stream, is applied instead).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Screened(NamedTuple):
     """A read after screening: the entries that need a handler, in id order, and the others."""
 
     todo: list[Entry]
-    #: entries done without a handler (applied before, lost, or meant for another app)
+    #: entries done without a handler (applied before, lost, superseded, or meant for another app)
     done_ids: list[bytes]
     #: (id, DLQ fields) of entries judged dead before a crash, to move now
     dead: list[tuple[bytes, Fields]]
@@ -227,12 +228,13 @@ class Delivery:
         skipped = lost = 0
         start = 0
         checkpoint = cursor.checkpoint
+        superseded = cursor.superseded
         # Ids in a reply ascend, so the entries at or below the checkpoint are a prefix.
         if checkpoint is not None and not read.due:
             while start < len(entries) and StreamId.parse(entries[start][0]) <= checkpoint:
                 id_b, fields = entries[start]
                 start += 1
-                if id_b in cursor.foreign:
+                if id_b in cursor.foreign and id_b not in superseded:
                     forced.append((id_b, fields))
                     continue
                 if owned.dead or owned.failures:
@@ -245,11 +247,16 @@ class Delivery:
                 done_ids.append(id_b)
                 skipped += 1
         rest = entries[start:]
-        if not forced and all(fields is not None and codec.HEADERS not in fields for _, fields in rest):
+        if not (forced or superseded) and all(
+            fields is not None and codec.HEADERS not in fields for _, fields in rest
+        ):
             return Screened(rest, done_ids, dead, skipped, lost)  # type: ignore[arg-type]
         todo: list[Entry] = []
         for id_b, fields in forced + rest:
-            if fields is None:
+            if id_b in superseded:
+                done_ids.append(id_b)  # its redriven copy is applied instead, as in the first run
+                skipped += 1
+            elif fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
                     cursor.topic,

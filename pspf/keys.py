@@ -32,12 +32,17 @@ CONSUMERS_NAMESPACE = "__consumers"
 #: Entries taken over from consumers outside that history at or below the checkpoint, by
 #: "topic/id": run although the checkpoint passed them, then forgotten in the same commit.
 FOREIGN_NAMESPACE = "__foreign"
+#: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
+#: the copy's id). A replay that delivers both marks them: they are done without a handler, so
+#: each is applied once, through its last copy, as in the first run. Forgotten in the commit that
+#: moves the checkpoint to or past them.
+SUPERSEDED_NAMESPACE = "__superseded"
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
 REDRIVE_APP_HEADER = "pspf-redrive-app"
 #: Header a redrive adds: how often the entry was redriven.
 REDRIVE_COUNT_HEADER = "pspf-redrive-count"
-#: Header a redrive adds: the entry's id before its first redrive.
+#: Header a redrive adds: the id of the entry it was redriven from (the previous link of a chain).
 ORIGINAL_ID_HEADER = "pspf-original-id"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")

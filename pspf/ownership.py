@@ -15,7 +15,7 @@ checkpoint). Only then does the batch processor get the partition.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -109,6 +109,45 @@ class PartitionLeases:
 
 
 @dataclass(slots=True, eq=False)
+class Superseded:
+    """Entries of one stream that a redriven copy later in it replaces (mirrors SUPERSEDED_NAMESPACE).
+
+    A replay marks them; they are done without a handler. A mark is forgotten in the commit that
+    moves the checkpoint to or past it, not in the one that finishes the entry: an entry above
+    the checkpoint whose acknowledgement is lost is read again, and must still be skipped.
+    """
+
+    ids: set[bytes] = field(default_factory=set)
+    #: the same ids, largest first: the ones a checkpoint passes come off the end
+    order: list[StreamId] = field(default_factory=list)
+
+    def __contains__(self, entry_id: bytes) -> bool:
+        return entry_id in self.ids
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def load(self, entry_ids: Iterable[bytes]) -> None:
+        self.ids.update(entry_ids)
+        self.order = sorted((StreamId.parse(e) for e in self.ids), reverse=True)
+
+    def passed(self, checkpoint: StreamId) -> list[bytes]:
+        """The marked ids at or below ``checkpoint``: a commit that moves it there forgets them."""
+        found = []
+        for entry_id in reversed(self.order):
+            if entry_id > checkpoint:
+                break
+            found.append(str(entry_id).encode())
+        return found
+
+    def forget(self, passed: list[bytes]) -> None:
+        """Drop what ``passed`` returned, once the commit that deleted those marks is done."""
+        if passed:
+            del self.order[-len(passed) :]
+            self.ids.difference_update(passed)
+
+
+@dataclass(slots=True, eq=False)
 class StreamCursor:
     """Where this worker stands in one owned topic partition."""
 
@@ -131,6 +170,8 @@ class StreamCursor:
     #: Entries taken from foreign consumers (mirrors FOREIGN_NAMESPACE): never applied, even
     #: at or below the checkpoint, so they are run.
     foreign: set[bytes] = field(default_factory=set)
+    #: Entries a redriven copy replaces (a replay marked them): done without a handler.
+    superseded: Superseded = field(default_factory=Superseded)
 
     def rewind(self) -> None:
         """Re-read all own pending entries: after a failure or a lost connection.
@@ -158,11 +199,14 @@ class OwnedPartition:
         self.failures = {k: _failure_decoder.decode(v) for k, v in store.items(keys.FAILURES_NAMESPACE)}
         self.dead = {k: _fields_decoder.decode(v) for k, v in store.items(keys.DEAD_NAMESPACE)}
         self.consumers = {name for name, _ in store.items(keys.CONSUMERS_NAMESPACE)}
-        by_topic = {cursor.topic: cursor for cursor in self.streams.values()}
-        for name, _ in store.items(keys.FOREIGN_NAMESPACE):
-            topic, _, entry_id = name.rpartition("/")
-            if topic in by_topic:
-                by_topic[topic].foreign.add(entry_id.encode())
+        for cursor in self.streams.values():
+            cursor.foreign.update(self._marked(keys.FOREIGN_NAMESPACE, cursor.topic))
+            cursor.superseded.load(self._marked(keys.SUPERSEDED_NAMESPACE, cursor.topic))
+
+    def _marked(self, namespace: str, topic: str) -> list[bytes]:
+        """The ids of ``topic`` that a namespace of ``entry_name`` keys marks."""
+        prefix = f"{topic}/"
+        return [name[len(prefix) :].encode() for name, _ in self.store.items(namespace, prefix)]
 
     def mark_foreign(self, marks: dict[StreamCursor, list[bytes]], consumer: str | None = None) -> None:
         """Record entries to run although at or below the checkpoint, before they are claimed.

@@ -32,6 +32,7 @@ from pspf.keys import (
     REDRIVE_APP_HEADER,
     REDRIVE_COUNT_HEADER,
     STATE_NAMESPACE,
+    SUPERSEDED_NAMESPACE,
     StreamId,
 )
 from pspf.producer import Producer
@@ -157,6 +158,8 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     position: str
     partitions: int
     entries_to_replay: int
+    #: replayed entries that a redriven copy, also replayed, replaces: skipped, as in the first run
+    superseded: int = 0
     state_reset: bool
     dry_run: bool
 
@@ -200,13 +203,18 @@ _export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec
 )
 
 
-def _dlq_entries(broker: Broker, dlq: str) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
-    """Every entry of one DLQ stream, in id order, read 500 at a time."""
-    start = "-"
+def _stream_entries(
+    broker: Broker, stream: str, after: StreamId | None = None, page_size: int = 500
+) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of one stream (a DLQ, or a partition's), after ``after``, in id order.
+
+    ``Broker.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
+    """
+    start = "-" if after is None or after == keys.ZERO_ID else str(after.next())
     while True:
-        page = broker.dlq_range(dlq, start, "+", 500)
+        page = broker.dlq_range(stream, start, "+", page_size)
         yield from page
-        if len(page) < 500:
+        if len(page) < page_size:
             return
         start = str(StreamId.parse(page[-1][0]).next())
 
@@ -225,7 +233,7 @@ class DeadLetterCounts:
         return counts[app]
 
     def _read(self, dlq: str) -> Counter[str]:
-        return Counter(fields.get(b"app", b"").decode() for _, fields in _dlq_entries(self.broker, dlq))
+        return Counter(fields.get(b"app", b"").decode() for _, fields in _stream_entries(self.broker, dlq))
 
 
 class Service:
@@ -319,7 +327,7 @@ class Service:
     def _dead_letters(self, topic: str) -> Iterator[tuple[int, bytes, DeadLetter]]:
         """Every DLQ entry of ``topic``, partition by partition, in id order."""
         for partition in range(self._partitions(topic)):
-            for entry_id, fields in _dlq_entries(self.broker, keys.dlq_key(topic, partition)):
+            for entry_id, fields in _stream_entries(self.broker, keys.dlq_key(topic, partition)):
                 yield partition, entry_id, DeadLetter.from_fields(fields)
 
     def dlq_list(
@@ -563,6 +571,12 @@ class Service:
         ``position``, retry bookkeeping dropped, and the state cleared unless ``keep_state``. A
         crash in between leaves the old state with its old checkpoints, which skip the
         re-delivered entries: nothing is applied twice, and running replay again completes it.
+
+        The same write marks the replayed entries that a redrive for ``app`` replaced with a copy
+        that is replayed too (each link of a chain of redrives but the last): the app skips them
+        and applies the copy, as the first run did, even if the original now succeeds. With
+        ``keep_state`` too: the state already holds each entry's effect once, through its copy,
+        and the replay applies it once more the same way, never once per copy.
         """
         keys.check_name("app", app)
         partitions = self.broker.app_partitions(app)
@@ -582,15 +596,19 @@ class Service:
             for partition in stored:  # locks them: a worker starting now waits for us
                 stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
             self._refuse_if_running(app, read, partitions)
+            marks = self._superseded(app, chosen, partitions, position)
             streams = [keys.stream_key(t, p) for t in chosen for p in range(partitions)]
             if not dry_run:
+                for partition in sorted(set(marks) - set(stored)):  # the marks need a store
+                    stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
+                    stored.append(partition)
                 for stream in streams:
                     self.broker.reset_group(stream, app, str(position))
                 checkpoint = None if position == keys.ZERO_ID else position
-                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE}
+                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE}
                 clear |= set() if keep_state else {STATE_NAMESPACE}
-                for store in stores:
-                    store.rewind(clear, {topic: checkpoint for topic in chosen})
+                for partition, store in zip(stored, stores, strict=True):
+                    store.rewind(clear, {topic: checkpoint for topic in chosen}, marks.get(partition))
             entries = sum(self._entries_after(stream, position) for stream in streams)
         finally:
             for store in stores:
@@ -601,9 +619,30 @@ class Service:
             position=str(position),
             partitions=partitions,
             entries_to_replay=entries,
+            superseded=sum(len(found) for found in marks.values()),
             state_reset=not keep_state,
             dry_run=dry_run,
         )
+
+    def _superseded(
+        self, app: str, topics: list[str], partitions: int, position: StreamId
+    ) -> dict[int, dict[tuple[str, str], bytes]]:
+        """Per partition, the marks of the entries after ``position`` that a redrive replaced.
+
+        A redriven copy for ``app`` names the entry it was redriven from (its original id
+        header), in the same partition. Both are replayed when the original is after
+        ``position``; the copy's id is the mark's value.
+        """
+        marks: dict[int, dict[tuple[str, str], bytes]] = {}
+        for topic in topics:
+            for partition in range(partitions):
+                stream = keys.stream_key(topic, partition)
+                for entry_id, fields in _stream_entries(self.broker, stream, position, page_size=1000):
+                    replaced = _redriven_from(fields, app)
+                    if replaced is not None and position < replaced < StreamId.parse(entry_id):
+                        name = keys.entry_name(topic, str(replaced).encode())
+                        marks.setdefault(partition, {})[(SUPERSEDED_NAMESPACE, name)] = entry_id
+        return marks
 
     @staticmethod
     def _replay_topics(app: str, read: list[str], topics: Sequence[str], keep_state: bool) -> list[str]:
@@ -825,6 +864,20 @@ def _redrive_fields(record: DeadLetter) -> dict[bytes, bytes]:
     headers[REDRIVE_APP_HEADER] = record.app
     fields[codec.HEADERS] = codec.json_encoder.encode(headers)
     return fields
+
+
+def _redriven_from(fields: dict[bytes, bytes], app: str) -> StreamId | None:
+    """The id an entry was redriven from, when a redrive for ``app`` added it; else None."""
+    raw = fields.get(codec.HEADERS)
+    if raw is None or REDRIVE_APP_HEADER.encode() not in raw:
+        return None
+    try:
+        headers = codec.decode_headers(raw)
+        if headers.get(REDRIVE_APP_HEADER) != app:
+            return None
+        return StreamId.parse(headers.get(ORIGINAL_ID_HEADER, ""))
+    except (DecodeError, ConfigError):
+        return None  # headers a producer wrote by hand: not a redrive's
 
 
 def _shown_state(key: str, raw: bytes) -> dict[str, Any]:

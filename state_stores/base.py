@@ -78,11 +78,17 @@ class StateStore(ABC):
         """Apply value updates (None deletes) and checkpoints in ONE atomic, durable write."""
 
     @abstractmethod
-    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
-        """Clear namespaces and set checkpoints, also backwards, in ONE atomic write.
+    def rewind(
+        self,
+        clear: Collection[str],
+        checkpoints: Mapping[str, StreamId | None],
+        values: Mapping[tuple[str, str], bytes] | None = None,
+    ) -> None:
+        """Clear namespaces, set values and set checkpoints, also backwards, in ONE atomic write.
 
-        Deletes every value of the ``clear`` namespaces; a None checkpoint is deleted. Only a
-        replay, with the app stopped, moves checkpoints back.
+        Deletes every value of the ``clear`` namespaces, then sets ``values`` by (namespace,
+        key), so a replay's bookkeeping starts with the rewound checkpoints; a None checkpoint
+        is deleted. Only a replay, with the app stopped, moves checkpoints back.
         """
 
     @abstractmethod

@@ -45,8 +45,14 @@ class MemoryStore(StateStore):
                 self._values[name] = value
         self._checkpoints.update(checkpoints)
 
-    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
-        self._values = {name: value for name, value in self._values.items() if name[0] not in clear}
+    def rewind(
+        self,
+        clear: Collection[str],
+        checkpoints: Mapping[str, StreamId | None],
+        values: Mapping[tuple[str, str], bytes] | None = None,
+    ) -> None:
+        kept = {name: value for name, value in self._values.items() if name[0] not in clear}
+        self._values = {**kept, **(values or {})}
         apply_checkpoints(self._checkpoints, checkpoints)
 
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:

@@ -120,11 +120,18 @@ class RocksDBStore(StateStore):
             raise StateError(f"cannot commit state store {self.path}: {exc}") from exc
         self._checkpoints.update(checkpoints)
 
-    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+    def rewind(
+        self,
+        clear: Collection[str],
+        checkpoints: Mapping[str, StreamId | None],
+        values: Mapping[tuple[str, str], bytes] | None = None,
+    ) -> None:
         batch = WriteBatch(raw_mode=True)
         for namespace in clear:
             for key, _ in self._scan(_state_key(namespace, "")):
                 batch.delete(key)
+        for (namespace, name), value in (values or {}).items():
+            batch.put(_state_key(namespace, name), value)  # after the deletes: the batch keeps order
         for topic, entry_id in checkpoints.items():
             if entry_id is None:
                 batch.delete(_CHECKPOINT + topic.encode())

@@ -141,9 +141,15 @@ class SQLiteStore(StateStore):
             )
         self._checkpoints.update(checkpoints)
 
-    def rewind(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None]) -> None:
+    def rewind(
+        self,
+        clear: Collection[str],
+        checkpoints: Mapping[str, StreamId | None],
+        values: Mapping[tuple[str, str], bytes] | None = None,
+    ) -> None:
         with self._atomic("rewind") as db:
             db.executemany("DELETE FROM state WHERE ns = ?", [(ns,) for ns in clear])
+            _upsert(db, [(ns, key, value) for (ns, key), value in (values or {}).items()])
             gone = [(topic,) for topic, cid in checkpoints.items() if cid is None]
             db.executemany("DELETE FROM checkpoints WHERE topic = ?", gone)
             db.executemany(

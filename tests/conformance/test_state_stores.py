@@ -103,6 +103,34 @@ def test_rewind_clears_namespaces_and_moves_checkpoints_back(store: StateStore) 
     assert store.checkpoints()["b"] == StreamId(11, 0)
 
 
+def test_rewind_sets_values_after_clearing_in_the_same_write(store: StateStore) -> None:
+    """A replay's marks go into a namespace the same rewind clears: the new ones stay, old go."""
+    with store.transaction() as tx:
+        tx.set("marks", "t/1-0", b"old")
+        tx.set("marks", "t/2-0", b"old")
+        tx.set("state", "k", b"v")
+        tx.set_checkpoint("t", StreamId(9, 0))
+
+    values = {("marks", "t/2-0"): b"new", ("marks", "t/3-0"): b"new", ("other", "x"): b"1"}
+    store.rewind({"marks", "state"}, {"t": None}, values)
+
+    assert list(store.items("marks")) == [("t/2-0", b"new"), ("t/3-0", b"new")]
+    assert store.get("other", "x") == b"1"
+    assert list(store.items("state")) == []
+    assert store.checkpoints() == {}
+    store.rewind({"other"}, {})  # without values: only clears
+    assert store.get("other", "x") is None and store.get("marks", "t/3-0") == b"new"
+
+
+@pytest.mark.parametrize("engine", FILE_ENGINES)
+def test_rewind_values_survive_a_reopen(engine: str, tmp_path: Path) -> None:
+    with open_store(engine, tmp_path, "g", 0) as s:
+        s.rewind({"marks"}, {"t": StreamId(5, 0)}, {("marks", "t/6-0"): b"7-0"})
+    with open_store(engine, tmp_path, "g", 0) as s:
+        assert s.get("marks", "t/6-0") == b"7-0"
+        assert s.checkpoints() == {"t": StreamId(5, 0)}
+
+
 @pytest.mark.parametrize("engine", FILE_ENGINES)
 def test_checkpoints_keep_the_largest_stream_ids(engine: str, tmp_path: Path) -> None:
     """A regression test: SQLite refused sequence numbers over 2**63 (its INTEGER is signed),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -43,7 +44,13 @@ class CliState:
 
 
 class PSPFGroup(click.Group):
-    """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v)."""
+    """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v).
+
+    A reader that closed the pipe (``pspf state export APP | head -5``) ends the command quietly
+    with exit 0: it has what it wanted, and a ``set -o pipefail`` script goes on. Exit 0, not
+    141 as for coreutils that SIGPIPE ends, because a large output written at once ends the same
+    way without an error to see (CPython reports a short write, not the broken pipe).
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -54,6 +61,22 @@ class PSPFGroup(click.Group):
                 traceback.print_exc()
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(exc.exit_code)
+        except BrokenPipeError:
+            _discard_stdout()
+            ctx.exit(0)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the closed pipe goes nowhere.
+
+    Without this the interpreter's flush at exit fails again and prints that it did.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass  # stdout is no file (a test runner's buffer): nothing is flushed into a pipe
 
 
 #: The TLS options that come with --broker: (flag, help). Their values go to CliState.options, not

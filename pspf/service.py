@@ -728,19 +728,12 @@ class Service:
         for p in partitions:
             with open_store(state.engine, state.dir, app, p, readonly=True) as store:
                 checkpoints, rows = store.dump()
-                yield _export_encoder.encode(
-                    ExportCheckpoints(partition=p, checkpoints={t: str(c) for t, c in checkpoints.items()})
-                )
-                for namespace, key, value in rows:
-                    line = ExportValue(partition=p, namespace=namespace, key=key, value=value)
-                    if namespace == STATE_NAMESPACE:
-                        try:
-                            line = msgspec.structs.replace(line, state=_shown_state(key, value))
-                        except StateValueError as exc:
-                            line = msgspec.structs.replace(line, error=str(exc))
-                            if warn is not None:
-                                warn(f"app {app!r} partition {p}: {exc}; exported exactly, with state null")
-                    yield _export_encoder.encode(line)
+                try:
+                    yield from _export_lines(app, p, checkpoints, rows, warn)
+                finally:
+                    # Ends the snapshot while the store is open, also when the reader stops early
+                    # (a closed pipe): closed later, by the garbage collector, it fails.
+                    _close(rows)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
         """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
@@ -901,8 +894,36 @@ def _has_values(store: StateStore) -> bool:
     try:
         return next(rows, None) is not None
     finally:
-        if isinstance(rows, Generator):
-            rows.close()
+        _close(rows)
+
+
+def _close(rows: Iterator[Any]) -> None:
+    """End a store snapshot's rows (``StateStore.dump``) before the store closes."""
+    if isinstance(rows, Generator):
+        rows.close()
+
+
+def _export_lines(
+    app: str,
+    partition: int,
+    checkpoints: dict[str, StreamId],
+    rows: Iterator[tuple[str, str, bytes]],
+    warn: Callable[[str], None] | None,
+) -> Iterator[bytes]:
+    """The export lines of one store snapshot (see ``Service.state_export``)."""
+    yield _export_encoder.encode(
+        ExportCheckpoints(partition=partition, checkpoints={t: str(c) for t, c in checkpoints.items()})
+    )
+    for namespace, key, value in rows:
+        line = ExportValue(partition=partition, namespace=namespace, key=key, value=value)
+        if namespace == STATE_NAMESPACE:
+            try:
+                line = msgspec.structs.replace(line, state=_shown_state(key, value))
+            except StateValueError as exc:
+                line = msgspec.structs.replace(line, error=str(exc))
+                if warn is not None:
+                    warn(f"app {app!r} partition {partition}: {exc}; exported exactly, with state null")
+        yield _export_encoder.encode(line)
 
 
 def _parse_export_line(number: int, raw: bytes) -> ExportCheckpoints | ExportValue:

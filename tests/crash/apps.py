@@ -8,8 +8,9 @@ Configured by environment variables, read when ``main`` is called:
 - ``PSPF_TEST_WHO``: when set, each key's state counts the entries each worker handled, by this
   label (``state["by"][label]``);
 - ``PSPF_TEST_CRASH``: a named crash point ``WHERE:N``, reached through the app's public
-  processor hooks (``CrashHooks``), where the process kills itself with SIGKILL, once (``PSPF_TEST_MARKER`` names the marker file that says it happened; the file holds
-  a small JSON report):
+  processor hooks (``CrashHooks``), where the process kills itself with SIGKILL, once
+  (``PSPF_TEST_MARKER`` names the marker file that says it happened; the file holds a small JSON
+  report):
 
   - ``handler:N``: inside the handler of the N-th entry this process handles, after its state
     update (nothing of the batch in hand is committed);

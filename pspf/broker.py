@@ -157,7 +157,9 @@ class Broker:
         """
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, redis.WatchError) as exc:
+            # A WatchError reaching here is redis-py's name for a connection lost while keys were
+            # WATCHed (a lease moving is caught where the transaction runs).
             raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
         except redis.ResponseError as exc:
             text = str(exc)

@@ -194,6 +194,12 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
     ),
     ("--handler-timeout-ms", int, "A handler running longer fails that attempt  [default: none]"),
     (
+        "--state-backup",
+        click.Choice(["on", "off"]),
+        "Keep each partition's state in Redis too, so it follows the partition to any machine; "
+        "off: one machine with a lasting disk, and a missing or stale store is refused  [default: on]",
+    ),
+    (
         "--metrics-port",
         int,
         "Serve Prometheus metrics on /metrics and health on /healthz at this port (0: any free "
@@ -311,12 +317,8 @@ def _call_factory(target: str, factory: Callable[..., Any]) -> Any:
 def service_for(
     obj: CliState, broker: str | None, state_dir: Path | None = None, store: str | None = None
 ) -> Service:
-    return Service(
-        obj.settings(
-            {
-                "PSPF_BROKER": broker,
-                "PSPF_STATE_DIR": str(state_dir) if state_dir else None,
-                "PSPF_STORE": store,
-            }
-        )
+    settings = obj.settings(
+        {"PSPF_BROKER": broker, "PSPF_STATE_DIR": str(state_dir) if state_dir else None, "PSPF_STORE": store}
     )
+    # State is read from the backups in Redis unless a state directory is named.
+    return Service(settings, local_state=state_dir is not None)

@@ -116,14 +116,24 @@ class PartitionBatch:
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
                 tx.delete(keys.FOREIGN_NAMESPACE, name)
+            if owned.backup is not None:  # what the backup must equal once this batch is acknowledged
+                tx.set(keys.BACKUP_NAMESPACE, keys.BACKUP_IDENTITY, owned.backup.next_identity().encode())
             for cursor, passed in superseded_passed.items():
                 for done_id in passed:
                     tx.delete(keys.SUPERSEDED_NAMESPACE, entry_name(cursor.topic, done_id))
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
-        for cursor, passed in superseded_passed.items():
-            cursor.superseded.forget(passed)
+        self._adopt(outcomes, superseded_passed)
+        return took
+
+    def _adopt(
+        self, outcomes: list[StreamOutcome], superseded_passed: dict[StreamCursor, list[bytes]]
+    ) -> None:
+        """After the commit: the committed values, bookkeeping and checkpoints become the partition's."""
+        owned = self.owned
+        for cursor, done_ids in superseded_passed.items():
+            cursor.superseded.forget(done_ids)
         if len(owned.cache) + len(self.overlay) > CACHE_LIMIT:
             owned.cache.clear()
         owned.cache.update(self.overlay)
@@ -136,7 +146,6 @@ class PartitionBatch:
         for o in outcomes:
             if o.checkpoint is not None:
                 o.cursor.checkpoint = o.checkpoint
-        return took
 
 
 def _encode(value: Any) -> bytes | None:

@@ -10,7 +10,7 @@ place, into PSPF's error types.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any, NamedTuple, cast
@@ -34,6 +34,20 @@ RawEntry = tuple[bytes, Fields | None]
 _CLAIM_COUNT = 1000
 
 
+class BackupUpdate(NamedTuple):
+    """Writes to a partition's state backup, made in the call that acknowledges its batch."""
+
+    key: str
+    meta_key: str
+    #: the new batch identity; "" leaves it (a part of a longer upload)
+    identity: str
+    checkpoints: Mapping[str, str]
+    sets: Sequence[tuple[bytes, bytes]]
+    deletes: Sequence[bytes]
+    #: empty the backup first (an upload of a whole store)
+    replace: bool = False
+
+
 class AckRequest(NamedTuple):
     """Entries of one topic partition to acknowledge, and dead ones to move, under a lease."""
 
@@ -45,6 +59,8 @@ class AckRequest(NamedTuple):
     dlq: str = ""
     #: (entry id, DLQ entry fields) of entries to move to the DLQ
     dead: Sequence[tuple[bytes, Fields]] = ()
+    #: the partition's backup update, carried by the call of the app's first topic
+    backup: BackupUpdate | None = None
 
 
 class PendingEntry(NamedTuple):
@@ -244,9 +260,32 @@ class Broker:
 
     def app_topics(self, app: str) -> set[str]:
         """The topics an app read when it last ran here (empty if it never ran)."""
+        return set(self.app_topic_list(app))
+
+    def app_topic_list(self, app: str) -> list[str]:
+        """The topics an app read when it last ran here, in the app's order.
+
+        The first one's partitions carry the app's state backup.
+        """
         with self.translate_errors():
             raw = self.client.hget(keys.app_key(app), "topics")
-        return set(_text(raw).split(",")) - {""} if raw else set()
+        return [t for t in _text(raw).split(",") if t] if raw else []
+
+    def record_group_start(self, app: str, topic: str, partition: int, stream: str) -> None:
+        """Remember where the app's group began in a stream it never read before.
+
+        Entries before it were never meant to be applied. The first worker to record it wins.
+        """
+        mine = self.stream_info(stream).groups.get(app)
+        if mine is not None:
+            with self.translate_errors():
+                self.client.hsetnx(keys.app_key(app), f"start:{topic}:{partition}", mine.last_delivered_id)
+
+    def group_start(self, app: str, topic: str, partition: int) -> keys.StreamId | None:
+        """Where the app's group began in that stream (``record_group_start``), if recorded."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), f"start:{topic}:{partition}")
+        return None if raw is None else keys.StreamId.parse(raw)
 
     def app_partitions(self, app: str) -> int:
         """The partition count an app was last run with; NotFound if it never ran here."""
@@ -515,6 +554,28 @@ class Broker:
                 return found
             start = str(keys.StreamId.parse(rows[-1]["message_id"]).next())
 
+    def acknowledged_after(self, stream: str, group: str, after: keys.StreamId | None, upto: bytes) -> bool:
+        """Whether ``group`` acknowledged an entry after ``after`` and up to ``upto``.
+
+        That is an entry of the range that exists and is not pending (``upto``: the group's last
+        delivered id). Only the first 1,000 entries of the range are looked at: a store behind by
+        more than 1,000 pending entries in a row with nothing acknowledged among them is missed.
+        """
+        end = keys.StreamId.parse(upto)
+        if after is not None and end <= after:
+            return False
+        start = "-" if after is None else str(after.next())
+        with self.translate_errors(stream):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xrange(stream, start, str(end), count=_CLAIM_COUNT)
+            pipe.xpending_range(stream, group, start, str(end), _CLAIM_COUNT)
+            entries, pending = pipe.execute()
+        held = {row["message_id"] for row in pending}
+        if len(pending) == _CLAIM_COUNT:  # only as far as the pending page reaches
+            last = keys.StreamId.parse(pending[-1]["message_id"])
+            entries = [e for e in entries if keys.StreamId.parse(e[0]) <= last]
+        return any(entry_id not in held for entry_id, _ in entries)
+
     def claim_ids(
         self, stream: str, group: str, consumer: str, min_idle_ms: int, ids: Sequence[bytes]
     ) -> list[bytes]:
@@ -556,10 +617,16 @@ class Broker:
             return []
         calls: list[tuple[list[Any], list[Any]]] = []
         for r in requests:
-            args: list[Any] = [r.group, r.lease_value, len(r.ids), *r.ids]
+            b = r.backup
+            mode = "" if b is None else "replace" if b.replace else "update"
+            args: list[Any] = [r.group, r.lease_value, len(r.ids), len(r.dead), mode, *r.ids]
             for entry_id, fields in r.dead:
                 args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
-            calls.append(([r.stream, r.lease_key, r.dlq or r.stream], args))
+            if b is not None:
+                args += [b.identity, len(b.checkpoints), *(x for pair in b.checkpoints.items() for x in pair)]
+                args += [len(b.sets), *(x for pair in b.sets for x in pair), len(b.deletes), *b.deletes]
+            backup_keys = [r.stream, r.stream] if b is None else [b.key, b.meta_key]
+            calls.append(([r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args))
         results: list[tuple[int, int] | LeaseLost] = []
         for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False):
             if isinstance(reply, redis.ResponseError):
@@ -618,6 +685,68 @@ class Broker:
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         """Give leases up so a standby takes the partitions at once."""
         self._eval_pipelined(self._lease_release, [([key], [value]) for key, value in leases])
+
+    # -- state backup ---------------------------------------------------------------------------
+
+    def backup_meta(self, meta_key: str) -> dict[str, str]:
+        """A backup's identity and checkpoints (``cp:TOPIC``); empty when there is no backup."""
+        with self.translate_errors(meta_key):
+            raw = self.client.hgetall(meta_key)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    def backup_values(self, key: str, count: int = 10_000) -> Iterator[list[tuple[bytes, bytes]]]:
+        """A backup's fields and values, in pages of about ``count`` (HSCAN)."""
+        cursor = 0
+        while True:
+            with self.translate_errors(key):
+                cursor, page = cast(
+                    tuple[int, dict[bytes, bytes]], self.client.hscan(key, cursor, count=count)
+                )
+            if page:
+                yield list(page.items())
+            if cursor == 0:
+                return
+
+    def backup_value(self, key: str, field: bytes) -> bytes | None:
+        with self.translate_errors(key):
+            value = cast(bytes | None, self.client.hget(key, field))
+        return value
+
+    def rewind_backup(
+        self,
+        key: str,
+        meta_key: str,
+        clear: Collection[str],
+        checkpoints: Mapping[str, keys.StreamId | None],
+        values: Mapping[bytes, bytes],
+        identity: str,
+    ) -> bool:
+        """Rewind a backup as ``StateStore.rewind`` does a store, under a new identity.
+
+        For a stopped app; one MULTI. False when there is no backup.
+        """
+        if not self.backup_meta(meta_key).get(keys.BACKUP_IDENTITY):
+            return False
+        prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
+        gone = [f for page in self.backup_values(key) for f, _ in page if f.startswith(prefixes)]
+        with self.translate_errors(key):
+            pipe = self.client.pipeline(transaction=True)
+            for start in range(0, len(gone), _CLAIM_COUNT):
+                pipe.hdel(key, *gone[start : start + _CLAIM_COUNT])
+            if values:
+                pipe.hset(key, mapping=dict(values))  # type: ignore[arg-type]
+            dropped = [f"cp:{topic}" for topic, cid in checkpoints.items() if cid is None]
+            if dropped:
+                pipe.hdel(meta_key, *dropped)
+            meta: dict[str | bytes, str | bytes] = {keys.BACKUP_IDENTITY: identity}
+            meta.update({f"cp:{topic}": str(cid) for topic, cid in checkpoints.items() if cid is not None})
+            pipe.hset(meta_key, mapping=meta)  # type: ignore[arg-type]
+            pipe.execute()
+        return True
+
+    def delete_backup(self, key: str, meta_key: str) -> None:
+        with self.translate_errors(key):
+            self.client.delete(key, meta_key)
 
     # -- DLQ ------------------------------------------------------------------------------------
 

@@ -32,11 +32,25 @@ CONSUMERS_NAMESPACE = "__consumers"
 #: Entries taken over from consumers outside that history at or below the checkpoint, by
 #: "topic/id": run although the checkpoint passed them, then forgotten in the same commit.
 FOREIGN_NAMESPACE = "__foreign"
+#: The identity of the last batch committed (``BACKUP_IDENTITY``): what the state backup is
+#: compared with at takeover. Never copied to the backup itself.
+BACKUP_NAMESPACE = "__backup"
+BACKUP_IDENTITY = "identity"
 #: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
 #: the copy's id). A replay that delivers both marks them: they are done without a handler, so
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that
 #: moves the checkpoint to or past them.
 SUPERSEDED_NAMESPACE = "__superseded"
+#: Every namespace a partition's store holds (a restore from the backup clears them all).
+STORE_NAMESPACES = (
+    STATE_NAMESPACE,
+    FAILURES_NAMESPACE,
+    DEAD_NAMESPACE,
+    CONSUMERS_NAMESPACE,
+    FOREIGN_NAMESPACE,
+    SUPERSEDED_NAMESPACE,
+    BACKUP_NAMESPACE,
+)
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
 REDRIVE_APP_HEADER = "pspf-redrive-app"
@@ -105,6 +119,19 @@ def fence_key(topic: str, partition: int, group: str) -> str:
 def entry_name(topic: str, entry_id: bytes) -> str:
     """The store key of one entry's bookkeeping (failures, dead, foreign): ``topic/id``."""
     return f"{topic}/{entry_id.decode()}"
+
+
+def backup_key(topic: str, partition: int, group: str) -> str:
+    """Hash of every value a partition's store holds (field ``namespace NUL key``): its backup.
+
+    It lives on the hash tag of the app's first topic, beside that stream and lease.
+    """
+    return f"{PREFIX}:{{{topic}:{partition}}}:backup:{group}"
+
+
+def backup_meta_key(topic: str, partition: int, group: str) -> str:
+    """Hash of the backup's batch identity and its checkpoint per topic (``cp:TOPIC``)."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:backup-meta:{group}"
 
 
 class StreamId(NamedTuple):

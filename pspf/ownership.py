@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pspf import keys
-from pspf.broker import Broker, Fields
-from pspf.errors import BrokerError
+from pspf.backup import PartitionBackup, delete_backup
+from pspf.broker import Broker, Fields, StreamInfo
+from pspf.errors import BrokerError, StateError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 
@@ -193,6 +194,8 @@ class OwnedPartition:
     failures: dict[str, Failure] = field(default_factory=dict)
     dead: dict[str, Fields] = field(default_factory=dict)
     consumers: set[str] = field(default_factory=set)
+    #: the partition's state backup in Redis; None when the backup is off
+    backup: PartitionBackup | None = None
 
     def load_bookkeeping(self) -> None:
         store = self.store
@@ -248,11 +251,22 @@ def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) 
 class Partitions:
     """Takes partitions on for one worker of an app (the leases are already held)."""
 
-    def __init__(self, broker: Broker, group: str, consumer: str, open_store: StoreFactory) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        group: str,
+        consumer: str,
+        open_store: StoreFactory,
+        topics: list[str],
+        backup: bool = True,
+    ) -> None:
         self.broker = broker
         self.group = group
         self.consumer = consumer
         self.open_store = open_store
+        #: the app's topics; the first one's partitions carry the state backup
+        self.topics = topics
+        self.backup = backup
 
     def take(self, partition: int, leases: Leases) -> OwnedPartition:
         """Open the partition's store, check its streams and claim their pending entries.
@@ -264,11 +278,13 @@ class Partitions:
         """
         store = self.open_store(self.group, partition)
         try:
+            backup = self._reconcile(store, partition, leases)
             checkpoints = store.checkpoints()
             streams = {}
             for topic, lease_value in leases.items():
                 stream = keys.stream_key(topic, partition)
-                self.check_stream(stream, checkpoints.get(topic))
+                info = self.check_stream(stream, checkpoints.get(topic))
+                self._refuse_behind(stream, info, partition, topic, checkpoints.get(topic))
                 streams[stream] = StreamCursor(
                     topic=topic,
                     partition=partition,
@@ -278,7 +294,7 @@ class Partitions:
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
                 )
-            owned = OwnedPartition(partition, store, streams)
+            owned = OwnedPartition(partition, store, streams, backup=backup)
             owned.load_bookkeeping()
             self._claim_pending(owned)
         except BaseException:
@@ -299,6 +315,8 @@ class Partitions:
             if cursor.checkpoint is not None and not legacy
         }
         owned.mark_foreign(marks, self.consumer)
+        if owned.backup is not None:
+            owned.backup.flush()  # the marks and our name, in the backup before anything is claimed
         for cursor in owned.streams.values():
             claimed, _ = self.broker.claim_idle(cursor.stream, self.group, self.consumer, 0)
             if claimed:
@@ -309,7 +327,62 @@ class Partitions:
                     len(marks.get(cursor, ())),
                 )
 
-    def check_stream(self, stream: str, checkpoint: StreamId | None) -> None:
+    def _reconcile(self, store: StateStore, partition: int, leases: Leases) -> PartitionBackup | None:
+        """Make the store equal to the partition's backup (see ``pspf.backup``).
+
+        With the backup off, the backup is dropped instead: it would go stale.
+        """
+        topic = self.topics[0]
+        if not self.backup:
+            delete_backup(self.broker, topic, partition, self.group)
+            return None
+        backup = PartitionBackup(
+            self.broker,
+            self.group,
+            topic,
+            partition,
+            keys.lease_key(topic, partition, self.group),
+            leases[topic],
+        )
+        done = backup.reconcile(store, self.topics)
+        if done.action != "in sync":
+            log.info(
+                "state backup %s app=%s partition=%s values=%s in %.3fs",
+                done.action,
+                self.group,
+                partition,
+                done.values,
+                done.seconds,
+            )
+        store.journal = backup.journal
+        return backup
+
+    def _refuse_behind(
+        self, stream: str, info: StreamInfo, partition: int, topic: str, checkpoint: StreamId | None
+    ) -> None:
+        """Refuse a store the consumer group has moved past: never a silent start from less state."""
+        mine = info.groups.get(self.group)
+        start = self.broker.group_start(self.group, topic, partition)
+        after = checkpoint if start is None or (checkpoint is not None and checkpoint > start) else start
+        delivered = None if mine is None else mine.last_delivered_id
+        if delivered is None or not self.broker.acknowledged_after(stream, self.group, after, delivered):
+            return
+        fix = (
+            "start the worker with the state directory that holds this partition's store, or "
+            "turn the state backup on, which keeps it in Redis"
+            if not self.backup
+            else "the state backup is missing or behind too (deleted by hand, or left from a time "
+            "the backup was off)"
+        )
+        raise StateError(
+            f"the state of app {self.group!r} partition {partition} is behind its consumer group: "
+            f"the store's checkpoint for {topic!r} is {checkpoint or 'none (no state)'} but the group "
+            f"has acknowledged entries up to {delivered.decode()}, whose effects the "
+            f"store lacks. Nothing was processed. To go on, {fix}; or replay the app "
+            f"(pspf replay) to rebuild its state from the stream"
+        )
+
+    def check_stream(self, stream: str, checkpoint: StreamId | None) -> StreamInfo:
         """Refuse a stream that went back below the checkpoint, and re-create a deleted group.
 
         A group deleted while the app was away is re-created at the checkpoint, never at ``$``:
@@ -327,6 +400,7 @@ class Partitions:
                 start,
             )
             self.broker.ensure_group(stream, self.group, start)
+        return info
 
     def claim_idle(self, owned: OwnedPartition, min_idle_ms: int) -> None:
         """Take over entries other consumers of the group left idle on a partition's streams.
@@ -352,6 +426,8 @@ class Partitions:
                 and StreamId.parse(p.id) <= checkpoint
             ]
             owned.mark_foreign({cursor: foreign})
+            if foreign and owned.backup is not None:
+                owned.backup.flush()
             claimed = self.broker.claim_ids(
                 cursor.stream, self.group, self.consumer, min_idle_ms, [p.id for p in idle]
             )

@@ -365,31 +365,67 @@ class BatchProcessor:
     def _acknowledge(
         self, outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]], result: CycleResult
     ) -> None:
-        merged: dict[str, tuple[PartitionBatch, list[bytes], list[tuple[bytes, Fields]]]] = {}
-        for batch, stream_outcomes in outcomes:
+        """Acknowledge the cycle's batches; the state backup's update travels with the first call.
+
+        Per partition, the call of the backup's stream carries the backup update (also with
+        nothing to acknowledge). Where an app reads several topics, the other topics' calls go in
+        a second round trip, only for the partitions whose backup call succeeded.
+        """
+        merged: dict[str, tuple[list[bytes], list[tuple[bytes, Fields]]]] = {}
+        for _, stream_outcomes in outcomes:
             for o in stream_outcomes:
-                _, ids, dead = merged.setdefault(o.cursor.stream, (batch, [], []))
+                ids, dead = merged.setdefault(o.cursor.stream, ([], []))
                 ids += o.ack_ids
                 dead += o.dead
-        requests = []
-        for stream, (_, ids, dead) in merged.items():
-            if ids or dead:
-                c = self._by_stream[stream]
-                requests.append(
-                    AckRequest(stream, self.app.name, c.lease_key, c.lease_value, ids, c.dlq, dead)
-                )
-        if not requests:
+        first: list[AckRequest] = []
+        then: list[AckRequest] = []
+        for batch, _ in outcomes:
+            backup = batch.owned.backup
+            for c in batch.owned.streams.values():
+                ids, dead = merged.get(c.stream, ([], []))
+                if backup is not None and c.stream == backup.stream:
+                    request = backup.request(ids, c.dlq, dead)
+                elif ids or dead:
+                    request = AckRequest(
+                        c.stream, self.app.name, c.lease_key, c.lease_value, ids, c.dlq, dead
+                    )
+                else:
+                    continue
+                (then if backup is not None and c.stream != backup.stream else first).append(request)
+        first = [r for r in first if r.ids or r.dead or r.backup is not None]
+        if not first and not then:
             return
-        self._call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in requests})
+        self._call_hook(
+            self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]}
+        )
         started = time.perf_counter()
-        replies = self.broker.ack(requests)
+        lost = self._send_acks(first, result, backups=True)
+        self._send_acks([r for r in then if self._by_stream[r.stream].partition not in lost], result)
         self._call_hook(self.hooks.on_ack, time.perf_counter() - started)
+
+    def _send_acks(self, requests: list[AckRequest], result: CycleResult, backups: bool = False) -> set[int]:
+        """One pipelined round trip of acknowledging calls; the partitions whose lease was lost."""
+        if not requests:
+            return set()
+        try:
+            replies = self.broker.ack(requests)
+        except BaseException:
+            if backups:  # the calls may not have run: their backup writes go again next time
+                for request in requests:
+                    owned = self.owned[self._by_stream[request.stream].partition]
+                    if request.backup is not None and owned.backup is not None:
+                        owned.backup.not_sent()
+            raise
+        lost = set()
         for request, reply in zip(requests, replies, strict=True):
+            partition = self._by_stream[request.stream].partition
             if isinstance(reply, LeaseLost):
                 self._lease_lost(request.stream, str(reply), result)
+                lost.add(partition)
             elif request.dead:
                 result.dead_lettered += reply[1]
-                self._forget_dead(merged[request.stream][0].owned, request)
+                self._forget_dead(self.owned[partition], request)
+        return lost
 
     def _forget_dead(self, owned: OwnedPartition, request: AckRequest) -> None:
         """The DLQ moves are confirmed: drop their records (a crash first only repeats a no-op)."""

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from pspf import codec, keys
+from pspf.backup import field
 from pspf.broker import Broker
 from pspf.errors import (
     AppRunning,
@@ -25,6 +26,8 @@ from pspf.errors import (
 )
 from pspf.failures import DeadLetter
 from pspf.keys import (
+    BACKUP_IDENTITY,
+    BACKUP_NAMESPACE,
     DEAD_NAMESPACE,
     FAILURES_NAMESPACE,
     FOREIGN_NAMESPACE,
@@ -239,8 +242,10 @@ class DeadLetterCounts:
 class Service:
     """Topic, produce and state operations over one broker and one state directory."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, local_state: bool = False) -> None:
         self.settings = settings
+        #: Read state from the stores under the state directory, not from the backups in Redis.
+        self.local_state = local_state
         # Connects on first use; one pool, shared by the admin API's request threads.
         self.broker = Broker(settings.redis)
 
@@ -607,8 +612,14 @@ class Service:
                 checkpoint = None if position == keys.ZERO_ID else position
                 clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE}
                 clear |= set() if keep_state else {STATE_NAMESPACE}
+                identity = f"replay{int(time.time() * 1000)}-0"
                 for partition, store in zip(stored, stores, strict=True):
-                    store.rewind(clear, {topic: checkpoint for topic in chosen}, marks.get(partition))
+                    values = {
+                        **marks.get(partition, {}),
+                        (BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode(),
+                    }
+                    store.rewind(clear, {topic: checkpoint for topic in chosen}, values)
+                self._rewind_backups(app, partitions, clear, {t: checkpoint for t in chosen}, marks, identity)
             entries = sum(self._entries_after(stream, position) for stream in streams)
         finally:
             for store in stores:
@@ -643,6 +654,33 @@ class Service:
                         name = keys.entry_name(topic, str(replaced).encode())
                         marks.setdefault(partition, {})[(SUPERSEDED_NAMESPACE, name)] = entry_id
         return marks
+
+    def _rewind_backups(
+        self,
+        app: str,
+        partitions: int,
+        clear: set[str],
+        checkpoints: dict[str, StreamId | None],
+        marks: dict[int, dict[tuple[str, str], bytes]],
+        identity: str,
+    ) -> None:
+        """Rewind the state backups like the stores, under the identity the stores here got.
+
+        Stores elsewhere then differ from their backup and are restored from it when their
+        partition is next taken. A crash before this leaves the old backups, which a takeover
+        restores: the old state with its old checkpoints, as when replay stops before the stores.
+        """
+        first = self.broker.app_topic_list(app)[0]
+        for partition in range(partitions):
+            values = {field(ns, key): value for (ns, key), value in marks.get(partition, {}).items()}
+            self.broker.rewind_backup(
+                keys.backup_key(first, partition, app),
+                keys.backup_meta_key(first, partition, app),
+                clear,
+                checkpoints,
+                values,
+                identity,
+            )
 
     @staticmethod
     def _replay_topics(app: str, read: list[str], topics: Sequence[str], keep_state: bool) -> list[str]:
@@ -698,14 +736,30 @@ class Service:
 
     # -- state ----------------------------------------------------------------------------------
 
+    def _backup_keys(self, app: str, partition: int) -> tuple[str, str] | None:
+        """The keys of a partition's state backup, None when it has none (the backup is off)."""
+        first = self.broker.app_topic_list(app)[:1]
+        if not first:
+            return None
+        key = keys.backup_key(first[0], partition, app)
+        meta_key = keys.backup_meta_key(first[0], partition, app)
+        return (key, meta_key) if self.broker.backup_meta(meta_key).get(BACKUP_IDENTITY) else None
+
     def state_get(self, app: str, key: str) -> dict[str, Any]:
-        """The state of ``key`` in ``app``, read from its partition's store without locking it."""
+        """The state of ``key`` in ``app``, from the partition's backup in Redis (any machine).
+
+        Without a backup (it is off), from the partition's store here, read without locking it.
+        """
         keys.check_name("app", app)
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
-        with open_store(
-            self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
-        ) as store:
-            raw = store.get(STATE_NAMESPACE, key)
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        if backup is not None:
+            raw = self.broker.backup_value(backup[0], field(STATE_NAMESPACE, key))
+        else:
+            with open_store(
+                self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
+            ) as store:
+                raw = store.get(STATE_NAMESPACE, key)
         if raw is None:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return _shown_state(key, raw)
@@ -734,6 +788,13 @@ class Service:
                     # Ends the snapshot while the store is open, also when the reader stops early
                     # (a closed pipe): closed later, by the garbage collector, it fails.
                     _close(rows)
+
+    def _app_partitions(self, app: str) -> int:
+        """The app's partition count, 0 when it never ran against this broker."""
+        try:
+            return self.broker.app_partitions(app)
+        except NotFound:
+            return 0
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
         """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
@@ -772,17 +833,37 @@ class Service:
         finally:
             if current is not None:
                 current[1].close()
+        # The imported stores are the state now: their backups go, and the next worker to take
+        # each partition uploads its store.
+        first = self.broker.app_topic_list(app)[:1]
+        for topic in first:
+            for partition in range(self.broker.app_partitions(app)):
+                self.broker.delete_backup(
+                    keys.backup_key(topic, partition, app), keys.backup_meta_key(topic, partition, app)
+                )
         return ImportResult(partitions=partitions, values=values)
 
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
         """The keys that have state in ``app``, over every partition store found, sorted."""
         keys.check_name("app", app)
         state = self.settings.state
-        partitions = stored_partitions(state.engine, state.dir, app)
+        backups = {}
+        if not self.local_state:
+            backups = {p: b for p in range(self._app_partitions(app)) if (b := self._backup_keys(app, p))}
+        partitions = sorted({*backups, *stored_partitions(state.engine, state.dir, app)})
         if not partitions:
-            raise NotFound(f"no state for app {app!r} under {state.dir}")
+            raise NotFound(f"no state for app {app!r} in Redis or under {state.dir}")
         found: list[str] = []
+        head = field(STATE_NAMESPACE, prefix)
         for partition in partitions:
+            if partition in backups:
+                found.extend(
+                    name.decode()[len(STATE_NAMESPACE) + 1 :]
+                    for page in self.broker.backup_values(backups[partition][0])
+                    for name, _ in page
+                    if name.startswith(head)
+                )
+                continue
             with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
                 found.extend(key for key, _ in store.items(STATE_NAMESPACE, prefix))
         found.sort()
@@ -915,6 +996,8 @@ def _export_lines(
         ExportCheckpoints(partition=partition, checkpoints={t: str(c) for t, c in checkpoints.items()})
     )
     for namespace, key, value in rows:
+        if namespace == keys.BACKUP_NAMESPACE:
+            continue  # which backup this store matches: meaningless in another store
         line = ExportValue(partition=partition, namespace=namespace, key=key, value=value)
         if namespace == STATE_NAMESPACE:
             try:

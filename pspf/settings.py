@@ -93,6 +93,9 @@ class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     dir: str = "./state"
     engine: Engine = "sqlite"
     durability: Durability = "normal"
+    #: Keep each partition's state in Redis too, so that it follows the partition to any
+    #: machine; "off" for one machine whose disk lasts (then a missing or stale store is refused).
+    backup: Literal["on", "off"] = "on"
 
 
 class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,6 +170,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_STATE_DIR": ("state", "dir"),
     "PSPF_STORE": ("state", "engine"),
     "PSPF_DURABILITY": ("state", "durability"),
+    "PSPF_STATE_BACKUP": ("state", "backup"),
     "PSPF_METRICS_PORT": ("metrics", "port"),
     "PSPF_METRICS_HOST": ("metrics", "host"),
     "PSPF_STUCK_AFTER_S": ("metrics", "stuck_after_s"),

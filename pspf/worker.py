@@ -106,7 +106,14 @@ class Worker:
             hooks=hooks,
         )
         self._store_factory = store_factory or self._open_store
-        self.partitions = Partitions(self.broker, app.name, self.consumer, self._store_factory)
+        self.partitions = Partitions(
+            self.broker,
+            app.name,
+            self.consumer,
+            self._store_factory,
+            app.topics,
+            backup=settings.state.backup == "on",
+        )
         self._held: dict[int, Leases] = {}
         self._partitions = 0
         self._stopping = threading.Event()
@@ -206,7 +213,9 @@ class Worker:
         for topic in self.app.topics:
             if topic not in seen:
                 for partition in range(self._partitions):
-                    self.broker.ensure_group(keys.stream_key(topic, partition), self.app.name, start_id)
+                    stream = keys.stream_key(topic, partition)
+                    self.broker.ensure_group(stream, self.app.name, start_id)
+                    self.broker.record_group_start(self.app.name, topic, partition, stream)
         self.broker.register_app(self.app.name, self.app.topics, self._partitions)
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",

@@ -22,8 +22,45 @@ from pspf.keys import StreamId
 Durability = Literal["normal", "fsync"]
 
 
+class Journal:
+    """Committed writes not yet copied elsewhere (to the state backup), merged by key.
+
+    A store with a journal records every committed transaction in it; ``take`` hands the writes
+    over, and ``give_back`` returns them when the copy may not have happened, under newer ones.
+    """
+
+    __slots__ = ("checkpoints", "updates")
+
+    def __init__(self) -> None:
+        self.updates: dict[tuple[str, str], bytes | None] = {}
+        self.checkpoints: dict[str, StreamId] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.updates or self.checkpoints)
+
+    def record(
+        self, updates: Mapping[tuple[str, str], bytes | None], checkpoints: Mapping[str, StreamId]
+    ) -> None:
+        self.updates.update(updates)
+        self.checkpoints.update(checkpoints)
+
+    def take(self) -> tuple[dict[tuple[str, str], bytes | None], dict[str, StreamId]]:
+        taken = self.updates, self.checkpoints
+        self.updates, self.checkpoints = {}, {}
+        return taken
+
+    def give_back(
+        self, updates: dict[tuple[str, str], bytes | None], checkpoints: dict[str, StreamId]
+    ) -> None:
+        self.updates = {**updates, **self.updates}
+        self.checkpoints = {**checkpoints, **self.checkpoints}
+
+
 class StateStore(ABC):
     """The committed state of one (group, partition)."""
+
+    #: Records every committed transaction when set (the state backup sets it).
+    journal: Journal | None = None
 
     #: Where the engine keeps its files (None for the memory engine).
     path: Path | None = None
@@ -188,6 +225,8 @@ class StoreTransaction:
             self.status = TxStatus.FAILED
             raise
         self.status = TxStatus.COMMITTED
+        if self._store.journal is not None:
+            self._store.journal.record(self._updates, self._checkpoints)
 
     def rollback(self) -> None:
         if self.status is TxStatus.OPEN:

@@ -1,25 +1,68 @@
--- ack: acknowledge a batch and move its dead entries to the DLQ, only under the caller's lease.
--- KEYS[1] stream   KEYS[2] lease   KEYS[3] DLQ stream      (same {topic:partition} hash tag)
--- ARGV[1] group    ARGV[2] lease value held by the caller  ARGV[3] n, the number of ids to ack
--- ARGV[4..3+n] entry ids to acknowledge
--- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments.
+-- ack: update the partition's state backup, acknowledge a batch and move its dead entries to the
+-- DLQ, all only under the caller's lease.
+-- KEYS[1] stream   KEYS[2] lease   KEYS[3] DLQ stream   KEYS[4] backup hash   KEYS[5] backup meta
+--                                                        (all on the same {topic:partition} tag)
+-- ARGV[1] group    ARGV[2] lease value held by the caller
+-- ARGV[3] n, the number of ids to ack   ARGV[4] d, the number of dead entries
+-- ARGV[5] the backup update: "" for none, "update", or "replace" (backup and meta emptied first)
+-- then the n entry ids to acknowledge;
+-- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments;
+-- then, with a backup update: the batch identity ("" to leave it), the number c of checkpoint
+-- pairs and those 2c arguments (topic, id), the number s of values to set and those 2s arguments
+-- (field, value), the number r of fields to delete and those r fields.
 -- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST".
--- Protects invariants 3 and 4: a dead entry is added to the DLQ and acknowledged in one atomic
--- step, only while it is still pending (so a repeated call after a crash moves it once), and a
--- worker whose lease expired or moved cannot acknowledge or dead-letter anything.
+-- Protects invariants 3, 4 and 7: the backup holds a batch's effects in the same atomic step that
+-- acknowledges its entries; a dead entry is added to the DLQ and acknowledged in one step, only
+-- while it is still pending (a repeated call after a crash moves it once); and a worker whose
+-- lease expired or moved can neither update the backup nor acknowledge nor dead-letter anything.
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return redis.error_reply('LEASE_LOST lease on ' .. KEYS[1] .. ' is not held by this worker')
 end
-local acked = 0
 local chunk = 500
-local last_id = 3 + tonumber(ARGV[3])
-for first = 4, last_id, chunk do
-  local last = math.min(first + chunk - 1, last_id)
-  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
+local n, d, backup = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local i = 6 + n
+local dead_at = i
+for _ = 1, d do
+  i = i + 2 + tonumber(ARGV[i + 1])
+end
+if backup ~= '' then
+  if backup == 'replace' then
+    redis.call('DEL', KEYS[4], KEYS[5])
+  end
+  local identity = ARGV[i]
+  local c = tonumber(ARGV[i + 1])
+  i = i + 2
+  if c > 0 then
+    local checkpoints = {}
+    for k = i, i + 2 * c - 1, 2 do
+      checkpoints[#checkpoints + 1] = 'cp:' .. ARGV[k]
+      checkpoints[#checkpoints + 1] = ARGV[k + 1]
+    end
+    redis.call('HSET', KEYS[5], unpack(checkpoints))
+  end
+  i = i + 2 * c
+  local s = tonumber(ARGV[i])
+  i = i + 1
+  for first = i, i + 2 * s - 1, 2 * chunk do
+    redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 2 * chunk - 1, i + 2 * s - 1)))
+  end
+  i = i + 2 * s
+  local r = tonumber(ARGV[i])
+  i = i + 1
+  for first = i, i + r - 1, chunk do
+    redis.call('HDEL', KEYS[4], unpack(ARGV, first, math.min(first + chunk - 1, i + r - 1)))
+  end
+  if identity ~= '' then
+    redis.call('HSET', KEYS[5], 'identity', identity)
+  end
+end
+local acked = 0
+for first = 6, 5 + n, chunk do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, math.min(first + chunk - 1, 5 + n)))
 end
 local moved = 0
-local i = last_id + 1
-while i <= #ARGV do
+i = dead_at
+for _ = 1, d do
   local id, m = ARGV[i], tonumber(ARGV[i + 1])
   if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
     redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 2, i + 1 + m))

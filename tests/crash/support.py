@@ -15,9 +15,10 @@ from typing import Any
 
 import redis
 
+from pspf import codec
 from pspf.batch import iter_state
 from pspf.errors import NotFound, StateError
-from pspf.keys import StreamId, lease_key, stream_key
+from pspf.keys import STATE_NAMESPACE, StreamId, backup_key, backup_meta_key, lease_key, stream_key
 from state_stores import open_store
 from tests.conftest import pspf_command
 
@@ -250,6 +251,26 @@ def all_state(
     state_dir: Path, app: str, partitions: int, engine: str = "sqlite"
 ) -> dict[int, dict[str, dict[str, Any]]]:
     return {p: read_store(state_dir, app, p, engine)[1] for p in range(partitions)}
+
+
+def backup_state(client: redis.Redis, topic: str, app: str, partition: int) -> dict[str, dict[str, Any]]:
+    """One partition's state as its backup in Redis holds it (what a new owner restores)."""
+    head = STATE_NAMESPACE.encode() + b"\x00"
+    return {
+        name[len(head) :].decode(): codec.state_decoder.decode(value)
+        for name, value in client.hgetall(backup_key(topic, partition, app)).items()
+        if name.startswith(head)
+    }
+
+
+def backup_applied(client: redis.Redis, topic: str, app: str, partitions: int) -> int:
+    """Entries whose effects the backups of every partition hold (the crash app counts them)."""
+    return sum(v["count"] for p in range(partitions) for v in backup_state(client, topic, app, p).values())
+
+
+def backup_checkpoint(client: redis.Redis, topic: str, app: str, partition: int) -> StreamId | None:
+    raw = client.hget(backup_meta_key(topic, partition, app), f"cp:{topic}")
+    return None if raw is None else StreamId.parse(raw)
 
 
 def assert_exact(

@@ -15,7 +15,14 @@ from pspf.broker import AckRequest, Broker
 from pspf.errors import LeaseLost
 from pspf.keys import StreamId, fence_key, lease_key, stream_key
 from state_stores import open_store
-from tests.crash.support import assert_exact, order_records, read_store, view_all, wait_until
+from tests.crash.support import (
+    assert_exact,
+    backup_checkpoint,
+    order_records,
+    read_store,
+    view_all,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
@@ -129,9 +136,13 @@ def test_worker_whose_lease_is_stolen_cannot_ack_and_drops_the_partition(
     # The dropped partition's store was closed: another process can open it for writing.
     open_store("sqlite", state_dir, name, 0).close()
 
-    # The thief goes away (its lease expires); the next owner skips the committed batch.
+    # The fenced worker's ack was refused, and so was its backup update.
+    assert backup_checkpoint(rclient, topic, name, 0) == ids[19]
+
+    # The thief goes away (its lease expires); the next owner rolls the store back to the backup
+    # and applies the refused batch again.
     rclient.delete(lease)
     summary = Worker(build(steal_at=None), make_settings(PSPF_CONSUMER="w2")).run(until_idle=True)
-    assert (summary.handled, summary.skipped) == (70, 10)
+    assert (summary.handled, summary.skipped) == (80, 0)
     assert_exact(rclient, state_dir, topic, name, 1, records)
     assert read_store(state_dir, name, 0)[0][topic] == ids[-1]

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 #: commands of the Lua scripts (leases, fences, markers), fenced reads (WATCH/MULTI/EXEC) and the
 #: start-up checks (INFO, COMMAND INFO). CONFIG GET is optional: without it the worker only warns.
 ACL_RULES = (
-    "resetkeys ~pspf:* resetchannels -@all +@stream +hsetnx +hset +hget +sadd +smembers +exists +mget "
+    "resetkeys ~pspf:* resetchannels -@all +@stream +hsetnx +hset +hget +hgetall +hscan +hdel +sadd "
+    "+smembers +exists +mget "
     "+get +set +incr +pexpire +del +evalsha +script|load +watch +multi +exec +unwatch +info +command|info "
     "+ping +select"
 )

@@ -227,19 +227,28 @@ def state_list(
 @state.command("export", epilog="\b\nExample:\n  pspf state export order-totals > state.ndjson")
 @click.argument("app")
 @click.option("--partition", type=click.IntRange(min=0), help="Only this partition.")
+@broker_option
 @state_dir_option
 @store_option
 @click.pass_obj
 def state_export(
-    obj: CliState, app: str, partition: int | None, state_dir: Path | None, store: str | None
+    obj: CliState,
+    app: str,
+    partition: int | None,
+    broker: str | None,
+    state_dir: Path | None,
+    store: str | None,
 ) -> None:
-    """Write APP's state and checkpoints as NDJSON to stdout (a snapshot, also while it runs)."""
+    """Write APP's state and checkpoints as NDJSON to stdout (a snapshot, also while it runs).
+
+    From the state backups in Redis, or from the stores under --state-dir when it is given.
+    """
     out = sys.stdout.buffer
 
     def warn(text: str) -> None:
         click.echo(f"Warning: {text}", err=True)
 
-    for line in service_for(obj, None, state_dir, store).state_export(app, partition, warn):
+    for line in service_for(obj, broker, state_dir, store).state_export(app, partition, warn):
         out.write(line + b"\n")
     out.flush()
 

@@ -200,6 +200,12 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
         "off: one machine with a lasting disk, and a missing or stale store is refused  [default: on]",
     ),
     (
+        "--standby/--no-standby",
+        bool,
+        "Keep the stores of partitions other workers own following their backups, so a "
+        "takeover needs no full restore (true/false in the variable)  [default: off]",
+    ),
+    (
         "--metrics-port",
         int,
         "Serve Prometheus metrics on /metrics and health on /healthz at this port (0: any free "
@@ -221,12 +227,14 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
 
 
 def _env_name(flag: str) -> str:
-    return "PSPF_" + flag.lstrip("-").replace("-", "_").upper()
+    return "PSPF_" + flag.partition("/")[0].lstrip("-").replace("-", "_").upper()
 
 
 def run_options(func: F) -> F:
     for flag, kind, text in reversed(RUN_OPTIONS):
-        func = click.option(flag, envvar=_env_name(flag), show_envvar=True, type=kind, help=text)(func)
+        func = click.option(
+            flag, envvar=_env_name(flag), show_envvar=True, type=kind, help=text, default=None
+        )(func)
     return func
 
 
@@ -248,7 +256,10 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
 
     TARGET names an App, or a function without arguments that returns one.
     """
-    overrides = {_env_name(flag): options[flag.lstrip("-").replace("-", "_")] for flag, _, _ in RUN_OPTIONS}
+    overrides = {
+        _env_name(flag): options[flag.partition("/")[0].lstrip("-").replace("-", "_")]
+        for flag, _, _ in RUN_OPTIONS
+    }
     overrides["PSPF_BROKER"] = options["broker"]
     overrides["PSPF_STATE_DIR"] = str(options["state_dir"]) if options["state_dir"] else None
     settings = obj.settings(overrides)

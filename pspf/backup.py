@@ -2,42 +2,50 @@
 
 The contract:
 
-- Keys (``keys.backup_key`` and ``keys.backup_meta_key``), on the hash tag of the app's FIRST
-  topic's partition: a hash of every value the partition's store holds (field
-  ``namespace NUL key``; the memory it takes is about the encoded state's size) and a meta hash
-  with the batch identity and the checkpoint of every topic (``cp:TOPIC``).
-- Order per batch: the local commit holds the batch's writes, checkpoints and identity
-  (``token-seq``: the owner's fencing token and the batch's sequence number); then ONE Lua call
-  per partition (``lua/ack.lua``) checks the lease, updates the backup with every write the store
-  journaled since the last call, sets the identity, acknowledges the batch and moves its dead
-  entries to the DLQ. Nothing is acknowledged before the backup holds the batch's effects, and an
-  ex-owner whose lease moved can change neither.
+- Keys (``keys.backup_keys``), on the hash tag of the app's FIRST topic's partition: a hash of
+  every value the partition's store holds (field ``namespace NUL key``; the memory it takes is
+  about the encoded state's size), a meta hash with the identity and the checkpoint of every topic
+  (``cp:TOPIC``), and a log: a stream of the last ``BACKUP_LOG_LENGTH`` updates (about), each
+  with the identity it follows and the one it sets.
+- Identity: every transaction an owner commits to its store is stamped with a new identity (its
+  fencing token and a sequence number, ``state_stores.Journal``), in the same write. A store and
+  a backup with the same identity hold the same values.
+- Order per batch: the local commit holds the batch's writes, checkpoints and identity; then ONE
+  Lua call per partition (``lua/ack.lua``) checks the lease, updates the backup with every write
+  the store journaled since the last call, sets the identity, logs the update, acknowledges the
+  batch and moves its dead entries to the DLQ. Nothing is acknowledged before the backup holds the
+  batch's effects, and an ex-owner whose lease moved can change none of it.
 - A crash between the two leaves the local store ahead of the backup with the entries still
-  pending. At takeover (``reconcile``) the store's identity is compared with the backup's: equal,
-  the store is used as it is; different or missing (a new machine, a store behind, one ahead by
-  a batch whose call never ran, or one from another owner's history), the store is rebuilt from
-  the backup before any entry is applied. The backup is the truth. With no backup yet (a first
-  run, or one after the backup was off), the store is uploaded.
+  pending. At takeover (``PartitionBackup.reconcile``) the store's identity is compared with the
+  backup's: equal, the store is used as it is; one the log leads from (a store some updates
+  behind), the store catches up from the log; any other (a new machine, a store ahead by a call
+  that never ran, one from another owner's history, or too far behind), the store is rebuilt from
+  the whole backup before any entry is applied. The backup is the truth. With no backup yet (a
+  first run, or one after the backup was off), the store is uploaded.
 - An app that reads several topics keeps one store per partition, so one backup: the call for
   its first topic carries it, and the other topics' acknowledgements are sent only once that
   call succeeded (a second round trip, needed because their streams can be on other nodes), so
   nothing of theirs is acknowledged before the backup holds it either.
-- Writes outside a batch (takeover bookkeeping, confirmed DLQ moves) go with the next call; those
-  that must reach the backup before Redis changes (entries marked before they are claimed) are
-  sent at once (``flush``).
+- Writes outside a batch (takeover bookkeeping, confirmed DLQ moves) are stamped and journaled
+  like a batch and go with the next call; those that must reach the backup before Redis changes
+  (entries marked before they are claimed) are sent at once (``flush``).
+- Readers that do not hold the lease (a warm standby, ``pspf state export``) read the whole
+  backup, which its owner may change meanwhile, and then apply the log from the position read
+  atomically with the meta before: every value the scan may have caught mid-change is set again
+  by a later update (``LogReader``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
-from pspf.errors import LeaseLost
-from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, StreamId
+from pspf.errors import BrokerError, LeaseLost
+from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, ZERO_ID, BackupKeys, StreamId
 from state_stores.base import Journal
 
 if TYPE_CHECKING:
@@ -47,6 +55,10 @@ log = logging.getLogger(__name__)
 
 #: Values per Lua call when a whole store is uploaded, and per transaction when one is restored.
 CHUNK = 5_000
+#: Log entries per read.
+LOG_PAGE = 200
+
+Updates = dict[tuple[str, str], bytes | None]
 
 
 def field(namespace: str, key: str) -> bytes:
@@ -58,16 +70,213 @@ def split_field(raw: bytes) -> tuple[str, str]:
     return namespace.decode(), key.decode()
 
 
+def _order(identity: str) -> tuple[int, int] | None:
+    """An owner's identity ``token-seq`` as numbers (later owners have larger tokens)."""
+    token, _, seq = identity.rpartition("-")
+    return (int(token), int(seq)) if token.isdigit() and seq.isdigit() else None
+
+
 class Restored(NamedTuple):
     """What reconciling a store with the backup did."""
 
-    action: str  # "in sync", "restored", "uploaded", "fresh"
-    values: int
+    action: str  # "in sync", "caught up", "restored", "uploaded", "fresh"
+    #: values restored or uploaded; updates applied when caught up
+    amount: int
     seconds: float
 
 
+class LogGap(Exception):
+    """The log does not lead on from where a reader stands (trimmed, or the backup was replaced)."""
+
+
+class LogUpdate(NamedTuple):
+    """One update of the backup, as its log holds it: what a store applies to follow it."""
+
+    identity: str
+    checkpoints: dict[str, StreamId]
+    #: (namespace, key) -> value, None deletes; includes the identity itself
+    updates: Updates
+
+
+class _Entry(NamedTuple):
+    prev: str
+    identity: str
+    part: int
+    more: bool
+    fields: Fields
+
+
+def _entry(fields: Fields) -> _Entry:
+    return _Entry(
+        fields.get(b"prev", b"").decode(),
+        fields.get(b"id", b"").decode(),
+        int(fields.get(b"part", b"0")),
+        fields.get(b"more") == b"1",
+        fields,
+    )
+
+
+def _add_part(update: LogUpdate, fields: Fields) -> None:
+    for name, value in fields.items():
+        kind, rest = name[:1], name[1:]
+        if kind == b"c":
+            update.checkpoints[rest.decode()] = StreamId.parse(value)
+        elif kind == b"s":
+            update.updates[split_field(rest)] = value
+        elif kind == b"d":
+            update.updates[split_field(rest)] = None
+
+
+class LogReader:
+    """Reads whole updates from a backup's log after a position, each checked to follow the last."""
+
+    def __init__(self, broker: Broker, log_key: str, after: bytes, identity: str) -> None:
+        self.broker = broker
+        self.log_key = log_key
+        self.after = after
+        #: the identity of the last update read (where the reader stands)
+        self.identity = identity
+        self._partial: LogUpdate | None = None
+
+    def read(self, count: int = LOG_PAGE) -> list[LogUpdate]:
+        """The next whole updates (none when the log has nothing more yet); LogGap on a break."""
+        done: list[LogUpdate] = []
+        for entry_id, fields in self.broker.backup_log(self.log_key, self.after, count):
+            entry = _entry(fields)
+            if entry.part == 0:
+                if self._partial is not None or entry.prev != self.identity:
+                    raise LogGap(
+                        f"log entry {entry_id.decode()} follows {entry.prev!r}, not {self.identity!r}"
+                    )
+                self._partial = LogUpdate(
+                    entry.identity, {}, {(BACKUP_NAMESPACE, BACKUP_IDENTITY): entry.identity.encode()}
+                )
+            elif self._partial is None or self._partial.identity != entry.identity:
+                raise LogGap(f"log entry {entry_id.decode()} is a part of an update whose start is gone")
+            _add_part(self._partial, entry.fields)
+            self.after = entry_id
+            if not entry.more:
+                done.append(self._partial)
+                self.identity = self._partial.identity
+                self._partial = None
+        return done
+
+
+def _before(entry_id: bytes) -> bytes:
+    parsed = StreamId.parse(entry_id)
+    previous = StreamId(parsed.ms, parsed.seq - 1) if parsed.seq else StreamId(parsed.ms - 1, keys.MAX_SEQ)
+    return str(previous).encode()
+
+
+def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | None:
+    """A reader of the log from where a store at ``identity`` stands; None when it cannot lead there."""
+    meta, last = broker.backup_head(backup)
+    current = meta.get(BACKUP_IDENTITY, "")
+    if not identity or not current:
+        return None
+    if current == identity:
+        return LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+    wanted = _order(identity)
+    before: bytes | None = None
+    while True:
+        page = broker.backup_log_before(backup.log, before, LOG_PAGE)
+        for entry_id, fields in page:
+            entry = _entry(fields)
+            if entry.identity == identity and not entry.more:
+                return LogReader(broker, backup.log, entry_id, identity)
+            if entry.prev == identity and entry.part == 0:
+                return LogReader(broker, backup.log, _before(entry_id), identity)
+            found = _order(entry.identity)
+            if wanted is not None and found is not None and found < wanted:
+                return None  # older than the store: the store is from a history the log left
+        if len(page) < LOG_PAGE:
+            return None
+        before = page[-1][0]
+
+
+def catch_up(store: StateStore, reader: LogReader, until: str | None = None) -> int:
+    """Apply the log's updates to the store, each in one write; the number applied.
+
+    Reads until the log has no more, or until the update that sets ``until``.
+    """
+    applied = 0
+    while reader.identity != until:
+        updates = reader.read()
+        if not updates:
+            break
+        for update in updates:
+            store.write(update.updates, update.checkpoints)
+            applied += 1
+            if update.identity == until:
+                break
+    return applied
+
+
+def restore(
+    broker: Broker,
+    backup: BackupKeys,
+    store: StateStore,
+    topics: Iterable[str],
+    cancelled: Callable[[], bool] = lambda: False,
+) -> tuple[int, LogReader] | None:
+    """Rebuild the store from the whole backup: the values copied and a reader of the log after.
+
+    None when there is no backup, or when ``cancelled`` said so between pages (the store then
+    has no identity: it is restored again next time). When the owner wrote meanwhile, the store
+    equals the backup once the reader's updates are applied.
+    """
+    meta, last = broker.backup_head(backup)
+    identity = meta.get(BACKUP_IDENTITY, "")
+    if not identity:
+        return None
+    checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
+    checkpoints.update({k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")})
+    # Cleared first, identity last: a crash in between leaves no identity, so the next takeover
+    # restores again.
+    store.rewind(keys.STORE_NAMESPACES, checkpoints)
+    values = 0
+    for page in broker.backup_values(backup.values, CHUNK):
+        if cancelled():
+            return None
+        store.write({split_field(raw): value for raw, value in page}, {})
+        values += len(page)
+    store.write({(BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}, {})
+    return values, LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+
+
+def snapshot(
+    broker: Broker, backup: BackupKeys
+) -> tuple[dict[str, StreamId], dict[tuple[str, str], bytes]] | None:
+    """A consistent copy of a backup (checkpoints, values) while its owner may write; None: none."""
+    for _ in range(3):
+        meta, last = broker.backup_head(backup)
+        identity = meta.get(BACKUP_IDENTITY, "")
+        if not identity:
+            return None
+        checkpoints = {k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")}
+        values: Updates = {
+            split_field(raw): value
+            for page in broker.backup_values(backup.values, CHUNK)
+            for raw, value in page
+        }
+        reader = LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+        try:
+            while updates := reader.read():
+                for update in updates:
+                    values.update(update.updates)
+                    checkpoints.update(update.checkpoints)
+        except LogGap:
+            continue
+        values.pop((BACKUP_NAMESPACE, BACKUP_IDENTITY), None)
+        return checkpoints, {name: value for name, value in values.items() if value is not None}
+    raise BrokerError(
+        f"the state backup {backup.values} changed faster than it could be read: try again, or "
+        "read a local store with --state-dir"
+    )
+
+
 class PartitionBackup:
-    """The backup of one owned partition: the sequence of its batches and its next update."""
+    """The backup of one owned partition: its journal and its next update."""
 
     def __init__(
         self, broker: Broker, group: str, topic: str, partition: int, lease_key: str, lease_value: str
@@ -76,30 +285,20 @@ class PartitionBackup:
         self.group = group
         self.topic = topic
         self.stream = keys.stream_key(topic, partition)
-        self.key = keys.backup_key(topic, partition, group)
-        self.meta_key = keys.backup_meta_key(topic, partition, group)
+        self.keys = keys.backup_keys(topic, partition, group)
         self.lease_key = lease_key
         self.lease_value = lease_value
-        self.token = lease_value.rpartition("|")[2]
-        self.seq = 0
-        #: the identity the next call sets ("" when no batch committed since the last one)
-        self.identity = ""
-        self.journal = Journal()
-        self._last: tuple[dict[tuple[str, str], bytes | None], dict[str, StreamId], str] = ({}, {}, "")
+        self.journal = Journal(lease_value.rpartition("|")[2])
+        self._last: tuple[Updates, dict[str, StreamId]] = ({}, {})
 
     # -- per batch ------------------------------------------------------------------------------
 
-    def next_identity(self) -> str:
-        """The identity of a batch about to commit: this owner's token, the next sequence number."""
-        self.seq += 1
-        self.identity = f"{self.token}-{self.seq}"
-        return self.identity
-
     def update(self) -> BackupUpdate | None:
         """The writes journaled since the last call, as a backup update (None when nothing)."""
-        if not self.journal and not self.identity:
+        if not self.journal:
             return None
         updates, checkpoints = self.journal.take()
+        stamped = updates.get((BACKUP_NAMESPACE, BACKUP_IDENTITY))
         sets = [
             (field(ns, key), value)
             for (ns, key), value in updates.items()
@@ -108,30 +307,37 @@ class PartitionBackup:
         deletes = [
             field(ns, key) for (ns, key), value in updates.items() if value is None and ns != BACKUP_NAMESPACE
         ]
-        update = BackupUpdate(
-            self.key, self.meta_key, self.identity, {t: str(c) for t, c in checkpoints.items()}, sets, deletes
+        self._last = (updates, checkpoints)
+        return BackupUpdate(
+            self.keys,
+            "" if stamped is None else stamped.decode(),
+            {t: str(c) for t, c in checkpoints.items()},
+            sets,
+            deletes,
         )
-        self.identity = ""
-        self._last = (updates, checkpoints, update.identity)
-        return update
 
     def not_sent(self) -> None:
         """The last update's call may not have run: its writes go again with the next one."""
-        updates, checkpoints, identity = self._last
-        self.journal.give_back(updates, checkpoints)
-        self.identity = self.identity or identity
+        self.journal.give_back(*self._last)
 
     def request(
-        self, ids: Sequence[bytes] = (), dlq: str = "", dead: Sequence[tuple[bytes, Fields]] = ()
+        self, ids: Iterable[bytes] = (), dlq: str = "", dead: Iterable[tuple[bytes, Fields]] = ()
     ) -> AckRequest:
         """The acknowledging call of the backup's stream, carrying the backup update."""
         return AckRequest(
-            self.stream, self.group, self.lease_key, self.lease_value, ids, dlq, dead, self.update()
+            self.stream,
+            self.group,
+            self.lease_key,
+            self.lease_value,
+            list(ids),
+            dlq,
+            list(dead),
+            self.update(),
         )
 
     def flush(self) -> None:
         """Send the journaled writes now (before Redis changes in a way that depends on them)."""
-        if not self.journal and not self.identity:
+        if not self.journal:
             return
         request = self.request()
         try:
@@ -145,7 +351,7 @@ class PartitionBackup:
     def reconcile(self, store: StateStore, topics: Iterable[str]) -> Restored:
         """Make the store equal to the backup (or the backup to the store, when there is none)."""
         started = time.perf_counter()
-        meta = self.broker.backup_meta(self.meta_key)
+        meta = self.broker.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
         local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
         local_identity = "" if local is None else local.decode()
@@ -153,35 +359,31 @@ class PartitionBackup:
             values = self._upload(store)
             action = "uploaded" if values or store.checkpoints() else "fresh"
             return Restored(action, values, time.perf_counter() - started)
-        self.seq = int(backup_identity.rpartition("-")[2])
+        # Identities stay unique even when the fencing token was reset by hand.
+        order = _order(backup_identity)
+        self.journal.seq = order[1] if order is not None else 0
         if local_identity == backup_identity:
             return Restored("in sync", 0, time.perf_counter() - started)
-        values = self._restore(store, meta, backup_identity, topics)
-        return Restored("restored", values, time.perf_counter() - started)
-
-    def _restore(self, store: StateStore, meta: dict[str, str], identity: str, topics: Iterable[str]) -> int:
-        checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
-        checkpoints.update({k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")})
-        # Cleared first, identity last: a crash in between leaves no identity, so the next
-        # takeover restores again.
-        store.rewind(keys.STORE_NAMESPACES, checkpoints)
-        values = 0
-        for page in self.broker.backup_values(self.key, CHUNK):
-            with store.transaction() as tx:
-                for raw, value in page:
-                    namespace, key = split_field(raw)
-                    tx.set(namespace, key, value)
-            values += len(page)
-        with store.transaction() as tx:
-            tx.set(BACKUP_NAMESPACE, BACKUP_IDENTITY, identity.encode())
-        return values
+        reader = locate(self.broker, self.keys, local_identity)
+        if reader is not None:
+            try:
+                applied = catch_up(store, reader, until=backup_identity)
+            except LogGap:
+                applied = -1
+            if applied >= 0 and reader.identity == backup_identity:
+                return Restored("caught up", applied, time.perf_counter() - started)
+        restored = restore(self.broker, self.keys, store, topics)
+        if restored is None:  # the backup went while we looked: only a stopped app's is deleted
+            raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
+        return Restored("restored", restored[0], time.perf_counter() - started)
 
     def _upload(self, store: StateStore) -> int:
         """Copy a whole store into an empty backup under a new identity (the store's first)."""
-        identity = self.next_identity()
-        self.identity = ""
-        with store.transaction() as tx:
-            tx.set(BACKUP_NAMESPACE, BACKUP_IDENTITY, identity.encode())
+        stamped: Updates = {}
+        self.journal.stamp(stamped)
+        identity = stamped[(BACKUP_NAMESPACE, BACKUP_IDENTITY)]
+        assert identity is not None
+        store.write(stamped, {})
         checkpoints, rows = store.dump()
         pages: list[list[tuple[bytes, bytes]]] = [[]]
         for namespace, key, value in rows:  # consumed before the first call: the store is free
@@ -192,13 +394,12 @@ class PartitionBackup:
         for index, page in enumerate(pages):
             last = index == len(pages) - 1
             update = BackupUpdate(
-                self.key,
-                self.meta_key,
-                identity if last else "",  # set last: a backup without one is uploaded again
+                self.keys,
+                identity.decode() if last else "",  # set last: a backup without one is uploaded again
                 {t: str(c) for t, c in checkpoints.items()} if last else {},
                 page,
                 [],
-                replace=index == 0,
+                mode="replace" if index == 0 else "upload",
             )
             self._send(
                 AckRequest(self.stream, self.group, self.lease_key, self.lease_value, [], "", (), update)
@@ -213,6 +414,4 @@ class PartitionBackup:
 
 def delete_backup(broker: Broker, topic: str, partition: int, group: str) -> None:
     """Forget a partition's backup (it would go stale while the backup is off)."""
-    broker.delete_backup(
-        keys.backup_key(topic, partition, group), keys.backup_meta_key(topic, partition, group)
-    )
+    broker.delete_backup(keys.backup_keys(topic, partition, group))

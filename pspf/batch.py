@@ -116,8 +116,6 @@ class PartitionBatch:
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
                 tx.delete(keys.FOREIGN_NAMESPACE, name)
-            if owned.backup is not None:  # what the backup must equal once this batch is acknowledged
-                tx.set(keys.BACKUP_NAMESPACE, keys.BACKUP_IDENTITY, owned.backup.next_identity().encode())
             for cursor, passed in superseded_passed.items():
                 for done_id in passed:
                     tx.delete(keys.SUPERSEDED_NAMESPACE, entry_name(cursor.topic, done_id))

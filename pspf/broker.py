@@ -32,20 +32,23 @@ Fields = dict[bytes, bytes]
 RawEntry = tuple[bytes, Fields | None]
 
 _CLAIM_COUNT = 1000
+#: Updates a state backup's log keeps (about): a store or standby at most this many updates
+#: behind catches up from the log; further behind, it restores the whole backup.
+BACKUP_LOG_LENGTH = 1000
 
 
 class BackupUpdate(NamedTuple):
     """Writes to a partition's state backup, made in the call that acknowledges its batch."""
 
-    key: str
-    meta_key: str
-    #: the new batch identity; "" leaves it (a part of a longer upload)
+    keys: keys.BackupKeys
+    #: the new batch identity; "" leaves it (a later part of an upload)
     identity: str
     checkpoints: Mapping[str, str]
     sets: Sequence[tuple[bytes, bytes]]
     deletes: Sequence[bytes]
-    #: empty the backup first (an upload of a whole store)
-    replace: bool = False
+    #: "update" (logged), "replace" (the first part of a whole upload: the backup is emptied
+    #: first) or "upload" (a later part); uploads are not logged
+    mode: str = "update"
 
 
 class AckRequest(NamedTuple):
@@ -618,14 +621,22 @@ class Broker:
         calls: list[tuple[list[Any], list[Any]]] = []
         for r in requests:
             b = r.backup
-            mode = "" if b is None else "replace" if b.replace else "update"
-            args: list[Any] = [r.group, r.lease_value, len(r.ids), len(r.dead), mode, *r.ids]
+            mode = "" if b is None else b.mode
+            args: list[Any] = [
+                r.group,
+                r.lease_value,
+                len(r.ids),
+                len(r.dead),
+                mode,
+                BACKUP_LOG_LENGTH,
+                *r.ids,
+            ]
             for entry_id, fields in r.dead:
                 args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
             if b is not None:
                 args += [b.identity, len(b.checkpoints), *(x for pair in b.checkpoints.items() for x in pair)]
                 args += [len(b.sets), *(x for pair in b.sets for x in pair), len(b.deletes), *b.deletes]
-            backup_keys = [r.stream, r.stream] if b is None else [b.key, b.meta_key]
+            backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
             calls.append(([r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args))
         results: list[tuple[int, int] | LeaseLost] = []
         for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False):
@@ -694,6 +705,38 @@ class Broker:
             raw = self.client.hgetall(meta_key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
+    def backup_head(self, backup: keys.BackupKeys) -> tuple[dict[str, str], bytes | None]:
+        """A backup's meta and the id of its log's last entry, read in one atomic step."""
+        with self.translate_errors(backup.meta):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(backup.meta)
+            pipe.xrevrange(backup.log, "+", "-", count=1)
+            raw, last = pipe.execute()
+        return {_text(k): _text(v) for k, v in raw.items()}, (bytes(last[0][0]) if last else None)
+
+    def backup_log(self, log_key: str, after: bytes, count: int) -> list[tuple[bytes, Fields]]:
+        """Up to ``count`` log entries after the id ``after``, oldest first."""
+        with self.translate_errors(log_key):
+            reply = cast(list[Any], self.client.xread({log_key: after}, count=count))
+        return [(bytes(entry_id), fields) for _, entries in reply for entry_id, fields in entries]
+
+    def backup_log_before(self, log_key: str, before: bytes | None, count: int) -> list[tuple[bytes, Fields]]:
+        """Up to ``count`` log entries before the id ``before`` (all when None), newest first."""
+        if before is None:
+            top = "+"
+        else:
+            parsed = keys.StreamId.parse(before)
+            if parsed == keys.ZERO_ID:
+                return []
+            top = str(
+                keys.StreamId(parsed.ms, parsed.seq - 1)
+                if parsed.seq
+                else keys.StreamId(parsed.ms - 1, keys.MAX_SEQ)
+            )
+        with self.translate_errors(log_key):
+            entries = cast(list[tuple[bytes, Fields]], self.client.xrevrange(log_key, top, "-", count=count))
+        return [(bytes(entry_id), fields) for entry_id, fields in entries]
+
     def backup_values(self, key: str, count: int = 10_000) -> Iterator[list[tuple[bytes, bytes]]]:
         """A backup's fields and values, in pages of about ``count`` (HSCAN)."""
         cursor = 0
@@ -714,8 +757,7 @@ class Broker:
 
     def rewind_backup(
         self,
-        key: str,
-        meta_key: str,
+        backup: keys.BackupKeys,
         clear: Collection[str],
         checkpoints: Mapping[str, keys.StreamId | None],
         values: Mapping[bytes, bytes],
@@ -723,30 +765,32 @@ class Broker:
     ) -> bool:
         """Rewind a backup as ``StateStore.rewind`` does a store, under a new identity.
 
-        For a stopped app; one MULTI. False when there is no backup.
+        For a stopped app; one MULTI. The log goes: it no longer leads to this state. False
+        when there is no backup.
         """
-        if not self.backup_meta(meta_key).get(keys.BACKUP_IDENTITY):
+        if not self.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
             return False
         prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
-        gone = [f for page in self.backup_values(key) for f, _ in page if f.startswith(prefixes)]
-        with self.translate_errors(key):
+        gone = [f for page in self.backup_values(backup.values) for f, _ in page if f.startswith(prefixes)]
+        with self.translate_errors(backup.values):
             pipe = self.client.pipeline(transaction=True)
             for start in range(0, len(gone), _CLAIM_COUNT):
-                pipe.hdel(key, *gone[start : start + _CLAIM_COUNT])
+                pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
             if values:
-                pipe.hset(key, mapping=dict(values))  # type: ignore[arg-type]
+                pipe.hset(backup.values, mapping=dict(values))  # type: ignore[arg-type]
             dropped = [f"cp:{topic}" for topic, cid in checkpoints.items() if cid is None]
             if dropped:
-                pipe.hdel(meta_key, *dropped)
+                pipe.hdel(backup.meta, *dropped)
             meta: dict[str | bytes, str | bytes] = {keys.BACKUP_IDENTITY: identity}
             meta.update({f"cp:{topic}": str(cid) for topic, cid in checkpoints.items() if cid is not None})
-            pipe.hset(meta_key, mapping=meta)  # type: ignore[arg-type]
+            pipe.hset(backup.meta, mapping=meta)  # type: ignore[arg-type]
+            pipe.delete(backup.log)
             pipe.execute()
         return True
 
-    def delete_backup(self, key: str, meta_key: str) -> None:
-        with self.translate_errors(key):
-            self.client.delete(key, meta_key)
+    def delete_backup(self, backup: keys.BackupKeys) -> None:
+        with self.translate_errors(backup.values):
+            self.client.delete(*backup)
 
     # -- DLQ ------------------------------------------------------------------------------------
 

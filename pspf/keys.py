@@ -134,6 +134,31 @@ def backup_meta_key(topic: str, partition: int, group: str) -> str:
     return f"{PREFIX}:{{{topic}:{partition}}}:backup-meta:{group}"
 
 
+def backup_log_key(topic: str, partition: int, group: str) -> str:
+    """Stream of the backup's recent updates, one entry per update (capped, ``backup.LOG_LENGTH``).
+
+    A standby follows it; a store a few batches behind catches up from it.
+    """
+    return f"{PREFIX}:{{{topic}:{partition}}}:backup-log:{group}"
+
+
+class BackupKeys(NamedTuple):
+    """The keys of one partition's state backup (one hash tag: one Lua call updates them all)."""
+
+    values: str
+    meta: str
+    log: str
+
+
+def backup_keys(topic: str, partition: int, group: str) -> BackupKeys:
+    """The backup keys of (group, partition); ``topic`` is the app's first topic."""
+    return BackupKeys(
+        backup_key(topic, partition, group),
+        backup_meta_key(topic, partition, group),
+        backup_log_key(topic, partition, group),
+    )
+
+
 class StreamId(NamedTuple):
     """A stream entry id; compares as the integer pair ``(ms, seq)``, never as a string."""
 

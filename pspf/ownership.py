@@ -345,15 +345,20 @@ class Partitions:
             leases[topic],
         )
         done = backup.reconcile(store, self.topics)
-        if done.action != "in sync":
-            log.info(
-                "state backup %s app=%s partition=%s values=%s in %.3fs",
-                done.action,
-                self.group,
-                partition,
-                done.values,
-                done.seconds,
-            )
+        detail = {
+            "in sync": "(the store matches it: nothing to restore)",
+            "caught up": f"updates={done.amount} (from its log: no full restore)",
+            "restored": f"values={done.amount} (a full restore)",
+            "uploaded": f"values={done.amount} (there was none)",
+        }.get(done.action, "(nothing to restore yet)")
+        log.info(
+            "state backup %s app=%s partition=%s %s in %.3fs",
+            done.action,
+            self.group,
+            partition,
+            detail,
+            done.seconds,
+        )
         store.journal = backup.journal
         return backup
 

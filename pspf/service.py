@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from pspf import codec, keys
-from pspf.backup import field
+from pspf.backup import field, snapshot
 from pspf.broker import Broker
 from pspf.errors import (
     AppRunning,
@@ -674,8 +674,7 @@ class Service:
         for partition in range(partitions):
             values = {field(ns, key): value for (ns, key), value in marks.get(partition, {}).items()}
             self.broker.rewind_backup(
-                keys.backup_key(first, partition, app),
-                keys.backup_meta_key(first, partition, app),
+                keys.backup_keys(first, partition, app),
                 clear,
                 checkpoints,
                 values,
@@ -736,14 +735,13 @@ class Service:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def _backup_keys(self, app: str, partition: int) -> tuple[str, str] | None:
+    def _backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
         """The keys of a partition's state backup, None when it has none (the backup is off)."""
         first = self.broker.app_topic_list(app)[:1]
         if not first:
             return None
-        key = keys.backup_key(first[0], partition, app)
-        meta_key = keys.backup_meta_key(first[0], partition, app)
-        return (key, meta_key) if self.broker.backup_meta(meta_key).get(BACKUP_IDENTITY) else None
+        backup = keys.backup_keys(first[0], partition, app)
+        return backup if self.broker.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
 
     def state_get(self, app: str, key: str) -> dict[str, Any]:
         """The state of ``key`` in ``app``, from the partition's backup in Redis (any machine).
@@ -754,7 +752,7 @@ class Service:
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
         backup = None if self.local_state else self._backup_keys(app, partition)
         if backup is not None:
-            raw = self.broker.backup_value(backup[0], field(STATE_NAMESPACE, key))
+            raw = self.broker.backup_value(backup.values, field(STATE_NAMESPACE, key))
         else:
             with open_store(
                 self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
@@ -767,19 +765,34 @@ class Service:
     def state_export(
         self, app: str, partition: int | None = None, warn: Callable[[str], None] | None = None
     ) -> Iterator[bytes]:
-        """NDJSON lines of an app's stores: per partition its checkpoints, then every value.
+        """NDJSON lines of an app's state: per partition its checkpoints, then every value.
 
-        Each store is read in one snapshot (a running app keeps committing meanwhile). ``value``
-        is the stored msgpack, base64: exact; ``state`` repeats a state value readably. A state
-        value that cannot be shown is exported all the same, with ``error`` instead of ``state``,
-        and ``warn`` hears of it: a backup must not stop at a value the app cannot read either.
+        From the partitions' backups in Redis (any machine) unless the service reads local
+        state; a partition without a backup (it is off) from its store here. Each partition is
+        one consistent snapshot (a running app keeps committing meanwhile). ``value`` is the
+        stored msgpack, base64: exact; ``state`` repeats a state value readably. A state value
+        that cannot be shown is exported all the same, with ``error`` instead of ``state``, and
+        ``warn`` hears of it: a backup must not stop at a value the app cannot read either.
         """
         keys.check_name("app", app)
         state = self.settings.state
-        partitions = [partition] if partition is not None else stored_partitions(state.engine, state.dir, app)
+        backups: dict[int, keys.BackupKeys] = {}
+        if not self.local_state:
+            wanted = range(self._app_partitions(app)) if partition is None else [partition]
+            backups = {p: b for p in wanted if (b := self._backup_keys(app, p))}
+        stored = stored_partitions(state.engine, state.dir, app)
+        partitions = sorted({*backups, *stored}) if partition is None else [partition]
         if not partitions:
-            raise NotFound(f"no state for app {app!r} under {state.dir}")
+            where = f"under {state.dir}" if self.local_state else f"in Redis or under {state.dir}"
+            raise NotFound(f"no state for app {app!r} {where}")
         for p in partitions:
+            if p in backups:
+                copy = snapshot(self.broker, backups[p])
+                if copy is not None:
+                    checkpoints, values = copy
+                    sorted_rows = ((ns, key, value) for (ns, key), value in sorted(values.items()))
+                    yield from _export_lines(app, p, checkpoints, sorted_rows, warn)
+                    continue
             with open_store(state.engine, state.dir, app, p, readonly=True) as store:
                 checkpoints, rows = store.dump()
                 try:
@@ -838,9 +851,7 @@ class Service:
         first = self.broker.app_topic_list(app)[:1]
         for topic in first:
             for partition in range(self.broker.app_partitions(app)):
-                self.broker.delete_backup(
-                    keys.backup_key(topic, partition, app), keys.backup_meta_key(topic, partition, app)
-                )
+                self.broker.delete_backup(keys.backup_keys(topic, partition, app))
         return ImportResult(partitions=partitions, values=values)
 
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
@@ -859,7 +870,7 @@ class Service:
             if partition in backups:
                 found.extend(
                     name.decode()[len(STATE_NAMESPACE) + 1 :]
-                    for page in self.broker.backup_values(backups[partition][0])
+                    for page in self.broker.backup_values(backups[partition].values)
                     for name, _ in page
                     if name.startswith(head)
                 )

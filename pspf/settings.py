@@ -96,6 +96,9 @@ class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: Keep each partition's state in Redis too, so that it follows the partition to any
     #: machine; "off" for one machine whose disk lasts (then a missing or stale store is refused).
     backup: Literal["on", "off"] = "on"
+    #: Keep the stores of the partitions this worker does not own following their backups, so
+    #: that taking one over needs no full restore (each worker then holds a copy of all state).
+    standby: bool = False
 
 
 class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,6 +174,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_STORE": ("state", "engine"),
     "PSPF_DURABILITY": ("state", "durability"),
     "PSPF_STATE_BACKUP": ("state", "backup"),
+    "PSPF_STANDBY": ("state", "standby"),
     "PSPF_METRICS_PORT": ("metrics", "port"),
     "PSPF_METRICS_HOST": ("metrics", "host"),
     "PSPF_STUCK_AFTER_S": ("metrics", "stuck_after_s"),

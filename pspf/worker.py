@@ -36,6 +36,7 @@ from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory
 from pspf.processor import BatchProcessor, Counts, ProcessorHooks
 from pspf.settings import Settings
+from pspf.standby import Standby
 
 if TYPE_CHECKING:
     from state_stores import StateStore
@@ -114,6 +115,17 @@ class Worker:
             app.topics,
             backup=settings.state.backup == "on",
         )
+        #: Follows the partitions this worker does not own (``--standby``).
+        self.standby: Standby | None = None
+        if settings.state.standby:
+            if settings.state.backup != "on":
+                raise ConfigError("--standby follows the state backup: it needs --state-backup on")
+            self.standby = Standby(
+                Broker(settings.redis, socket_timeout_s=socket_timeout_s),
+                app.name,
+                app.topics,
+                self._store_factory,
+            )
         self._held: dict[int, Leases] = {}
         self._partitions = 0
         self._stopping = threading.Event()
@@ -281,6 +293,8 @@ class Worker:
                 self._stopping.wait(_IDLE_POLL_S)
 
     def _shutdown(self) -> None:
+        if self.standby is not None:
+            self.standby.close()
         for partition in list(self._held):
             try:
                 self._drop(partition, release=True)
@@ -311,11 +325,19 @@ class Worker:
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
             for owned in self.processor.owned.values():
                 self.partitions.claim_idle(owned, min_idle_ms)
+        self._take_free()
+        if self.standby is not None:
+            self.standby.keep({p for p in range(self._partitions) if p not in self._held})
+
+    def _take_free(self) -> None:
+        """Take every partition whose leases are free (or ours without our knowing it)."""
         for partition in self.leases.takeable([p for p in range(self._partitions) if p not in self._held]):
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue
             try:
+                if self.standby is not None:
+                    self.standby.release(partition)
                 self._take(partition, leases)
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Literal
 
 from pspf.errors import CheckpointRegression, StateError
-from pspf.keys import StreamId
+from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, StreamId
 
 Durability = Literal["normal", "fsync"]
 
@@ -25,18 +25,28 @@ Durability = Literal["normal", "fsync"]
 class Journal:
     """Committed writes not yet copied elsewhere (to the state backup), merged by key.
 
-    A store with a journal records every committed transaction in it; ``take`` hands the writes
-    over, and ``give_back`` returns them when the copy may not have happened, under newer ones.
+    A store with a journal stamps every transaction it commits with a new identity (the owner's
+    fencing token and a sequence number, under ``BACKUP_NAMESPACE``/``BACKUP_IDENTITY``), in the
+    same write, and records the transaction here: a store and its backup with the same identity
+    hold the same values. ``take`` hands the writes over; ``give_back`` returns them, under newer
+    ones, when the copy may not have happened.
     """
 
-    __slots__ = ("checkpoints", "updates")
+    __slots__ = ("checkpoints", "seq", "token", "updates")
 
-    def __init__(self) -> None:
+    def __init__(self, token: str = "0", seq: int = 0) -> None:
+        self.token = token
+        self.seq = seq
         self.updates: dict[tuple[str, str], bytes | None] = {}
         self.checkpoints: dict[str, StreamId] = {}
 
     def __bool__(self) -> bool:
         return bool(self.updates or self.checkpoints)
+
+    def stamp(self, updates: dict[tuple[str, str], bytes | None]) -> None:
+        """Add the identity of a transaction about to commit to its writes."""
+        self.seq += 1
+        updates[(BACKUP_NAMESPACE, BACKUP_IDENTITY)] = f"{self.token}-{self.seq}".encode()
 
     def record(
         self, updates: Mapping[tuple[str, str], bytes | None], checkpoints: Mapping[str, StreamId]
@@ -218,15 +228,18 @@ class StoreTransaction:
 
     def commit(self) -> None:
         self._check_open()
+        journal = self._store.journal
         try:
+            if journal is not None:
+                journal.stamp(self._updates)
             self._store.write(self._updates, self._checkpoints)
             self._store.check_in_place()
         except BaseException:
             self.status = TxStatus.FAILED
             raise
         self.status = TxStatus.COMMITTED
-        if self._store.journal is not None:
-            self._store.journal.record(self._updates, self._checkpoints)
+        if journal is not None:
+            journal.record(self._updates, self._checkpoints)
 
     def rollback(self) -> None:
         if self.status is TxStatus.OPEN:

@@ -1,15 +1,20 @@
 -- ack: update the partition's state backup, acknowledge a batch and move its dead entries to the
 -- DLQ, all only under the caller's lease.
--- KEYS[1] stream   KEYS[2] lease   KEYS[3] DLQ stream   KEYS[4] backup hash   KEYS[5] backup meta
---                                                        (all on the same {topic:partition} tag)
+-- KEYS[1] stream   KEYS[2] lease   KEYS[3] DLQ stream
+-- KEYS[4] backup hash   KEYS[5] backup meta   KEYS[6] backup log   (all on one {topic:partition} tag)
 -- ARGV[1] group    ARGV[2] lease value held by the caller
 -- ARGV[3] n, the number of ids to ack   ARGV[4] d, the number of dead entries
--- ARGV[5] the backup update: "" for none, "update", or "replace" (backup and meta emptied first)
+-- ARGV[5] the backup update: "" for none; "update" (also added to the log); "replace" (the first
+--         part of a whole upload: backup, meta and log emptied first); "upload" (a later part)
+-- ARGV[6] the number of log entries to keep (about: MAXLEN ~)
 -- then the n entry ids to acknowledge;
 -- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments;
 -- then, with a backup update: the batch identity ("" to leave it), the number c of checkpoint
 -- pairs and those 2c arguments (topic, id), the number s of values to set and those 2s arguments
 -- (field, value), the number r of fields to delete and those r fields.
+-- An update's log entry holds "prev" (the identity it follows), "id", "part"/"more" (an update
+-- too large for one entry is split), then "c"..topic = checkpoint, "s"..field = value and
+-- "d"..field = "" (deleted).
 -- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST".
 -- Protects invariants 3, 4 and 7: the backup holds a batch's effects in the same atomic step that
 -- acknowledges its entries; a dead entry is added to the DLQ and acknowledged in one step, only
@@ -20,15 +25,22 @@ if redis.call('GET', KEYS[2]) ~= ARGV[2] then
 end
 local chunk = 500
 local n, d, backup = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local i = 6 + n
+local first_id = 7
+local i = first_id + n
 local dead_at = i
 for _ = 1, d do
   i = i + 2 + tonumber(ARGV[i + 1])
 end
 if backup ~= '' then
-  if backup == 'replace' then
-    redis.call('DEL', KEYS[4], KEYS[5])
+  local logged = backup == 'update' and tonumber(ARGV[6]) > 0
+  local prev = ''
+  if logged then
+    prev = redis.call('HGET', KEYS[5], 'identity') or ''
   end
+  if backup == 'replace' then
+    redis.call('DEL', KEYS[4], KEYS[5], KEYS[6])
+  end
+  local items = {}
   local identity = ARGV[i]
   local c = tonumber(ARGV[i + 1])
   i = i + 2
@@ -37,6 +49,10 @@ if backup ~= '' then
     for k = i, i + 2 * c - 1, 2 do
       checkpoints[#checkpoints + 1] = 'cp:' .. ARGV[k]
       checkpoints[#checkpoints + 1] = ARGV[k + 1]
+      if logged then
+        items[#items + 1] = 'c' .. ARGV[k]
+        items[#items + 1] = ARGV[k + 1]
+      end
     end
     redis.call('HSET', KEYS[5], unpack(checkpoints))
   end
@@ -46,19 +62,43 @@ if backup ~= '' then
   for first = i, i + 2 * s - 1, 2 * chunk do
     redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 2 * chunk - 1, i + 2 * s - 1)))
   end
+  if logged then
+    for k = i, i + 2 * s - 1, 2 do
+      items[#items + 1] = 's' .. ARGV[k]
+      items[#items + 1] = ARGV[k + 1]
+    end
+  end
   i = i + 2 * s
   local r = tonumber(ARGV[i])
   i = i + 1
   for first = i, i + r - 1, chunk do
     redis.call('HDEL', KEYS[4], unpack(ARGV, first, math.min(first + chunk - 1, i + r - 1)))
   end
+  if logged then
+    for k = i, i + r - 1 do
+      items[#items + 1] = 'd' .. ARGV[k]
+      items[#items + 1] = ''
+    end
+  end
   if identity ~= '' then
     redis.call('HSET', KEYS[5], 'identity', identity)
   end
+  if logged then
+    local per = 8 * chunk
+    local parts = math.max(1, math.ceil(#items / per))
+    for part = 0, parts - 1 do
+      local entry = {'MAXLEN', '~', ARGV[6], '*', 'prev', prev, 'id', identity ~= '' and identity or prev,
+                     'part', tostring(part), 'more', part < parts - 1 and '1' or '0'}
+      for k = part * per + 1, math.min((part + 1) * per, #items) do
+        entry[#entry + 1] = items[k]
+      end
+      redis.call('XADD', KEYS[6], unpack(entry))
+    end
+  end
 end
 local acked = 0
-for first = 6, 5 + n, chunk do
-  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, math.min(first + chunk - 1, 5 + n)))
+for first = first_id, first_id + n - 1, chunk do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, math.min(first + chunk - 1, first_id + n - 1)))
 end
 local moved = 0
 i = dead_at

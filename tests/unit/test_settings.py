@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from pspf import App, Worker
 from pspf.errors import ConfigError
 from pspf.settings import RedisSettings, Settings, check_broker_url, mask_url
 
@@ -23,6 +24,20 @@ def test_environment_then_overrides_win_in_order() -> None:
     assert s.state.dir == "/flag"  # CLI flag beats env
     assert s.consumer.block_ms == 1000  # None means "not given"
     assert s.redis.url == "redis://h:1/2"
+
+
+def test_standby_from_the_variable_and_the_flag_and_its_need_of_the_backup() -> None:
+    assert Settings.load(environ={}).state.standby is False
+    assert Settings.load(environ={"PSPF_STANDBY": "true"}).state.standby is True
+    assert Settings.load({"PSPF_STANDBY": False}, environ={"PSPF_STANDBY": "1"}).state.standby is False
+    with pytest.raises(ConfigError, match="PSPF_STANDBY"):
+        Settings.load(environ={"PSPF_STANDBY": "maybe"})
+
+    app = App("standby-check")
+    app.handler("orders")(lambda value, ctx: None)
+    off = Settings.load({"PSPF_STANDBY": True, "PSPF_STATE_BACKUP": "off"}, environ={})
+    with pytest.raises(ConfigError, match="needs --state-backup on"):
+        Worker(app, off)
 
 
 def test_bad_values_name_the_variable() -> None:

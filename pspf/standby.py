@@ -19,7 +19,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from pspf import keys
-from pspf.backup import LogGap, LogReader, catch_up, locate, restore
+from pspf.backup import LogGap, LogReader, locate, restore
 from pspf.broker import Broker
 from pspf.errors import BrokerUnavailable, StoreLocked
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE
@@ -140,7 +140,11 @@ class Standby:
                     return False  # no backup yet, or taken meanwhile
                 values, follower.reader = restored
                 log.info("standby app=%s partition=%s: restored %s values", self.group, partition, values)
-        return catch_up(store, follower.reader) > 0
+        # One page per round: a release waits for no more than that.
+        updates = follower.reader.read()
+        for update in updates:
+            store.write(update.updates, update.checkpoints)
+        return bool(updates)
 
     def _still_wanted(self, partition: int) -> bool:
         return partition in self._wanted and not self._stopping.is_set()

@@ -603,10 +603,27 @@ class Broker:
             rows = self.client.xpending_range(stream, group, start, "+", count, consumer)
         return [(row["message_id"], int(row["times_delivered"])) for row in cast(list[dict[str, Any]], rows)]
 
-    def claim_entries(self, stream: str, group: str, consumer: str, ids: Sequence[bytes]) -> list[RawEntry]:
-        """Re-deliver own pending entries by id (XCLAIM counts the delivery); gone ones are left out."""
-        with self.translate_errors():
-            reply = self._command("XCLAIM", stream, group, consumer, 0, *ids)
+    def claim_entries(
+        self, stream: str, group: str, consumer: str, ids: Sequence[bytes], lease: tuple[str, str]
+    ) -> list[RawEntry] | None:
+        """Re-deliver own pending entries by id (XCLAIM counts the delivery); gone ones are left out.
+
+        Only under the (lease key, value) held, as ``read_new``: None, and nothing claimed, when
+        the lease moved. An ex-owner would otherwise take its old entries back from the new
+        owner, and every such delivery would make them look more like poison.
+        """
+        lease_key, lease_value = lease
+        with self.translate_errors(stream), self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(lease_key)  # type: ignore[no-untyped-call]
+            if _text(pipe.get(lease_key)) != lease_value:
+                pipe.unwatch()
+                return None
+            pipe.multi()
+            pipe.execute_command("XCLAIM", stream, group, consumer, 0, *ids)  # type: ignore[no-untyped-call]
+            try:
+                (reply,) = pipe.execute()
+            except redis.WatchError:
+                return None
         return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:

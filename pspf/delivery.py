@@ -99,16 +99,23 @@ class Delivery:
                 # It may have crashed the worker before: it runs alone, nothing else is delivered,
                 # so if it crashes again only its own delivery count grows.
                 suspect = self._claim_pending(self.streams[stream], window[:1])
+                if suspect is None:
+                    return [], [stream]
                 return [r._replace(alone=True) for r in suspect], []
-        out = [
-            read
-            for stream, window in windows.items()
-            for read in self._read_pending(self.streams[stream], window)
-        ]
+        out: list[Read] = []
         lost: list[str] = []
+        for stream, window in windows.items():
+            pending = self._read_pending(self.streams[stream], window)
+            if pending is None:
+                lost.append(stream)
+            else:
+                out += pending
         live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
         if live:
-            lost, replies, last_ids = self.broker.read_new(self.group, self.consumer, live, self.batch_size)
+            lost_now, replies, last_ids = self.broker.read_new(
+                self.group, self.consumer, live, self.batch_size
+            )
+            lost += lost_now
             new = [Read(self.streams[s.decode()], entries, {}) for s, entries in replies if entries]
             self._check_tails(new, last_ids)
             out += new
@@ -157,17 +164,25 @@ class Delivery:
         failure = self.owned[cursor.partition].failures.get(entry_name(cursor.topic, entry_id))
         return delivered - (failure.attempts if failure else 0) - cursor.unattempted.get(entry_id, 0)
 
-    def _read_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read]:
-        """Re-deliver the next pending entries, stopping before any that may have crashed us."""
+    def _read_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read] | None:
+        """Re-deliver the next pending entries, stopping before any that may have crashed us.
+
+        None when the lease moved (nothing was claimed).
+        """
         if not window:
             return []
         suspect = [i for i, pending in enumerate(window) if self._unexplained(cursor, pending) >= 2]
         take = 1 if cursor.isolate else (suspect[0] if suspect else len(window))
         return self._claim_pending(cursor, window[:take])
 
-    def _claim_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read]:
+    def _claim_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read] | None:
         ids = [entry_id for entry_id, _ in window]
-        claimed = dict(self.broker.claim_entries(cursor.stream, self.group, self.consumer, ids))
+        found = self.broker.claim_entries(
+            cursor.stream, self.group, self.consumer, ids, (cursor.lease_key, cursor.lease_value)
+        )
+        if found is None:
+            return None
+        claimed = dict(found)
         entries: list[RawEntry] = [(entry_id, claimed.get(entry_id)) for entry_id in ids]
         counts = {entry_id: delivered + 1 for entry_id, delivered in window}
         return [Read(cursor, entries, counts, self._poison(cursor, counts))]
@@ -193,7 +208,11 @@ class Delivery:
                 ][: self.batch_size]
                 if not due:
                     continue
-                entries = self.broker.claim_entries(cursor.stream, self.group, self.consumer, due)
+                entries = self.broker.claim_entries(
+                    cursor.stream, self.group, self.consumer, due, (cursor.lease_key, cursor.lease_value)
+                )
+                if entries is None:
+                    continue  # the lease moved: the next read reports it
                 gone = set(due) - {entry_id for entry_id, _ in entries}
                 for entry_id in gone:
                     log.warning(

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from pspf import App, Context, Settings, Worker
-from pspf.keys import lease_key, stream_key
+from pspf.broker import Broker
+from pspf.keys import fence_key, lease_key, stream_key
 from pspf.service import Service
 
 pytestmark = pytest.mark.integration
@@ -56,3 +57,42 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
     summary = Worker(app, settings_b).run(until_idle=True)
     assert summary.handled == 50
     assert Service(settings_b).state_get(app.name, "k") == {"count": 50}
+
+
+def test_a_zombie_cannot_claim_its_pending_entries_back_by_id_after_its_lease_moved(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    topic, group = make_topic(1), names.app()
+    produce(topic, [("k", {"n": 1})] * 10)
+    stream, lease, fence = stream_key(topic, 0), lease_key(topic, 0, group), fence_key(topic, 0, group)
+    broker = Broker(make_settings().redis)
+    try:
+        broker.ensure_group(stream, group, "0")
+        zombie = broker.acquire_lease(lease, fence, "zombie", 10_000)
+        assert zombie is not None
+        ids = [
+            entry_id
+            for _, entries in rclient.xreadgroup(group, "zombie", {stream: ">"})
+            for entry_id, _ in entries
+        ]
+        assert len(ids) == 10
+        # The zombie stalls; its lease expires, the new owner takes the partition and its entries.
+        rclient.delete(lease)
+        owner = broker.acquire_lease(lease, fence, "owner", 10_000)
+        assert owner is not None
+        rclient.xclaim(stream, group, "owner", 0, ids)
+
+        # The zombie wakes up and re-reads what it still believes its own pending entries.
+        assert broker.claim_entries(stream, group, "zombie", ids, (lease, zombie)) is None
+        held = rclient.xpending_range(stream, group, "-", "+", 100)
+        assert {row["consumer"] for row in held} == {b"owner"}
+        assert {row["times_delivered"] for row in held} == {2}  # the zombie's try counted nothing
+
+        claimed = broker.claim_entries(stream, group, "owner", ids, (lease, owner))
+        assert claimed is not None and [entry_id for entry_id, _ in claimed] == ids
+    finally:
+        broker.close()

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
+from pspf import Settings, keys
+from pspf.backup import CHUNK, PartitionBackup, Restored, split_field
+from pspf.broker import Broker
 from pspf.codec import StateDecoder
 from pspf.errors import CheckpointRegression, StateError, StoreLocked
-from pspf.keys import StreamId
+from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, STORE_NAMESPACES, StreamId
 from state_stores import MemoryStore, StateStore, TxStatus, open_store
+from state_stores.base import Journal
 
 ENGINES = ["memory", "sqlite", "rocksdb"]
 FILE_ENGINES = ["sqlite", "rocksdb"]
@@ -322,3 +327,344 @@ def test_sqlite_full_disk_reports_the_cause_and_keeps_the_last_commit(tmp_path: 
         assert store.checkpoints() == {"t": StreamId(1, 0)}
     finally:
         store.close()
+
+
+# -- the journal, the batch identity and a restore from the state backup -------------------------
+
+IDENTITY = (BACKUP_NAMESPACE, BACKUP_IDENTITY)
+
+
+def _without_identity(updates: dict[tuple[str, str], bytes | None]) -> dict[tuple[str, str], bytes | None]:
+    """A journal's writes apart from the batch identity (the backup never copies it)."""
+    return {name: value for name, value in updates.items() if name != IDENTITY}
+
+
+def _dump(store: StateStore) -> tuple[dict[str, StreamId], list[tuple[str, str, bytes]]]:
+    checkpoints, rows = store.dump()
+    return checkpoints, sorted(rows)
+
+
+def test_a_journal_records_exactly_the_committed_transactions_merged_by_key(store: StateStore) -> None:
+    assert store.journal is None  # no journal unless one is given
+    journal = Journal("7")
+    store.journal = journal
+    assert not journal
+    with store.transaction() as tx:
+        tx.set("state", "a", b"1")
+        tx.set("state", "b", b"2")
+        tx.set("__failures", "t/1-0", b"f")
+        tx.set_checkpoint("t", StreamId(1, 0))
+    assert store.get(*IDENTITY) == b"7-1"
+    with pytest.raises(RuntimeError), store.transaction() as tx:
+        tx.set("state", "a", b"rolled back")
+        tx.set("state", "x", b"rolled back")
+        tx.set_checkpoint("t", StreamId(9, 0))
+        raise RuntimeError("handler blew up")
+    tx = store.transaction()
+    tx.set("state", "y", b"rolled back")
+    tx.set_checkpoint("v", StreamId(9, 0))
+    tx.rollback()
+    with pytest.raises(CheckpointRegression), store.transaction() as tx:
+        tx.set("state", "z", b"rolled back")
+        tx.set_checkpoint("t", StreamId(0, 5))
+    with store.transaction() as tx:
+        tx.set("state", "a", b"3")
+        tx.delete("state", "b")
+        tx.delete("__failures", "t/1-0")
+        tx.delete("state", "never-there")
+        tx.set("state", "c", b"4")
+        tx.set_checkpoint("t", StreamId(2, 0))
+        tx.set_checkpoint("u", StreamId(5, 5))
+
+    assert journal
+    assert _without_identity(journal.updates) == {
+        ("state", "a"): b"3",
+        ("state", "b"): None,
+        ("__failures", "t/1-0"): None,
+        ("state", "never-there"): None,
+        ("state", "c"): b"4",
+    }
+    assert journal.checkpoints == {"t": StreamId(2, 0), "u": StreamId(5, 5)}
+    # Each commit was stamped with the next identity, the rolled-back ones with none.
+    assert journal.updates[IDENTITY] == store.get(*IDENTITY) == b"7-2"
+    # What it holds is what the store holds.
+    for (namespace, key), value in journal.updates.items():
+        assert store.get(namespace, key) == value
+    assert store.checkpoints() == journal.checkpoints
+
+
+def test_a_journaled_commit_is_stamped_whatever_identity_it_wrote(store: StateStore) -> None:
+    """The identity is the journal's to give: equal identities must mean equal contents."""
+    with store.transaction() as tx:  # no journal: a value like any other
+        tx.set(*IDENTITY, b"3-9")
+    assert store.get(*IDENTITY) == b"3-9"
+    store.journal = Journal("12", 344)
+    with store.transaction() as tx:
+        tx.set(*IDENTITY, b"3-10")
+        tx.set("state", "k", b"v")
+    assert store.get(*IDENTITY) == b"12-345"
+    with store.transaction() as tx:  # also a transaction with nothing else in it
+        pass
+    assert store.get(*IDENTITY) == b"12-346"
+    assert (BACKUP_NAMESPACE, BACKUP_IDENTITY, b"12-346") in _dump(store)[1]
+
+
+@pytest.mark.parametrize("engine", FILE_ENGINES)
+def test_a_commit_that_fails_is_not_journaled(engine: str, tmp_path: Path) -> None:
+    store = open_store(engine, tmp_path, "g", 0)
+    moved = tmp_path / "g" / "moved"
+    try:
+        store.journal = Journal()
+        with store.transaction() as tx:
+            tx.set("state", "a", b"1")
+        store.journal.take()
+        assert store.path is not None and store.path.with_name("moved") == moved
+        store.path.rename(moved)  # the write lands in the moved files; the check after it fails
+        tx = store.transaction()
+        tx.set("state", "a", b"lost")
+        tx.set_checkpoint("t", StreamId(3, 0))
+        with pytest.raises(StateError, match="deleted or replaced"):
+            tx.commit()
+        assert tx.status is TxStatus.FAILED
+        assert not store.journal
+    finally:
+        if store.path is not None and moved.exists():
+            moved.rename(store.path)
+        store.close()
+
+
+def test_journal_take_empties_it_and_give_back_restores_under_newer_writes(store: StateStore) -> None:
+    journal = Journal("5")
+    store.journal = journal
+    with store.transaction() as tx:
+        tx.set("state", "a", b"1")
+        tx.set("state", "b", b"2")
+        tx.set_checkpoint("t", StreamId(1, 0))
+        tx.set_checkpoint("u", StreamId(1, 0))
+    taken = journal.take()
+    assert taken == (
+        {("state", "a"): b"1", ("state", "b"): b"2", IDENTITY: b"5-1"},
+        {"t": StreamId(1, 0), "u": StreamId(1, 0)},
+    )
+    assert not journal and journal.updates == {} and journal.checkpoints == {}
+    assert journal.take() == ({}, {})
+
+    # The copy may not have happened: the writes come back, under those committed since.
+    with store.transaction() as tx:
+        tx.set("state", "a", b"5")
+        tx.delete("state", "c")
+        tx.set_checkpoint("t", StreamId(2, 0))
+    journal.give_back(*taken)
+    want = {("state", "a"): b"5", ("state", "b"): b"2", ("state", "c"): None, IDENTITY: b"5-2"}
+    assert journal.updates == want
+    assert journal.checkpoints == {"t": StreamId(2, 0), "u": StreamId(1, 0)}
+    for (namespace, key), value in journal.updates.items():
+        assert store.get(namespace, key) == value
+    assert journal.take() == (want, {"t": StreamId(2, 0), "u": StreamId(1, 0)})
+    assert not journal
+
+
+@pytest.mark.parametrize("engine", FILE_ENGINES)
+def test_the_batch_identity_survives_close_and_reopen(engine: str, tmp_path: Path) -> None:
+    with open_store(engine, tmp_path, "g", 0) as s:
+        s.journal = Journal("12", 344)
+        with s.transaction() as tx:
+            tx.set("state", "k", b"v")
+            tx.set_checkpoint("t", StreamId(3, 0))
+    with open_store(engine, tmp_path, "g", 0, readonly=True) as s:
+        assert s.get(*IDENTITY) == b"12-345"
+    with open_store(engine, tmp_path, "g", 0) as s:
+        assert s.journal is None  # a journal belongs to an owner, not to the files
+        assert _dump(s) == (
+            {"t": StreamId(3, 0)},
+            [(BACKUP_NAMESPACE, BACKUP_IDENTITY, b"12-345"), ("state", "k", b"v")],
+        )
+
+
+def test_rewinding_every_store_namespace_clears_the_identity_too(store: StateStore) -> None:
+    """What a restore from the backup does first: nothing of the old store, identity included."""
+    store.journal = Journal("3")
+    with store.transaction() as tx:
+        for namespace in STORE_NAMESPACES:
+            tx.set(namespace, "t/1-0", b"old")
+        tx.set("other", "kept", b"x")
+        tx.set_checkpoint("t", StreamId(50, 0))
+        tx.set_checkpoint("u", StreamId(60, 0))
+    assert store.get(*IDENTITY) == b"3-1"
+
+    store.rewind(STORE_NAMESPACES, {"t": StreamId(10, 0), "u": None})
+    assert _dump(store) == ({"t": StreamId(10, 0)}, [("other", "kept", b"x")])
+    assert store.get(*IDENTITY) is None
+
+    # With values, they are set after the clearing: a new identity stays.
+    store.rewind(STORE_NAMESPACES, {}, {IDENTITY: b"4-1", ("state", "k"): b"v"})
+    assert _dump(store) == (
+        {"t": StreamId(10, 0)},
+        [(BACKUP_NAMESPACE, BACKUP_IDENTITY, b"4-1"), ("other", "kept", b"x"), ("state", "k", b"v")],
+    )
+
+
+# -- reconciling a store with its backup in a real Redis ------------------------------------------
+
+
+@pytest.fixture
+def broker(redis_url: str) -> Iterator[Broker]:
+    b = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+    yield b
+    b.close()
+
+
+def _owner(broker: Broker, topic: str, group: str, owner: str) -> PartitionBackup:
+    """Take partition 0's lease as ``owner``: its backup, as a worker's takeover makes it."""
+    lease = keys.lease_key(topic, 0, group)
+    value = broker.acquire_lease(lease, keys.fence_key(topic, 0, group), owner, 60_000)
+    assert value is not None, "the lease is held"
+    return PartitionBackup(broker, group, topic, 0, lease, value)
+
+
+def _give_up(broker: Broker, backup: PartitionBackup) -> None:
+    broker.release_leases([(backup.lease_key, backup.lease_value)])
+
+
+def _take_over(backup: PartitionBackup, store: StateStore, topics: list[str], action: str) -> Restored:
+    """Reconcile as a takeover does; the store then journals for this owner."""
+    done = backup.reconcile(store, topics)
+    assert done.action == action, done
+    store.journal = backup.journal
+    return done
+
+
+def _batch(
+    store: StateStore,
+    backup: PartitionBackup | None,
+    topic: str,
+    checkpoint: StreamId,
+    sets: dict[tuple[str, str], bytes],
+    deletes: tuple[tuple[str, str], ...] = (),
+    send: bool = True,
+) -> None:
+    """Commit a batch, then send it as the acknowledging call does (the store journals it).
+
+    Without ``send`` the owner dies between its local commit and the acknowledging call.
+    """
+    with store.transaction() as tx:
+        for (namespace, key), value in sets.items():
+            tx.set(namespace, key, value)
+        for namespace, key in deletes:
+            tx.delete(namespace, key)
+        tx.set_checkpoint(topic, checkpoint)
+    if backup is not None and send:
+        backup.flush()
+
+
+def _backup_as_rows(rclient: Any, backup: PartitionBackup) -> list[tuple[str, str, bytes]]:
+    return sorted((*split_field(name), value) for name, value in rclient.hgetall(backup.keys.values).items())
+
+
+def _backup_as_dump(rclient: Any, broker: Broker, backup: PartitionBackup) -> Any:
+    """The backup as a store's dump would show it: its checkpoints, values and identity."""
+    meta = broker.backup_meta(backup.keys.meta)
+    checkpoints = {name[3:]: StreamId.parse(value) for name, value in meta.items() if name.startswith("cp:")}
+    identity = (BACKUP_NAMESPACE, BACKUP_IDENTITY, meta[BACKUP_IDENTITY].encode())
+    return checkpoints, sorted([*_backup_as_rows(rclient, backup), identity])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reconcile_makes_any_store_equal_to_the_backup_in_redis(
+    engine: str, tmp_path: Path, broker: Broker, make_topic: Callable[[int], str], names: Any, rclient: Any
+) -> None:
+    topic, group = make_topic(1), names.app()
+    with (
+        _open(engine, tmp_path / "a") as store_a,
+        _open(engine, tmp_path / "b") as store_b,
+        _open(engine, tmp_path / "c") as store_c,
+    ):
+        # Host a: no backup yet, an empty store: a fresh start.
+        a = _owner(broker, topic, group, "host-a/1/aa")
+        _take_over(a, store_a, [topic], "fresh")
+        _batch(store_a, a, topic, StreamId(10, 0), {("state", f"k{i}"): b"%d" % i for i in range(120)})
+        _batch(
+            store_a,
+            a,
+            topic,
+            StreamId(20, 0),
+            {("state", "k1"): b"new", ("__failures", "t/19-0"): b"f", ("__consumers", "host-a"): b""},
+            deletes=(("state", "k2"),),
+        )
+        with pytest.raises(RuntimeError), store_a.transaction() as tx:  # reaches nothing
+            tx.set("state", "k3", b"rolled back")
+            raise RuntimeError("handler blew up")
+        a.flush()
+        assert _backup_as_dump(rclient, broker, a) == _dump(store_a)
+        assert rclient.hlen(a.keys.values) == 121
+        # Host a dies between its local commit and the call: its store is a batch ahead.
+        _batch(store_a, a, topic, StreamId(30, 0), {("state", "k5"): b"ahead"}, send=False)
+        _give_up(broker, a)
+
+        # Host b: empty stores are rebuilt from the backup, identity included.
+        b = _owner(broker, topic, group, "host-b/2/bb")
+        assert _take_over(b, store_c, [topic], "restored").amount == 121
+        assert _take_over(b, store_b, [topic], "restored").amount == 121
+        assert _dump(store_b) == _dump(store_c) == _backup_as_dump(rclient, broker, b)
+        assert b.reconcile(store_b, [topic]).action == "in sync"
+        for n in range(3):
+            _batch(
+                store_b,
+                b,
+                topic,
+                StreamId(21 + n, 0),
+                {("state", "k7"): b"b%d" % n},
+                (("state", f"k{8 + n}"),),
+            )
+        assert _dump(store_b) == _backup_as_dump(rclient, broker, b)
+        _give_up(broker, b)
+
+        # Host a again, its store ahead by a batch of a history the backup never had, and
+        # behind host b's: rolled back to the backup, a checkpoint the backup lacks dropped.
+        store_a.journal = None
+        with store_a.transaction() as tx:
+            tx.set_checkpoint("other-topic", StreamId(5, 0))
+        a2 = _owner(broker, topic, group, "host-a/1/aa")
+        _take_over(a2, store_a, [topic, "other-topic"], "restored")
+        assert _dump(store_a) == _dump(store_b)
+        assert store_a.get("state", "k5") == b"5" and store_a.get("state", "k7") == b"b2"
+        assert store_a.checkpoints() == {topic: StreamId(23, 0)}
+
+        # A store some updates behind (host b's three batches) catches up from the log.
+        store_c.journal = None
+        assert _take_over(a2, store_c, [topic], "caught up").amount == 3
+        assert _dump(store_c) == _dump(store_b)
+
+        # The next owner's batches get identities no earlier owner used.
+        _batch(store_a, a2, topic, StreamId(40, 0), {("state", "k9"): b"a2"})
+        identities = [fields[b"id"] for _, fields in rclient.xrange(a2.keys.log)]
+        assert len(set(identities)) == len(identities) == 6  # host a's 2, host b's 3, this one
+        assert identities[-1] == store_a.get(*IDENTITY)
+        assert _dump(store_a) == _backup_as_dump(rclient, broker, a2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_store_without_a_backup_is_uploaded_and_restores_elsewhere_in_pages(
+    engine: str, tmp_path: Path, broker: Broker, make_topic: Callable[[int], str], names: Any, rclient: Any
+) -> None:
+    """A store from before the backup (or from a time it was off) becomes the backup, whole."""
+    topic, group = make_topic(1), names.app()
+    many = CHUNK + 1_234  # more than one page each way
+    with _open(engine, tmp_path / "a") as store_a, _open(engine, tmp_path / "b") as store_b:
+        _batch(store_a, None, topic, StreamId(7, 7), {("state", f"k{i:05}"): b"%d" % i for i in range(many)})
+        with store_a.transaction() as tx:
+            tx.set("__failures", "t/7-1", b"f")
+        a = _owner(broker, topic, group, "host-a/1/aa")
+        assert _take_over(a, store_a, [topic], "uploaded").amount == many + 1
+        identity = store_a.get(*IDENTITY)
+        assert identity is not None and identity.decode().startswith(a.journal.token + "-")
+        assert _backup_as_dump(rclient, broker, a) == _dump(store_a)
+        assert a.reconcile(store_a, [topic]).action == "in sync"
+        _give_up(broker, a)
+
+        b = _owner(broker, topic, group, "host-b/2/bb")
+        assert _take_over(b, store_b, [topic], "restored").amount == many + 1
+        assert _dump(store_b) == _dump(store_a)
+        _give_up(broker, b)

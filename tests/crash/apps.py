@@ -19,6 +19,10 @@ Configured by environment variables, read when ``main`` is called:
   - ``ack:N``: at the start of the N-th acknowledgement round that has something to acknowledge,
     after every partition of the cycle committed and before the ack is sent.
 
+  ``stop:N`` is no crash: inside the handler of the N-th entry, after its state update, the
+  process stops itself with SIGSTOP (once; the marker is written first) and goes on with the
+  batch when the test sends SIGCONT: a zombie owner, frozen in the middle of a batch.
+
 The state of a key is ``{"count": entries, "total": sum of amounts}`` (plus ``by``).
 """
 
@@ -58,7 +62,7 @@ class CrashHooks(ProcessorHooks):
     """Kills the process with SIGKILL at a named step of its N-th batch, once (public hooks only)."""
 
     def __init__(self, where: str, nth: int, marker: Path) -> None:
-        if where not in ("handler", "commit", "ack"):
+        if where not in ("handler", "commit", "ack", "stop"):
             raise ValueError(f"unknown crash point {where!r}")
         self.where, self.nth, self.marker = where, nth, marker
         self.seen = 0
@@ -103,6 +107,9 @@ def main() -> App:
         handled += 1
         if where == "handler" and handled == nth and not marker.exists():
             _die(marker, {"where": where, "id": ctx.id, "key": ctx.key, "partition": ctx.partition})
+        if where == "stop" and handled == nth and not marker.exists():
+            marker.write_text(json.dumps({"where": where, "id": ctx.id, "partition": ctx.partition}))
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once the test sends SIGCONT
 
     async def add_async(order: Order, ctx: Context) -> None:
         await asyncio.sleep(0)

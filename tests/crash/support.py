@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import signal
@@ -11,14 +13,24 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from pspf import codec
 from pspf.batch import iter_state
 from pspf.errors import NotFound, StateError
-from pspf.keys import STATE_NAMESPACE, StreamId, backup_key, backup_meta_key, lease_key, stream_key
+from pspf.keys import (
+    BACKUP_IDENTITY,
+    BACKUP_NAMESPACE,
+    STATE_NAMESPACE,
+    StreamId,
+    backup_key,
+    backup_keys,
+    backup_meta_key,
+    lease_key,
+    stream_key,
+)
 from state_stores import open_store
 from tests.conftest import pspf_command
 
@@ -309,3 +321,87 @@ def assert_store_files(state_dir: Path, app: str, partitions: int, engine: str) 
     found = sorted(p.name for p in (state_dir / app).iterdir())
     stores = [name for name in found if re.fullmatch(r"p\d+\.(sqlite|rocksdb)", name)]
     assert stores == sorted(f"p{p}.{engine}" for p in range(partitions)), found
+
+
+# -- the state backup, the stores' batch identity, and process states ----------------------------
+
+
+def backup_identity(client: redis.Redis, topic: str, app: str, partition: int) -> str | None:
+    """The batch identity the backup of one partition holds (None: no backup)."""
+    raw = cast(bytes | None, client.hget(backup_meta_key(topic, partition, app), BACKUP_IDENTITY))
+    return None if raw is None else raw.decode()
+
+
+def store_identity(state_dir: Path, app: str, partition: int, engine: str = "sqlite") -> str | None:
+    """The batch identity one partition's store holds (None: no store or none recorded)."""
+    for attempt in range(50):
+        try:
+            with open_store(engine, state_dir, app, partition, readonly=True) as store:
+                raw = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
+                return None if raw is None else raw.decode()
+        except NotFound:
+            return None
+        except StateError:
+            if attempt == 49:
+                raise
+            time.sleep(0.02)
+    raise AssertionError("unreachable")
+
+
+def backup_raw(client: redis.Redis, topic: str, app: str, partitions: int) -> dict[int, tuple[Any, Any, Any]]:
+    """Every partition's backup exactly as Redis holds it: values, meta and log entries."""
+    found: dict[int, tuple[Any, Any, Any]] = {}
+    for p in range(partitions):
+        names = backup_keys(topic, p, app)
+        found[p] = (client.hgetall(names.values), client.hgetall(names.meta), client.xrange(names.log))
+    return found
+
+
+def assert_backup_exact(client: redis.Redis, topic: str, app: str, partitions: int, records: Records) -> None:
+    """The backups hold every record applied once, and each checkpoint is its stream's last id."""
+    got: dict[str, tuple[int, int]] = {}
+    for p in range(partitions):
+        for key, value in backup_state(client, topic, app, p).items():
+            assert key not in got, f"key {key} has state in two partitions' backups (also {p})"
+            got[key] = (value["count"], value["total"])
+        last = _sid(client.xinfo_stream(stream_key(topic, p))["last-generated-id"])
+        assert backup_checkpoint(client, topic, app, p) == last, f"partition {p}: backup checkpoint"
+        assert backup_identity(client, topic, app, p), f"partition {p}: the backup has no identity"
+    want = expected_state(records)
+    wrong = {k: (got.get(k), want.get(k)) for k in want.keys() | got.keys() if got.get(k) != want.get(k)}
+    assert not wrong, (
+        f"the backup differs from the input for {len(wrong)} keys (got, want): "
+        f"{dict(list(wrong.items())[:5])}"
+    )
+
+
+def state_get_from_backup(redis_url: str, app: str, keys: list[str], cwd: Path) -> dict[str, Any]:
+    """``pspf state get APP KEY --json`` for each key, without a state dir, run from ``cwd``.
+
+    In process (a subprocess per key would take minutes for a thousand keys). No state dir is
+    named and ``cwd`` holds none: the values can only come from the backups in Redis.
+    """
+    from click.testing import CliRunner
+
+    from cli import cli
+
+    runner = CliRunner()
+    unset: dict[str, str | None] = {name: None for name in os.environ if name.startswith("PSPF_")}
+    found: dict[str, Any] = {}
+    here = Path.cwd()
+    os.chdir(cwd)
+    try:
+        for key in keys:
+            args = ["state", "get", app, key, "--json", "--broker", redis_url]
+            result = runner.invoke(cli, args, env=unset)
+            assert result.exit_code == 0, f"pspf state get {app} {key}: {result.output}"
+            found[key] = json.loads(result.output)
+    finally:
+        os.chdir(here)
+    return found
+
+
+def process_state(pid: int) -> str:
+    """The state letter Linux shows for a process (``T``: stopped by a signal)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0]

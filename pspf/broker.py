@@ -161,6 +161,7 @@ class Broker:
         self._lease_acquire = self.client.register_script(_script("lease_acquire"))
         self._lease_renew = self.client.register_script(_script("lease_renew"))
         self._lease_release = self.client.register_script(_script("lease_release"))
+        self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
 
     def close(self) -> None:
         self.client.close()
@@ -713,6 +714,26 @@ class Broker:
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
         """Give leases up so a standby takes the partitions at once."""
         self._eval_pipelined(self._lease_release, [([key], [value]) for key, value in leases])
+
+    # -- members --------------------------------------------------------------------------------
+
+    def member_heartbeat(
+        self, app: str, member: str, ttl_ms: int, info: bytes, stay: bool = True
+    ) -> tuple[int, list[tuple[str, int, int, bytes]]]:
+        """Renew (or end) a worker's membership; the server's time and the live members.
+
+        Each member as (id, joined ms, expiry ms, info), in id order.
+        """
+        member_keys = [keys.members_key(app), keys.joined_key(app), keys.member_info_key(app)]
+        with self.translate_errors(member_keys[0]):
+            reply = self._member_heartbeat(
+                keys=member_keys, args=[member, ttl_ms, info, "1" if stay else "0"]
+            )
+        now, rest = int(reply[0]), reply[1:]
+        return now, [
+            (_text(rest[i]), int(float(rest[i + 1])), int(float(rest[i + 2])), bytes(rest[i + 3]))
+            for i in range(0, len(rest), 4)
+        ]
 
     # -- state backup ---------------------------------------------------------------------------
 

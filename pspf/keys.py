@@ -91,6 +91,21 @@ def app_key(app: str) -> str:
     return f"{PREFIX}:app:{{{app}}}"
 
 
+def members_key(app: str) -> str:
+    """Sorted set of an app's live workers (member id -> expiry, server ms): who shares its work."""
+    return f"{PREFIX}:app:{{{app}}}:members"
+
+
+def joined_key(app: str) -> str:
+    """Sorted set of when each live worker of an app joined (member id -> server ms)."""
+    return f"{PREFIX}:app:{{{app}}}:joined"
+
+
+def member_info_key(app: str) -> str:
+    """Hash of each live worker's host, pid and consumer name (member id -> JSON)."""
+    return f"{PREFIX}:app:{{{app}}}:member-info"
+
+
 def stream_key(topic: str, partition: int) -> str:
     """The stream of one topic partition, e.g. ``pspf:{orders:0}``."""
     return f"{PREFIX}:{{{topic}:{partition}}}"

@@ -32,6 +32,7 @@ from pspf.app import App
 from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerUnavailable, ConfigError, GroupMissing, StateError, StoreLocked
 from pspf.failures import policy_from
+from pspf.membership import Membership
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory
 from pspf.processor import BatchProcessor, Counts, ProcessorHooks
@@ -82,6 +83,9 @@ class Worker:
         self.broker = Broker(settings.redis, socket_timeout_s=socket_timeout_s)
         self.leases = PartitionLeases(
             self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
+        )
+        self.membership = Membership(
+            self.broker, app.name, owner, self.consumer, settings.consumer.lease_ttl_ms
         )
         hooks = hooks if hooks is not None else app.hooks
         #: Counters and health, when the settings ask for a metrics port.
@@ -295,6 +299,8 @@ class Worker:
     def _shutdown(self) -> None:
         if self.standby is not None:
             self.standby.close()
+        with suppress(BrokerError):
+            self.membership.leave()  # first: the others take the partitions as soon as they are free
         for partition in list(self._held):
             try:
                 self._drop(partition, release=True)
@@ -320,18 +326,24 @@ class Worker:
             self._recheck_streams = False
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
+        self.membership.heartbeat()
+        target = self.membership.target(self._partitions)
+        for partition in [p for p in self._held if p not in target]:
+            # Between two cycles: what it processed is committed and acknowledged.
+            log.info("partition moves to another worker app=%s partition=%s", self.app.name, partition)
+            self._drop(partition, release=True)
         if time.monotonic() >= self._next_idle_claim:
             min_idle_ms = self.settings.consumer.min_idle_ms
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
             for owned in self.processor.owned.values():
                 self.partitions.claim_idle(owned, min_idle_ms)
-        self._take_free()
+        self._take_free(target)
         if self.standby is not None:
             self.standby.keep({p for p in range(self._partitions) if p not in self._held})
 
-    def _take_free(self) -> None:
-        """Take every partition whose leases are free (or ours without our knowing it)."""
-        for partition in self.leases.takeable([p for p in range(self._partitions) if p not in self._held]):
+    def _take_free(self, target: set[int]) -> None:
+        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""
+        for partition in self.leases.takeable(sorted(target - set(self._held))):
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue

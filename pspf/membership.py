@@ -1,0 +1,150 @@
+"""Work sharing: the live workers of an app, and which of its partitions each should own.
+
+The contract:
+
+- Membership: every worker renews its membership at each lease round (a third of the lease TTL),
+  with the lease TTL as its time to live, in three keys on the app's hash tag (``keys.members_key``
+  and the two beside it). The server's clock decides expiry and join times. A worker that stops
+  leaves at once; a dead one expires after the TTL.
+- Assignment: a pure function of the counted members (with their join times) and the partition
+  count, ``assign``, computed by every worker; no coordinator. It is even (each of M members
+  gets floor(P/M) or ceil(P/M)) and deterministic; a join moves exactly the newcomer's share,
+  a leave a few more than the leaver's partitions (see ``assign``).
+- No flapping: a member counts once it has been a member for ``JOIN_DELAY`` lease rounds, so one
+  that joins and leaves at once moves nothing (when no member is that old, as at a cold start,
+  all count).
+- Acting: a worker acts on its own target only. Between two cycles (everything processed is
+  committed and acknowledged) it releases the partitions it should not own, and it takes the ones
+  it should own once their leases are free. Leases and fencing are unchanged, so two workers that
+  briefly disagree about the members can never both own a partition.
+- Settling: after a change, the partitions that move are released at the old owner's next lease
+  round and taken at the new owner's next one: within about two thirds of the lease TTL plus a
+  batch, after ``JOIN_DELAY`` for a join, and after the lease TTL for a dead worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+
+import msgspec
+
+from pspf.broker import Broker
+
+log = logging.getLogger(__name__)
+
+#: Lease rounds (a third of the lease TTL each) a new member waits before it counts.
+JOIN_DELAY = 1
+
+
+class MemberInfo(msgspec.Struct, frozen=True):
+    """What a member says of itself."""
+
+    consumer: str
+    host: str
+    pid: int
+    ttl_ms: int
+
+
+class Member(msgspec.Struct, frozen=True, kw_only=True):
+    """A live worker of an app, as the member list holds it."""
+
+    id: str
+    consumer: str
+    host: str
+    pid: int
+    joined_ms: int
+    last_heartbeat_ms: int
+
+
+_info_encoder = msgspec.json.Encoder()
+_info_decoder = msgspec.json.Decoder(MemberInfo)
+
+
+def _score(consumer: str, partition: int) -> bytes:
+    return hashlib.blake2b(f"{consumer}\x00{partition}".encode(), digest_size=8).digest()
+
+
+def assign(members: list[tuple[str, str]], partitions: int) -> dict[int, str]:
+    """Partition -> member id, for members given as (member id, consumer name) in join order.
+
+    The first member owns every partition; each later one, in join order, takes floor(P/k) (k
+    members so far) from the most loaded members (the earliest joined first among equals), each
+    time the donor's partition that scores best for it. So the spread is even (floor(P/M) or
+    ceil(P/M) each), and a member that joins takes exactly its share and moves nothing else. A
+    member that leaves changes the order of those after it: more than its own partitions may
+    move then (in simulations, about twice as many).
+    """
+    if not members or partitions <= 0:
+        return {}
+    owned: dict[str, list[int]] = {members[0][0]: list(range(partitions))}
+    rank = {member: i for i, (member, _) in enumerate(members)}
+    for k, (member, consumer) in enumerate(members[1:], start=2):
+        taken: list[int] = []
+        for _ in range(partitions // k):
+            donor = max(owned, key=lambda m: (len(owned[m]), -rank[m]))
+            best = max(owned[donor], key=lambda p: _score(consumer, p))
+            owned[donor].remove(best)
+            taken.append(best)
+        owned[member] = taken
+    return {p: member for member, found in owned.items() for p in found}
+
+
+class Membership:
+    """One worker's membership in its app, and its target partitions."""
+
+    def __init__(self, broker: Broker, app: str, member: str, consumer: str, ttl_ms: int) -> None:
+        self.broker = broker
+        self.app = app
+        self.member = member
+        self.ttl_ms = ttl_ms
+        self._info = _info_encoder.encode(MemberInfo(consumer, socket.gethostname(), os.getpid(), ttl_ms))
+        self.members: list[Member] = []
+        self._now = 0
+        #: the last target, to log changes of it
+        self._target: set[int] | None = None
+
+    def heartbeat(self) -> list[Member]:
+        """Renew this worker's membership; the live members."""
+        now, found = self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info)
+        self.members = [_member(*row) for row in found]
+        self._now = now
+        return self.members
+
+    def leave(self) -> None:
+        self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info, stay=False)
+
+    def target(self, partitions: int) -> set[int]:
+        """The partitions this worker should own now (after a ``heartbeat``)."""
+        old_enough = self._now - JOIN_DELAY * self.ttl_ms // 3
+        counted = [m for m in self.members if m.joined_ms <= old_enough] or self.members
+        in_order = sorted(counted, key=lambda m: (m.joined_ms, m.id))
+        owners = assign([(m.id, m.consumer) for m in in_order], partitions)
+        mine = {p for p, member in owners.items() if member == self.member}
+        if mine != self._target:
+            log.info(
+                "rebalance app=%s members=%s counted=%s partitions of this worker: %s",
+                self.app,
+                len(self.members),
+                len(counted),
+                sorted(mine),
+            )
+            self._target = mine
+        return mine
+
+
+def _member(member: str, joined_ms: int, expiry_ms: int, raw: bytes) -> Member:
+    try:
+        info = _info_decoder.decode(raw)
+    except msgspec.ValidationError:
+        info = MemberInfo(member.partition("/")[0], "?", 0, 0)
+    return Member(
+        id=member,
+        consumer=info.consumer,
+        host=info.host,
+        pid=info.pid,
+        joined_ms=joined_ms,
+        last_heartbeat_ms=expiry_ms - info.ttl_ms,
+    )

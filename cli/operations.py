@@ -37,7 +37,7 @@ def groups(
         print_json(found)
         return
     print_table(
-        ["APP", "TOPICS", "PARTITIONS", "LAG", "PENDING", "OLDEST PENDING", "DLQ", "OWNERS"],
+        ["APP", "TOPICS", "PARTITIONS", "LAG", "PENDING", "OLDEST PENDING", "DLQ", "MEMBERS", "OWNERS"],
         [
             [
                 g.app,
@@ -47,6 +47,7 @@ def groups(
                 g.pending,
                 _age(g.oldest_pending_age_s),
                 g.dead_letters,
+                len(g.members),
                 ",".join(g.owners) or None,
             ]
             for g in found
@@ -67,7 +68,7 @@ def groups(
 def lag(
     obj: CliState, app: str, broker: str | None, state_dir: Path | None, store: str | None, as_json: bool
 ) -> None:
-    """Show APP per topic partition: last id, checkpoint, lag, pending and owner.
+    """Show APP per topic partition (last id, checkpoint, lag, pending, owner), then its workers.
 
     The checkpoint comes from the app's state directory when it is reachable from here.
     """
@@ -90,6 +91,14 @@ def lag(
                 d.owner,
             ]
             for d in found.detail
+        ],
+    )
+    click.echo()
+    print_table(
+        ["MEMBER", "HOST", "PID", "SINCE", "LAST HEARTBEAT", "PARTITIONS"],
+        [
+            [m.id, m.host, m.pid, m.since, m.last_heartbeat, ",".join(map(str, m.partitions)) or None]
+            for m in found.members
         ],
     )
 

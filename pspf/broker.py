@@ -735,6 +735,23 @@ class Broker:
             for i in range(0, len(rest), 4)
         ]
 
+    def members(self, app: str) -> tuple[int, list[tuple[str, int, int, bytes]]]:
+        """The server's time and the live members as ``member_heartbeat`` gives them (a read only)."""
+        with self.translate_errors(keys.members_key(app)):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.time()
+            pipe.zrange(keys.members_key(app), 0, -1, withscores=True)
+            pipe.zrange(keys.joined_key(app), 0, -1, withscores=True)
+            pipe.hgetall(keys.member_info_key(app))
+            (seconds, micros), expiries, joined, info = pipe.execute()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        since = {_text(m): int(score) for m, score in joined}
+        return now, [
+            (_text(m), since.get(_text(m), now), int(expiry), bytes(info.get(m, b"{}")))
+            for m, expiry in expiries
+            if expiry > now
+        ]
+
     # -- state backup ---------------------------------------------------------------------------
 
     def backup_meta(self, meta_key: str) -> dict[str, str]:

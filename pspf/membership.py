@@ -105,6 +105,8 @@ class Membership:
         self._now = 0
         #: the last target, to log changes of it
         self._target: set[int] | None = None
+        #: whether the last ``target`` differed from the one before
+        self.changed = False
 
     def heartbeat(self) -> list[Member]:
         """Renew this worker's membership; the live members."""
@@ -123,7 +125,8 @@ class Membership:
         in_order = sorted(counted, key=lambda m: (m.joined_ms, m.id))
         owners = assign([(m.id, m.consumer) for m in in_order], partitions)
         mine = {p for p, member in owners.items() if member == self.member}
-        if mine != self._target:
+        self.changed = mine != self._target
+        if self.changed:
             log.info(
                 "rebalance app=%s members=%s counted=%s partitions of this worker: %s",
                 self.app,
@@ -133,6 +136,12 @@ class Membership:
             )
             self._target = mine
         return mine
+
+
+def live_members(broker: Broker, app: str) -> list[Member]:
+    """The live members of an app, read without joining."""
+    _, found = broker.members(app)
+    return [_member(*row) for row in found]
 
 
 def _member(member: str, joined_ms: int, expiry_ms: int, raw: bytes) -> Member:

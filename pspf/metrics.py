@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -151,6 +151,15 @@ class WorkerMetrics(ProcessorHooks):
             buckets=DURATION_BUCKETS,
             registry=r,
         ).labels(app)
+        self._members = Gauge(
+            "pspf_members", "Live workers of the app, as this worker last saw them.", ("app",), registry=r
+        ).labels(app)
+        self._rebalances = Counter(
+            "pspf_rebalances",
+            "Changes of the partitions this worker should own (members joined or left).",
+            ("app",),
+            registry=r,
+        ).labels(app)
         self._series: dict[tuple[str, int], _Series] = {}
         self._lock = threading.Lock()
         #: owned partition -> unix time it was taken
@@ -175,6 +184,12 @@ class WorkerMetrics(ProcessorHooks):
         with self._lock:
             self._taken.pop(partition, None)
             self._progress.pop(partition, None)
+
+    def members_seen(self, members: int, rebalanced: bool) -> None:
+        """The live members at a lease round, and whether this worker's target changed."""
+        self._members.set(members)
+        if rebalanced:
+            self._rebalances.inc()
 
     def broker_lost(self, lost: bool) -> None:
         """The worker's loop is (True) or is no longer (False) waiting to reconnect to Redis."""

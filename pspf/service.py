@@ -38,6 +38,7 @@ from pspf.keys import (
     SUPERSEDED_NAMESPACE,
     StreamId,
 )
+from pspf.membership import live_members
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
@@ -135,6 +136,20 @@ class PartitionLag(msgspec.Struct, frozen=True, kw_only=True):
     dead_letters: int
 
 
+class AppMember(msgspec.Struct, frozen=True, kw_only=True):
+    """A live worker of an app, as ``pspf lag`` shows it."""
+
+    #: the member id, also the owner part of the leases it holds (``consumer/pid/nonce``)
+    id: str
+    consumer: str
+    host: str
+    pid: int
+    since: str
+    last_heartbeat: str
+    #: the partitions whose leases it holds now
+    partitions: list[int]
+
+
 class AppLag(msgspec.Struct, frozen=True, kw_only=True):
     """An app (its consumer group) and its lag per topic partition."""
 
@@ -147,6 +162,8 @@ class AppLag(msgspec.Struct, frozen=True, kw_only=True):
     owners: list[str]
     dead_letters: int
     detail: list[PartitionLag]
+    #: the workers sharing the app's partitions (live members), oldest first
+    members: list[AppMember] = []
     #: why the figures are missing (``groups`` lists an app it cannot read, e.g. a key of the
     #: wrong type, instead of failing for every app)
     error: str | None = None
@@ -533,6 +550,18 @@ class Service:
             owners=sorted({d.owner for d in detail if d.owner is not None}),
             dead_letters=sum(d.dead_letters for d in detail),
             detail=detail,
+            members=[
+                AppMember(
+                    id=m.id,
+                    consumer=m.consumer,
+                    host=m.host,
+                    pid=m.pid,
+                    since=_iso(m.joined_ms),
+                    last_heartbeat=_iso(m.last_heartbeat_ms),
+                    partitions=sorted({d.partition for d in detail if d.owner == m.id}),
+                )
+                for m in sorted(live_members(self.broker, app), key=lambda m: (m.joined_ms, m.id))
+            ],
         )
 
     def groups(self) -> list[AppLag]:

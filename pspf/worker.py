@@ -326,8 +326,10 @@ class Worker:
             self._recheck_streams = False
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
-        self.membership.heartbeat()
+        members = self.membership.heartbeat()
         target = self.membership.target(self._partitions)
+        if self.metrics is not None:
+            self.metrics.members_seen(len(members), self.membership.changed)
         for partition in [p for p in self._held if p not in target]:
             # Between two cycles: what it processed is committed and acknowledged.
             log.info("partition moves to another worker app=%s partition=%s", self.app.name, partition)

@@ -26,13 +26,13 @@ from tests.conftest import ROOT, Names, RedisServer
 pytestmark = pytest.mark.integration
 
 #: What a PSPF user needs: its keys, streams, the hashes and sets of the topic registry, the
-#: commands of the Lua scripts (leases, fences, markers), fenced reads (WATCH/MULTI/EXEC) and the
+#: commands of the Lua scripts (leases, fences, markers, members), fenced reads (WATCH/MULTI/EXEC) and the
 #: start-up checks (INFO, COMMAND INFO). CONFIG GET is optional: without it the worker only warns.
 ACL_RULES = (
     "resetkeys ~pspf:* resetchannels -@all +@stream +hsetnx +hset +hget +hgetall +hscan +hdel +sadd "
     "+smembers +exists +mget "
     "+get +set +incr +pexpire +del +evalsha +script|load +watch +multi +exec +unwatch +info +command|info "
-    "+ping +select"
+    "+ping +select +zadd +zrem +zrange +zrangebyscore +zscore +time"
 )
 OPTIONAL_RULES = "+config|get"
 UNCHECKED = "persistence and eviction are unchecked"

@@ -37,8 +37,10 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
     zombie._lease_round()
     assert 0 in zombie.processor.owned
 
-    # The zombie stalls past its lease TTL; the lease expires and another worker takes over.
+    # The zombie stalls past its lease TTL; its lease and membership expire and another worker
+    # takes over.
     rclient.delete(lease_key(topic, 0, app.name))
+    zombie.membership.leave()
     settings_b = make_settings(PSPF_CONSUMER="owner", PSPF_STATE_DIR=str(tmp_path / "b"))
     owner = Worker(app, settings_b)
     owner._start()

@@ -14,11 +14,12 @@ from typing import Any, TypeVar
 
 import click
 
+from cli.supervisor import Supervisor
 from pspf.app import App
 from pspf.errors import ConfigError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings
-from pspf.worker import Worker
+from pspf.worker import Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,6 +44,10 @@ class CliState:
         return Settings.load({**self.options, **overrides})
 
 
+#: Where ``ctx.meta`` holds the arguments the command was given (after the program name).
+ARGS_KEY = "pspf.args"
+
+
 class PSPFGroup(click.Group):
     """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v).
 
@@ -51,6 +56,11 @@ class PSPFGroup(click.Group):
     141 as for coreutils that SIGPIPE ends, because a large output written at once ends the same
     way without an error to see (CPython reports a short write, not the broken pipe).
     """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Kept for ``pspf run --workers``, whose children run the same command line.
+        ctx.meta.setdefault(ARGS_KEY, list(args))
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -250,12 +260,23 @@ def run_options(func: F) -> F:
     is_flag=True,
     help="Stop once no partition of the app has anything left to read.",
 )
-@click.pass_obj
-def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None:
+@click.option(
+    "--workers",
+    envvar="PSPF_WORKERS",
+    show_envvar=True,
+    type=int,
+    default=1,
+    callback=lambda _ctx, _param, value: _at_least_one(value),
+    help="Worker processes on this machine, under a supervisor that restarts those that crash; "
+    "up to the partition count, more stand by  [default: 1]",
+)
+@click.pass_context
+def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **options: Any) -> None:
     """Run the app TARGET (module:attribute) until SIGINT/SIGTERM.
 
     TARGET names an App, or a function without arguments that returns one.
     """
+    obj: CliState = ctx.obj
     overrides = {
         _env_name(flag): options[flag.partition("/")[0].lstrip("-").replace("-", "_")]
         for flag, _, _ in RUN_OPTIONS
@@ -265,7 +286,11 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
     settings = obj.settings(overrides)
     if obj.verbose == 0:
         logging.getLogger("pspf").setLevel(logging.INFO)
-    app = load_app(target)
+    app = load_app(target)  # with --workers too: a bad target fails once, here, not in each child
+    if workers > 1:
+        consumer = settings.consumer.consumer_name or default_consumer_name()
+        args = ctx.meta.get(ARGS_KEY, sys.argv[1:])
+        ctx.exit(Supervisor(args, workers, consumer).run())
     worker = Worker(app, settings)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
@@ -274,6 +299,12 @@ def run(obj: CliState, /, target: str, until_idle: bool, **options: Any) -> None
         f"{summary.dead_lettered} dead-lettered)",
         err=True,
     )
+
+
+def _at_least_one(workers: int) -> int:
+    if workers < 1:
+        raise click.BadParameter(f"{workers}: give 1 or more (1 runs a single worker, no supervisor)")
+    return workers
 
 
 def load_app(target: str) -> App:

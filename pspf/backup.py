@@ -217,13 +217,14 @@ def restore(
     backup: BackupKeys,
     store: StateStore,
     topics: Iterable[str],
-    cancelled: Callable[[], bool] = lambda: False,
+    go_on: Callable[[], bool] = lambda: True,
 ) -> tuple[int, LogReader] | None:
     """Rebuild the store from the whole backup: the values copied and a reader of the log after.
 
-    None when there is no backup, or when ``cancelled`` said so between pages (the store then
-    has no identity: it is restored again next time). When the owner wrote meanwhile, the store
-    equals the backup once the reader's updates are applied.
+    ``go_on`` is called between pages (a long restore renews the leases there). None when there
+    is no backup, or when ``go_on`` said to stop (the store then has no identity: it is restored
+    again next time). When the owner wrote meanwhile, the store equals the backup once the
+    reader's updates are applied.
     """
     meta, last = broker.backup_head(backup)
     identity = meta.get(BACKUP_IDENTITY, "")
@@ -236,7 +237,7 @@ def restore(
     store.rewind(keys.STORE_NAMESPACES, checkpoints)
     values = 0
     for page in broker.backup_values(backup.values, CHUNK):
-        if cancelled():
+        if not go_on():
             return None
         store.write({split_field(raw): value for raw, value in page}, {})
         values += len(page)
@@ -348,15 +349,21 @@ class PartitionBackup:
 
     # -- at takeover ----------------------------------------------------------------------------
 
-    def reconcile(self, store: StateStore, topics: Iterable[str]) -> Restored:
-        """Make the store equal to the backup (or the backup to the store, when there is none)."""
+    def reconcile(
+        self, store: StateStore, topics: Iterable[str], keep_alive: Callable[[], None] = lambda: None
+    ) -> Restored:
+        """Make the store equal to the backup (or the backup to the store, when there is none).
+
+        ``keep_alive`` is called between the pages of a restore or an upload: one that lasts
+        longer than the lease must renew it there (it raises LeaseLost when the lease is gone).
+        """
         started = time.perf_counter()
         meta = self.broker.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
         local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
         local_identity = "" if local is None else local.decode()
         if not backup_identity:
-            values = self._upload(store)
+            values = self._upload(store, keep_alive)
             action = "uploaded" if values or store.checkpoints() else "fresh"
             return Restored(action, values, time.perf_counter() - started)
         # Identities stay unique even when the fencing token was reset by hand.
@@ -372,12 +379,17 @@ class PartitionBackup:
                 applied = -1
             if applied >= 0 and reader.identity == backup_identity:
                 return Restored("caught up", applied, time.perf_counter() - started)
-        restored = restore(self.broker, self.keys, store, topics)
+
+        def go_on() -> bool:
+            keep_alive()
+            return True
+
+        restored = restore(self.broker, self.keys, store, topics, go_on)
         if restored is None:  # the backup went while we looked: only a stopped app's is deleted
             raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
         return Restored("restored", restored[0], time.perf_counter() - started)
 
-    def _upload(self, store: StateStore) -> int:
+    def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
         """Copy a whole store into an empty backup under a new identity (the store's first)."""
         stamped: Updates = {}
         self.journal.stamp(stamped)
@@ -392,6 +404,7 @@ class PartitionBackup:
                     pages.append([])
                 pages[-1].append((field(namespace, key), value))
         for index, page in enumerate(pages):
+            keep_alive()
             last = index == len(pages) - 1
             update = BackupUpdate(
                 self.keys,

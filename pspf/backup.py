@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
@@ -232,15 +232,23 @@ def restore(
         return None
     checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
     checkpoints.update({k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")})
+    values = 0
+    stopped = False
+
+    def pages() -> Iterator[dict[tuple[str, str], bytes]]:
+        nonlocal values, stopped
+        for page in broker.backup_values(backup.values, CHUNK):
+            if not go_on():
+                stopped = True
+                return
+            values += len(page)
+            yield {split_field(raw): value for raw, value in page}
+
     # Cleared first, identity last: a crash in between leaves no identity, so the next takeover
     # restores again.
-    store.rewind(keys.STORE_NAMESPACES, checkpoints)
-    values = 0
-    for page in broker.backup_values(backup.values, CHUNK):
-        if not go_on():
-            return None
-        store.write({split_field(raw): value for raw, value in page}, {})
-        values += len(page)
+    store.load(keys.STORE_NAMESPACES, checkpoints, pages())
+    if stopped:
+        return None
     store.write({(BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}, {})
     return values, LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
 

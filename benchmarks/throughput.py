@@ -7,11 +7,13 @@ Usage::
     python benchmarks/throughput.py --broker redis://127.0.0.1:6379/0
     python benchmarks/throughput.py --profile pspf.prof  # also profile one PSPF run (cProfile)
     python benchmarks/throughput.py --store rocksdb --durability fsync
+    python benchmarks/throughput.py --state-backup off    # the worker without the state backup
 
 Each run pre-loads the same entries into two streams: ONE partition of a fresh PSPF topic and a
 plain stream beside it. The order-totals app runs over the topic with the state store that
 ``--store`` names (``PSPF_STORE``: sqlite, the default, or rocksdb) and the ``--durability``
-(``PSPF_DURABILITY``: normal, the default, or fsync), in a temporary state directory,
+(``PSPF_DURABILITY``: normal, the default, or fsync) and the state backup that ``--state-backup``
+sets (``PSPF_STATE_BACKUP``: on, the default, or off), in a temporary state directory,
 ``Worker(app, settings).run(until_idle=True)``, in a child process of its own, so that its peak
 RSS is the worker's alone (``VmHWM``; see ``max_rss_mb`` for why not ``ru_maxrss``). Then two
 plain loops run in this process over the copy, each with its own consumer group:
@@ -64,6 +66,7 @@ from pspf.keys import (  # noqa: E402
     APPS_KEY,
     TOPICS_KEY,
     app_key,
+    backup_keys,
     fence_key,
     lease_key,
     stream_key,
@@ -75,6 +78,7 @@ from pspf.settings import mask_url  # noqa: E402
 PRELOAD_CHUNK = 5_000
 STORES = ("sqlite", "rocksdb")
 DURABILITIES = ("normal", "fsync")
+BACKUPS = ("on", "off")
 #: The issue's targets for "ratio PSPF / plain" per (store, durability); None: the issue sets none.
 RATIO_TARGETS: dict[tuple[str, str], float | None] = {
     ("sqlite", "normal"): 0.50,
@@ -145,7 +149,7 @@ def preload(url: str, topic: str, plain_stream: str | None, orders: list[tuple[s
 
 
 def cleanup(url: str, topic: str, app: str, copy: str) -> None:
-    """Delete what one run left on the broker: streams, topic and app records, lease keys."""
+    """Delete what one run left on the broker: streams, topic and app records, lease and backup keys."""
     client = redis.Redis.from_url(url)
     client.delete(
         stream_key(topic, 0),
@@ -154,6 +158,7 @@ def cleanup(url: str, topic: str, app: str, copy: str) -> None:
         app_key(app),
         lease_key(topic, 0, app),
         fence_key(topic, 0, app),
+        *backup_keys(topic, 0, app),
     )
     client.srem(TOPICS_KEY, topic)
     client.srem(APPS_KEY, app)
@@ -167,7 +172,7 @@ def order_totals_app(name: str, topic: str) -> App:
     app = App(name)
 
     @app.handler(topic)
-    def add(order: dict, ctx: Context) -> None:
+    def add(order: dict, ctx: Context) -> None:  # type: ignore[type-arg] # the decoder as measured
         ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
         ctx.state["count"] = ctx.state.get("count", 0) + 1
 
@@ -208,6 +213,7 @@ def pspf_child(args: argparse.Namespace) -> None:
             "PSPF_BATCH_SIZE": args.batch_size,
             "PSPF_STORE": args.store,
             "PSPF_DURABILITY": args.durability,
+            "PSPF_STATE_BACKUP": args.state_backup,
         },
         environ={},
     )
@@ -229,7 +235,7 @@ def pspf_child(args: argparse.Namespace) -> None:
             last_read[:] = [time.perf_counter()]
         return result
 
-    worker.processor.run_once = timed_run_once  # type: ignore[method-assign]
+    worker.processor.run_once = timed_run_once  # type: ignore[method-assign, assignment]
 
     profiler = None
     if args.profile:
@@ -299,6 +305,8 @@ def run_pspf(
         args.store,
         "--durability",
         args.durability,
+        "--state-backup",
+        args.state_backup,
     ]
     if profile:
         command += ["--profile", profile]
@@ -328,7 +336,7 @@ def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool) -> 
     start = time.perf_counter()
     while True:
         if raw:
-            reply = client.execute_command(
+            reply = client.execute_command(  # type: ignore[no-untyped-call]
                 "XREADGROUP", "GROUP", group, "plain", "COUNT", batch_size, "STREAMS", stream, ">"
             )
         else:
@@ -425,6 +433,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=50_000,
         help="also run PSPF once at this length to compare peak RSS (50000; 0 skips)",
     )
+    parser.add_argument(
+        "--state-backup",
+        choices=BACKUPS,
+        default="on",
+        help="PSPF_STATE_BACKUP of the worker: its state kept in Redis too (on)",
+    )
     parser.add_argument("--profile", metavar="FILE", help="profile one more PSPF run with cProfile into FILE")
     # The child process that runs the worker (internal).
     parser.add_argument("--pspf-only", action="store_true", help=argparse.SUPPRESS)
@@ -452,7 +466,7 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
     )
     print(
         f"PSPF state store: {args.store} (PSPF_STORE), durability {args.durability} (PSPF_DURABILITY), "
-        f"state dir under {tempfile.gettempdir()}"
+        f"state backup {args.state_backup} (PSPF_STATE_BACKUP), state dir under {tempfile.gettempdir()}"
     )
     orders = make_orders(args.entries, args.keys)
     mean_size = sum(len(v) for _, v in orders) / len(orders)
@@ -493,7 +507,7 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
     print()
     print(
         f"Throughput, entries/s, median of {args.runs} run(s); "
-        f"store {args.store}, durability {args.durability}"
+        f"store {args.store}, durability {args.durability}, state backup {args.state_backup}"
     )
     line("PSPF worker, run(until_idle=True)", f"{med['pspf']:,.0f}", "whole call")
     line("  steady state", f"{med['steady']:,.0f}", "without startup and the final idle read")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
@@ -217,13 +217,14 @@ def restore(
     backup: BackupKeys,
     store: StateStore,
     topics: Iterable[str],
-    cancelled: Callable[[], bool] = lambda: False,
+    go_on: Callable[[], bool] = lambda: True,
 ) -> tuple[int, LogReader] | None:
     """Rebuild the store from the whole backup: the values copied and a reader of the log after.
 
-    None when there is no backup, or when ``cancelled`` said so between pages (the store then
-    has no identity: it is restored again next time). When the owner wrote meanwhile, the store
-    equals the backup once the reader's updates are applied.
+    ``go_on`` is called between pages (a long restore renews the leases there). None when there
+    is no backup, or when ``go_on`` said to stop (the store then has no identity: it is restored
+    again next time). When the owner wrote meanwhile, the store equals the backup once the
+    reader's updates are applied.
     """
     meta, last = broker.backup_head(backup)
     identity = meta.get(BACKUP_IDENTITY, "")
@@ -231,15 +232,23 @@ def restore(
         return None
     checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
     checkpoints.update({k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")})
+    values = 0
+    stopped = False
+
+    def pages() -> Iterator[dict[tuple[str, str], bytes]]:
+        nonlocal values, stopped
+        for page in broker.backup_values(backup.values, CHUNK):
+            if not go_on():
+                stopped = True
+                return
+            values += len(page)
+            yield {split_field(raw): value for raw, value in page}
+
     # Cleared first, identity last: a crash in between leaves no identity, so the next takeover
     # restores again.
-    store.rewind(keys.STORE_NAMESPACES, checkpoints)
-    values = 0
-    for page in broker.backup_values(backup.values, CHUNK):
-        if cancelled():
-            return None
-        store.write({split_field(raw): value for raw, value in page}, {})
-        values += len(page)
+    store.load(keys.STORE_NAMESPACES, checkpoints, pages())
+    if stopped:
+        return None
     store.write({(BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}, {})
     return values, LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
 
@@ -348,15 +357,21 @@ class PartitionBackup:
 
     # -- at takeover ----------------------------------------------------------------------------
 
-    def reconcile(self, store: StateStore, topics: Iterable[str]) -> Restored:
-        """Make the store equal to the backup (or the backup to the store, when there is none)."""
+    def reconcile(
+        self, store: StateStore, topics: Iterable[str], keep_alive: Callable[[], None] = lambda: None
+    ) -> Restored:
+        """Make the store equal to the backup (or the backup to the store, when there is none).
+
+        ``keep_alive`` is called between the pages of a restore or an upload: one that lasts
+        longer than the lease must renew it there (it raises LeaseLost when the lease is gone).
+        """
         started = time.perf_counter()
         meta = self.broker.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
         local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
         local_identity = "" if local is None else local.decode()
         if not backup_identity:
-            values = self._upload(store)
+            values = self._upload(store, keep_alive)
             action = "uploaded" if values or store.checkpoints() else "fresh"
             return Restored(action, values, time.perf_counter() - started)
         # Identities stay unique even when the fencing token was reset by hand.
@@ -372,12 +387,17 @@ class PartitionBackup:
                 applied = -1
             if applied >= 0 and reader.identity == backup_identity:
                 return Restored("caught up", applied, time.perf_counter() - started)
-        restored = restore(self.broker, self.keys, store, topics)
+
+        def go_on() -> bool:
+            keep_alive()
+            return True
+
+        restored = restore(self.broker, self.keys, store, topics, go_on)
         if restored is None:  # the backup went while we looked: only a stopped app's is deleted
             raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
         return Restored("restored", restored[0], time.perf_counter() - started)
 
-    def _upload(self, store: StateStore) -> int:
+    def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
         """Copy a whole store into an empty backup under a new identity (the store's first)."""
         stamped: Updates = {}
         self.journal.stamp(stamped)
@@ -392,6 +412,7 @@ class PartitionBackup:
                     pages.append([])
                 pages[-1].append((field(namespace, key), value))
         for index, page in enumerate(pages):
+            keep_alive()
             last = index == len(pages) - 1
             update = BackupUpdate(
                 self.keys,

@@ -268,17 +268,20 @@ class Partitions:
         self.topics = topics
         self.backup = backup
 
-    def take(self, partition: int, leases: Leases) -> OwnedPartition:
+    def take(
+        self, partition: int, leases: Leases, keep_alive: Callable[[], None] = lambda: None
+    ) -> OwnedPartition:
         """Open the partition's store, check its streams and claim their pending entries.
 
         An entry pending at a consumer outside the store's history, at or below the checkpoint,
         was never applied here (a foreign consumer of the group took it): it is marked, durably
         and before the claim, so it runs. A store from before the history was kept (checkpoints
-        but no history) trusts every consumer, as it did then.
+        but no history) trusts every consumer, as it did then. ``keep_alive`` renews the leases
+        during a long restore (it raises LeaseLost when one is gone).
         """
         store = self.open_store(self.group, partition)
         try:
-            backup = self._reconcile(store, partition, leases)
+            backup = self._reconcile(store, partition, leases, keep_alive)
             checkpoints = store.checkpoints()
             streams = {}
             for topic, lease_value in leases.items():
@@ -327,7 +330,9 @@ class Partitions:
                     len(marks.get(cursor, ())),
                 )
 
-    def _reconcile(self, store: StateStore, partition: int, leases: Leases) -> PartitionBackup | None:
+    def _reconcile(
+        self, store: StateStore, partition: int, leases: Leases, keep_alive: Callable[[], None]
+    ) -> PartitionBackup | None:
         """Make the store equal to the partition's backup (see ``pspf.backup``).
 
         With the backup off, the backup is dropped instead: it would go stale.
@@ -344,7 +349,7 @@ class Partitions:
             keys.lease_key(topic, partition, self.group),
             leases[topic],
         )
-        done = backup.reconcile(store, self.topics)
+        done = backup.reconcile(store, self.topics, keep_alive)
         detail = {
             "in sync": "(the store matches it: nothing to restore)",
             "caught up": f"updates={done.amount} (from its log: no full restore)",

@@ -134,7 +134,7 @@ class Standby:
                     backup,
                     store,
                     self.topics,
-                    cancelled=lambda: not self._still_wanted(partition),
+                    go_on=lambda: self._still_wanted(partition),
                 )
                 if restored is None:
                     return False  # no backup yet, or taken meanwhile

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
@@ -30,7 +30,15 @@ import state_stores
 from pspf import keys
 from pspf.app import App
 from pspf.broker import Broker
-from pspf.errors import BrokerError, BrokerUnavailable, ConfigError, GroupMissing, StateError, StoreLocked
+from pspf.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    ConfigError,
+    GroupMissing,
+    LeaseLost,
+    StateError,
+    StoreLocked,
+)
 from pspf.failures import policy_from
 from pspf.membership import Membership
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
@@ -356,6 +364,8 @@ class Worker:
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
+            except LeaseLost as exc:
+                log.warning("partition %s: lease lost while taking it, giving it up: %s", partition, exc)
             except BaseException:
                 # The worker stops: give the partition up now, not when the lease expires.
                 with suppress(BrokerError):
@@ -376,10 +386,28 @@ class Worker:
         )
 
     def _take(self, partition: int, leases: Leases) -> None:
-        self.processor.add(self.partitions.take(partition, leases))
+        self.processor.add(self.partitions.take(partition, leases, self._keep_alive(partition, leases)))
         self._held[partition] = leases
         if self.metrics is not None:
             self.metrics.partition_taken(partition)
+
+    def _keep_alive(self, partition: int, leases: Leases) -> Callable[[], None]:
+        """Renews every lease (the held ones and the new one) while a takeover restores for long.
+
+        Raises LeaseLost when the new partition's lease is gone: the takeover stops there.
+        """
+        every_s = self.settings.consumer.lease_ttl_ms / 3000
+        last = time.monotonic()
+
+        def renew() -> None:
+            nonlocal last
+            if time.monotonic() - last < every_s:
+                return
+            last = time.monotonic()
+            if partition in self.leases.renew({**self._held, partition: leases}):
+                raise LeaseLost(f"the lease of partition {partition} expired while it was being taken")
+
+        return renew
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)

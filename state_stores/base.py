@@ -138,6 +138,20 @@ class StateStore(ABC):
         is deleted. Only a replay, with the app stopped, moves checkpoints back.
         """
 
+    def load(
+        self,
+        clear: Collection[str],
+        checkpoints: Mapping[str, StreamId | None],
+        pages: Iterable[Mapping[tuple[str, str], bytes]],
+    ) -> None:
+        """Rewind (``clear``, ``checkpoints``), then write every page of values: a whole restore.
+
+        Values come in any order; an engine may load them faster sorted, or in one transaction.
+        """
+        self.rewind(clear, checkpoints)
+        for page in pages:
+            self.write(page, {})
+
     @abstractmethod
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:
         """A consistent snapshot: the checkpoints and every (namespace, key, value) with them.

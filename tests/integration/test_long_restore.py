@@ -1,0 +1,55 @@
+"""A takeover whose restore from the backup outlasts the lease TTL keeps its lease and goes on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pspf import App, Context, Settings, Worker, backup
+from pspf.service import Service
+from state_stores.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_restore_longer_than_the_lease_renews_it_and_the_takeover_completes(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [(f"k{i}", {"n": 1}) for i in range(600)])
+    app = App(names.app())
+
+    @app.handler(topic)
+    def count(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
+
+    first = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"), PSPF_LEASE_TTL_MS=600, PSPF_CONSUMER="a")
+    assert Worker(app, first).run(until_idle=True).handled == 600
+    produce(topic, [("k0", {"n": 1})] * 10)
+
+    # A new machine restores 600 values in pages of 10, each page slow: about 1.8 s, three
+    # lease TTLs.
+    monkeypatch.setattr(backup, "CHUNK", 10)
+    write = SQLiteStore.write
+
+    def slow_write(self: SQLiteStore, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.03)
+        write(self, *args, **kwargs)
+
+    monkeypatch.setattr(SQLiteStore, "write", slow_write)
+    second = make_settings(PSPF_STATE_DIR=str(tmp_path / "b"), PSPF_LEASE_TTL_MS=600, PSPF_CONSUMER="b")
+    summary = Worker(app, second).run(until_idle=True)
+
+    assert summary.handled == 10
+    local = Service(second, local_state=True)
+    assert local.state_get(app.name, "k0") == {"count": 11}
+    assert local.state_get(app.name, "k599") == {"count": 1}

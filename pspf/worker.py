@@ -392,7 +392,7 @@ class Worker:
             self.metrics.partition_taken(partition)
 
     def _keep_alive(self, partition: int, leases: Leases) -> Callable[[], None]:
-        """Renews every lease (the held ones and the new one) while a takeover restores for long.
+        """Renews the leases (held and new) and the membership during a long takeover restore.
 
         Raises LeaseLost when the new partition's lease is gone: the takeover stops there.
         """
@@ -404,6 +404,7 @@ class Worker:
             if time.monotonic() - last < every_s:
                 return
             last = time.monotonic()
+            self.membership.heartbeat()
             if partition in self.leases.renew({**self._held, partition: leases}):
                 raise LeaseLost(f"the lease of partition {partition} expired while it was being taken")
 

@@ -162,10 +162,9 @@ class LogReader:
         return done
 
 
-def _before(entry_id: bytes) -> bytes:
-    parsed = StreamId.parse(entry_id)
-    previous = StreamId(parsed.ms, parsed.seq - 1) if parsed.seq else StreamId(parsed.ms - 1, keys.MAX_SEQ)
-    return str(previous).encode()
+def _meta_checkpoints(meta: dict[str, str]) -> dict[str, StreamId]:
+    """The checkpoints a backup's meta holds (``cp:TOPIC``)."""
+    return {k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")}
 
 
 def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | None:
@@ -185,7 +184,9 @@ def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | Non
             if entry.identity == identity and not entry.more:
                 return LogReader(broker, backup.log, entry_id, identity)
             if entry.prev == identity and entry.part == 0:
-                return LogReader(broker, backup.log, _before(entry_id), identity)
+                return LogReader(
+                    broker, backup.log, str(StreamId.parse(entry_id).previous()).encode(), identity
+                )
             found = _order(entry.identity)
             if wanted is not None and found is not None and found < wanted:
                 return None  # older than the store: the store is from a history the log left
@@ -194,13 +195,15 @@ def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | Non
         before = page[-1][0]
 
 
-def catch_up(store: StateStore, reader: LogReader, until: str | None = None) -> int:
+def catch_up(store: StateStore, reader: LogReader, until: str | None = None, pages: int | None = None) -> int:
     """Apply the log's updates to the store, each in one write; the number applied.
 
-    Reads until the log has no more, or until the update that sets ``until``.
+    Reads until the log has no more, until the update that sets ``until``, or ``pages`` reads.
     """
     applied = 0
-    while reader.identity != until:
+    while reader.identity != until and (pages is None or pages > 0):
+        if pages is not None:
+            pages -= 1
         updates = reader.read()
         if not updates:
             break
@@ -231,7 +234,7 @@ def restore(
     if not identity:
         return None
     checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
-    checkpoints.update({k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")})
+    checkpoints.update(_meta_checkpoints(meta))
     values = 0
     stopped = False
 
@@ -262,7 +265,7 @@ def snapshot(
         identity = meta.get(BACKUP_IDENTITY, "")
         if not identity:
             return None
-        checkpoints = {k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")}
+        checkpoints = _meta_checkpoints(meta)
         values: Updates = {
             split_field(raw): value
             for page in broker.backup_values(backup.values, CHUNK)

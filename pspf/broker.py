@@ -783,11 +783,7 @@ class Broker:
             parsed = keys.StreamId.parse(before)
             if parsed == keys.ZERO_ID:
                 return []
-            top = str(
-                keys.StreamId(parsed.ms, parsed.seq - 1)
-                if parsed.seq
-                else keys.StreamId(parsed.ms - 1, keys.MAX_SEQ)
-            )
+            top = str(parsed.previous())
         with self.translate_errors(log_key):
             entries = cast(list[tuple[bytes, Fields]], self.client.xrevrange(log_key, top, "-", count=count))
         return [(bytes(entry_id), fields) for entry_id, fields in entries]

@@ -195,6 +195,12 @@ class StreamId(NamedTuple):
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"
 
+    def previous(self) -> StreamId:
+        """The largest id before this one (an inclusive range end just below it)."""
+        if self.seq == 0:
+            return StreamId(self.ms - 1, MAX_SEQ)
+        return StreamId(self.ms, self.seq - 1)
+
     def next(self) -> StreamId:
         """The smallest id after this one (for exclusive range starts that Redis 6.2 lacks)."""
         if self.seq == MAX_SEQ:

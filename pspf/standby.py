@@ -19,7 +19,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from pspf import keys
-from pspf.backup import LogGap, LogReader, locate, restore
+from pspf.backup import LogGap, LogReader, catch_up, locate, restore
 from pspf.broker import Broker
 from pspf.errors import BrokerUnavailable, StoreLocked
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE
@@ -141,10 +141,7 @@ class Standby:
                 values, follower.reader = restored
                 log.info("standby app=%s partition=%s: restored %s values", self.group, partition, values)
         # One page per round: a release waits for no more than that.
-        updates = follower.reader.read()
-        for update in updates:
-            store.write(update.updates, update.checkpoints)
-        return bool(updates)
+        return catch_up(store, follower.reader, pages=1) > 0
 
     def _still_wanted(self, partition: int) -> bool:
         return partition in self._wanted and not self._stopping.is_set()

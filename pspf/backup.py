@@ -118,13 +118,12 @@ def _entry(fields: Fields) -> _Entry:
 
 def _add_part(update: LogUpdate, fields: Fields) -> None:
     for name, value in fields.items():
-        kind, rest = name[:1], name[1:]
-        if kind == b"c":
-            update.checkpoints[rest.decode()] = StreamId.parse(value)
-        elif kind == b"s":
-            update.updates[split_field(rest)] = value
-        elif kind == b"d":
-            update.updates[split_field(rest)] = None
+        if name.startswith(b"\x00"):
+            update.updates[split_field(name[1:])] = None
+        elif b"\x00" in name:
+            update.updates[split_field(name)] = value
+        elif name.startswith(b"c"):
+            update.checkpoints[name[1:].decode()] = StreamId.parse(value)
 
 
 class LogReader:
@@ -311,14 +310,16 @@ class PartitionBackup:
             return None
         updates, checkpoints = self.journal.take()
         stamped = updates.get((BACKUP_NAMESPACE, BACKUP_IDENTITY))
-        sets = [
-            (field(ns, key), value)
-            for (ns, key), value in updates.items()
-            if value is not None and ns != BACKUP_NAMESPACE
-        ]
-        deletes = [
-            field(ns, key) for (ns, key), value in updates.items() if value is None and ns != BACKUP_NAMESPACE
-        ]
+        sets: list[bytes] = []
+        deletes: list[bytes] = []
+        for (ns, key), value in updates.items():  # one pass: this runs for every batch
+            if ns == BACKUP_NAMESPACE:
+                continue
+            name = f"{ns}\x00{key}".encode()
+            if value is None:
+                deletes.append(name)
+            else:
+                sets += (name, value)
         self._last = (updates, checkpoints)
         return BackupUpdate(
             self.keys,
@@ -408,12 +409,12 @@ class PartitionBackup:
         assert identity is not None
         store.write(stamped, {})
         checkpoints, rows = store.dump()
-        pages: list[list[tuple[bytes, bytes]]] = [[]]
+        pages: list[list[bytes]] = [[]]
         for namespace, key, value in rows:  # consumed before the first call: the store is free
             if namespace != BACKUP_NAMESPACE:
-                if len(pages[-1]) == CHUNK:
+                if len(pages[-1]) == 2 * CHUNK:
                     pages.append([])
-                pages[-1].append((field(namespace, key), value))
+                pages[-1] += (field(namespace, key), value)
         for index, page in enumerate(pages):
             keep_alive()
             last = index == len(pages) - 1
@@ -428,7 +429,7 @@ class PartitionBackup:
             self._send(
                 AckRequest(self.stream, self.group, self.lease_key, self.lease_value, [], "", (), update)
             )
-        return sum(len(page) for page in pages)
+        return sum(len(page) for page in pages) // 2
 
     def _send(self, request: AckRequest) -> None:
         (reply,) = self.broker.ack([request])

@@ -44,7 +44,8 @@ class BackupUpdate(NamedTuple):
     #: the new batch identity; "" leaves it (a later part of an upload)
     identity: str
     checkpoints: Mapping[str, str]
-    sets: Sequence[tuple[bytes, bytes]]
+    #: fields and values to set, flat: field, value, field, value, ... (as the call sends them)
+    sets: Sequence[bytes]
     deletes: Sequence[bytes]
     #: "update" (logged), "replace" (the first part of a whole upload: the backup is emptied
     #: first) or "upload" (a later part); uploads are not logged
@@ -652,8 +653,12 @@ class Broker:
             for entry_id, fields in r.dead:
                 args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
             if b is not None:
-                args += [b.identity, len(b.checkpoints), *(x for pair in b.checkpoints.items() for x in pair)]
-                args += [len(b.sets), *(x for pair in b.sets for x in pair), len(b.deletes), *b.deletes]
+                args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
+                for topic, checkpoint in b.checkpoints.items():
+                    args += ["c" + topic, checkpoint]
+                args += b.sets
+                for name in b.deletes:
+                    args += [b"\x00" + name, b""]
             backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
             calls.append(([r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args))
         results: list[tuple[int, int] | LeaseLost] = []

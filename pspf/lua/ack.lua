@@ -9,12 +9,12 @@
 -- ARGV[6] the number of log entries to keep (about: MAXLEN ~)
 -- then the n entry ids to acknowledge;
 -- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments;
--- then, with a backup update: the batch identity ("" to leave it), the number c of checkpoint
--- pairs and those 2c arguments (topic, id), the number s of values to set and those 2s arguments
--- (field, value), the number r of fields to delete and those r fields.
+-- then, with a backup update: the batch identity ("" to leave it), the numbers c of checkpoints, s
+-- of values to set and r of fields to delete, then 2(c + s + r) arguments laid out as the log
+-- stores them: c pairs ("c"..topic, checkpoint), s pairs (field, value), r pairs ("\0"..field,
+-- ""), so that the log entry is a slice of the arguments, not a table built item by item.
 -- An update's log entry holds "prev" (the identity it follows), "id", "part"/"more" (an update
--- too large for one entry is split), then "c"..topic = checkpoint, "s"..field = value and
--- "d"..field = "" (deleted).
+-- too large for one entry is split) and that slice (fields hold "\0": "namespace\0key").
 -- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST".
 -- Protects invariants 3, 4 and 7: the backup holds a batch's effects in the same atomic step that
 -- acknowledges its entries; a dead entry is added to the DLQ and acknowledged in one step, only
@@ -40,59 +40,41 @@ if backup ~= '' then
   if backup == 'replace' then
     redis.call('DEL', KEYS[4], KEYS[5], KEYS[6])
   end
-  local items = {}
   local identity = ARGV[i]
-  local c = tonumber(ARGV[i + 1])
-  i = i + 2
+  local c, s, r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local items = i + 4
+  local sets = items + 2 * c
+  local deletes = sets + 2 * s
+  local last = deletes + 2 * r - 1
   if c > 0 then
     local checkpoints = {}
-    for k = i, i + 2 * c - 1, 2 do
-      checkpoints[#checkpoints + 1] = 'cp:' .. ARGV[k]
+    for k = items, sets - 1, 2 do
+      checkpoints[#checkpoints + 1] = 'cp:' .. string.sub(ARGV[k], 2)
       checkpoints[#checkpoints + 1] = ARGV[k + 1]
-      if logged then
-        items[#items + 1] = 'c' .. ARGV[k]
-        items[#items + 1] = ARGV[k + 1]
-      end
     end
     redis.call('HSET', KEYS[5], unpack(checkpoints))
   end
-  i = i + 2 * c
-  local s = tonumber(ARGV[i])
-  i = i + 1
-  for first = i, i + 2 * s - 1, 2 * chunk do
-    redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 2 * chunk - 1, i + 2 * s - 1)))
+  for first = sets, deletes - 1, 2 * chunk do
+    redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 2 * chunk - 1, deletes - 1)))
   end
-  if logged then
-    for k = i, i + 2 * s - 1, 2 do
-      items[#items + 1] = 's' .. ARGV[k]
-      items[#items + 1] = ARGV[k + 1]
+  for first = deletes, last, 2 * chunk do
+    local fields = {}
+    for k = first, math.min(first + 2 * chunk - 1, last), 2 do
+      fields[#fields + 1] = string.sub(ARGV[k], 2)
     end
-  end
-  i = i + 2 * s
-  local r = tonumber(ARGV[i])
-  i = i + 1
-  for first = i, i + r - 1, chunk do
-    redis.call('HDEL', KEYS[4], unpack(ARGV, first, math.min(first + chunk - 1, i + r - 1)))
-  end
-  if logged then
-    for k = i, i + r - 1 do
-      items[#items + 1] = 'd' .. ARGV[k]
-      items[#items + 1] = ''
-    end
+    redis.call('HDEL', KEYS[4], unpack(fields))
   end
   if identity ~= '' then
     redis.call('HSET', KEYS[5], 'identity', identity)
   end
   if logged then
     local per = 8 * chunk
-    local parts = math.max(1, math.ceil(#items / per))
+    local parts = math.max(1, math.ceil((last - items + 1) / per))
     for part = 0, parts - 1 do
-      local entry = {'MAXLEN', '~', ARGV[6], '*', 'prev', prev, 'id', identity ~= '' and identity or prev,
-                     'part', tostring(part), 'more', part < parts - 1 and '1' or '0'}
-      for k = part * per + 1, math.min((part + 1) * per, #items) do
-        entry[#entry + 1] = items[k]
-      end
-      redis.call('XADD', KEYS[6], unpack(entry))
+      local first = items + part * per
+      redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'prev', prev,
+                 'id', identity ~= '' and identity or prev, 'part', tostring(part),
+                 'more', part < parts - 1 and '1' or '0', unpack(ARGV, first, math.min(first + per - 1, last)))
     end
   end
 end

@@ -18,9 +18,11 @@ import msgspec
 from pspf import codec, keys
 from pspf.broker import Fields
 from pspf.codec import StateDecoder
+from pspf.context import Emitted
 from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
+from pspf.outbox import Emitter, PartitionOutbox, encode_row, row_key
 from pspf.ownership import OwnedPartition, StreamCursor
 
 if TYPE_CHECKING:
@@ -53,12 +55,15 @@ class StreamOutcome(NamedTuple):
 class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
-    __slots__ = ("broken", "dead", "decode_state", "failures", "overlay", "owned")
+    __slots__ = ("broken", "dead", "decode_state", "emitted", "emitter", "failures", "overlay", "owned")
 
-    def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder) -> None:
+    def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder, emitter: Emitter) -> None:
         self.owned = owned
         self.decode_state = state_decoder.decode
+        self.emitter = emitter
         self.overlay: dict[str, bytes | None] = {}
+        #: entries emitted by the attempts that returned, in the order they ran
+        self.emitted: list[Emitted] = []
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
         #: A store read that failed under a handler: it stops the worker, whatever the handler
@@ -100,7 +105,7 @@ class PartitionBatch:
             for entry_id in o.finished
             if entry_id in o.cursor.foreign
         ]
-        if not (checkpoints or self.overlay or self.failures or self.dead or foreign_done):
+        if not (checkpoints or self.overlay or self.failures or self.dead or foreign_done or self.emitted):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
         superseded_passed = {
@@ -109,9 +114,14 @@ class PartitionBatch:
             if o.checkpoint is not None and o.cursor.superseded
         }
         owned = self.owned
+        rows = owned.outbox.rows_for(self.emitted) if self.emitted else []
         started = time.perf_counter()
         with owned.store.transaction() as tx:
             _put(tx, keys.STATE_NAMESPACE, self.overlay)
+            if rows:
+                for row in rows:
+                    tx.set(keys.OUTBOX_NAMESPACE, row_key(row.id), encode_row(row))
+                tx.set(keys.OUTBOX_META_NAMESPACE, "next", PartitionOutbox.counters(rows))
             _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
@@ -122,6 +132,8 @@ class PartitionBatch:
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
+        if rows:
+            owned.outbox.committed(rows)
         self._adopt(outcomes, superseded_passed)
         return took
 

@@ -163,6 +163,7 @@ class Broker:
         self._lease_renew = self.client.register_script(_script("lease_renew"))
         self._lease_release = self.client.register_script(_script("lease_release"))
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
+        self._publish = self.client.register_script(_script("publish"))
 
     def close(self) -> None:
         self.client.close()
@@ -888,6 +889,21 @@ class Broker:
                     approximate=True,
                 )
             return list(pipe.execute())
+
+    def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
+        """Append a producer's rows (sequence, fields) to a topic partition, each at most once.
+
+        Returns how many were new. See ``lua/publish.lua``: rows at or below the producer's last
+        recorded sequence are skipped.
+        """
+        stream = keys.stream_key(topic, partition)
+        args: list[Any] = [producer]
+        for seq, fields in rows:
+            args += [seq, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+        (reply,) = self._eval_pipelined(
+            self._publish, [([stream, keys.producers_key(topic, partition)], args)]
+        )
+        return int(reply[0])
 
     def add_chunks(
         self,

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pspf import codec
+
+if TYPE_CHECKING:
+    from pspf.broker import Fields
+    from pspf.outbox import Emitter
+
+#: An emitted entry: (topic, partition, fields).
+Emitted = tuple[str, int, "Fields"]
 
 
 class StateSource(Protocol):
     """Where a context loads its key's state from: the batch in hand, on top of the store."""
+
+    @property
+    def emitter(self) -> Emitter: ...
 
     def base(self, key: str) -> bytes | None: ...
 
@@ -20,11 +30,13 @@ class Context:
 
     ``ctx.state`` is a dict of values msgspec can encode. Changes join the batch's commit only if
     the handler returns; if it raises, they are dropped. Entries without a key share the state of
-    the empty key ``""`` within their partition.
+    the empty key ``""`` within their partition. ``emit`` sends entries to other topics the same
+    way: with the batch, once, or not at all.
     """
 
     __slots__ = (
         "_base",
+        "_emits",
         "_headers",
         "_id",
         "_source",
@@ -54,6 +66,7 @@ class Context:
         self._source = source
         self._state: dict[str, Any] | None = None
         self._base: bytes | None = None
+        self._emits: list[Emitted] | None = None
 
     @property
     def id(self) -> str:
@@ -72,6 +85,26 @@ class Context:
             self._base = base = self._source.base(self.key)
             self._state = {} if base is None else self._source.decode_state(self.key, base)
         return self._state
+
+    def emit(
+        self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        """Emit an entry to ``topic``: published exactly once after this entry's batch commits.
+
+        The value is encoded as by ``Producer.send`` (JSON; bytes as they are); ``key`` picks the
+        partition (without one, the entry goes to this entry's partition number, modulo the
+        topic's count). Entries carry ``pspf-source-*`` headers naming this entry. If the handler
+        raises, its emits are dropped with its state writes.
+
+        Raises:
+            EmitError: no such topic, or a value, key or header that cannot be encoded; the
+                entry fails like on any handler error (retries, then the DLQ).
+        """
+        entry = self._source.emitter.entry(self, topic, value, key, headers)
+        if self._emits is None:
+            self._emits = [entry]
+        else:
+            self._emits.append(entry)
 
     def __repr__(self) -> str:
         return f"Context(topic={self.topic!r}, partition={self.partition}, id={self.id!r}, key={self.key!r})"

@@ -18,9 +18,10 @@ import msgspec
 
 from pspf import codec
 from pspf.app import Handler
-from pspf.context import Context, StateSource
+from pspf.context import Context, Emitted, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError
 from pspf.failures import HandlerTimeout, PoisonEntry
+from pspf.outbox import Emitter
 
 #: Marks an attempt that left its key's state untouched.
 UNCHANGED = b"\x00unchanged"
@@ -96,10 +97,11 @@ def run_sync(
     meta: EntryMeta,
     todo: list[Entry],
     overlay: dict[str, bytes | None],
+    emitted: list[Emitted],
     source: StateSource,
     stop: StopRule,
 ) -> tuple[int, dict[int, BaseException]]:
-    """Run entries in id order; successful writes go into ``overlay`` as they happen.
+    """Run entries in id order; successful writes go into ``overlay``, emits into ``emitted``.
 
     Returns how many entries ran (up to and including one whose failure stops the run) and the
     errors by entry index.
@@ -123,6 +125,8 @@ def run_sync(
             continue
         if new is not UNCHANGED:
             overlay[ctx.key] = new
+        if ctx._emits:
+            emitted += ctx._emits
     return len(todo), errors
 
 
@@ -140,7 +144,8 @@ def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_
     thread.start()
     thread.join(timeout_ms / 1000)
     if thread.is_alive():
-        ctx._state = None  # whatever it still writes is dropped
+        ctx._state = None  # whatever it still writes or emits is dropped
+        ctx._emits = None
         raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms")
     if outcome:
         raise outcome[0]
@@ -163,6 +168,10 @@ class _ChainSource:
     def decode_state(self, key: str, raw: bytes) -> dict[str, Any]:
         return self.source.decode_state(key, raw)
 
+    @property
+    def emitter(self) -> Emitter:
+        return self.source.emitter
+
 
 def run_async(
     loop: asyncio.AbstractEventLoop,
@@ -171,11 +180,11 @@ def run_async(
     todo: list[Entry],
     source: StateSource,
     stop: StopRule,
-) -> tuple[int, dict[int, BaseException], dict[int, tuple[str, bytes | None]]]:
+) -> tuple[int, dict[int, BaseException], dict[int, tuple[str, bytes | None, list[Emitted] | None]]]:
     """Run one chain per key concurrently, in id order within a key.
 
     Returns how many entries count (those before the first whose failure stops the stream, and
-    that one), the errors by index, and the (key, new state) of each successful entry.
+    that one), the errors by index, and the (key, new state, emits) of each successful entry.
     """
     chains: dict[str, list[int]] = {}
     for index, (_, fields) in enumerate(todo):
@@ -185,7 +194,7 @@ def run_async(
             key = ""
         chains.setdefault(key, []).append(index)
     errors: dict[int, BaseException] = {}
-    states: dict[int, tuple[str, bytes | None]] = {}
+    states: dict[int, tuple[str, bytes | None, list[Emitted] | None]] = {}
     cutoff = len(todo)
     timeout_ms = meta.timeout_ms
     timeout_s = None if timeout_ms is None else timeout_ms / 1000
@@ -215,7 +224,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new)
+            states[index] = (key, new, ctx._emits)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

@@ -41,6 +41,10 @@ BACKUP_IDENTITY = "identity"
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that
 #: moves the checkpoint to or past them.
 SUPERSEDED_NAMESPACE = "__superseded"
+#: Outbox rows (``ctx.emit``) by zero-padded row id (``outbox.row_key``).
+OUTBOX_NAMESPACE = "__outbox"
+#: The outbox's counters: key "next" = "next row id/next sequence number".
+OUTBOX_META_NAMESPACE = "__outbox_meta"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (
     STATE_NAMESPACE,
@@ -50,6 +54,8 @@ STORE_NAMESPACES = (
     FOREIGN_NAMESPACE,
     SUPERSEDED_NAMESPACE,
     BACKUP_NAMESPACE,
+    OUTBOX_NAMESPACE,
+    OUTBOX_META_NAMESPACE,
 )
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
@@ -155,6 +161,14 @@ def backup_log_key(topic: str, partition: int, group: str) -> str:
     A standby follows it; a store a few batches behind catches up from it.
     """
     return f"{PREFIX}:{{{topic}:{partition}}}:backup-log:{group}"
+
+
+def producers_key(topic: str, partition: int) -> str:
+    """Hash of the last sequence number published to a topic partition per producer (app/partition).
+
+    The outbox's publishing call checks and records it, so a repeated publish adds nothing.
+    """
+    return f"{PREFIX}:{{{topic}:{partition}}}:producers"
 
 
 class BackupKeys(NamedTuple):

@@ -33,7 +33,8 @@ from pspf import keys
 from pspf.broker import Broker, GroupPosition
 from pspf.errors import BrokerError, ConfigError
 from pspf.failures import DeadLetter, Failure
-from pspf.processor import BatchProcessor, ProcessorHooks
+from pspf.outbox import call_hook
+from pspf.processor import ProcessorHooks
 
 log = logging.getLogger(__name__)
 
@@ -346,13 +347,13 @@ class HookChain(ProcessorHooks):
 def _chained(name: str) -> Callable[..., None]:
     def call(self: HookChain, *args: Any) -> None:
         for hooks in self.hooks:
-            BatchProcessor._call_hook(getattr(hooks, name), *args)
+            call_hook(getattr(hooks, name), *args)
 
     call.__name__ = call.__qualname__ = name
     return call
 
 
-for _name in [name for name in vars(ProcessorHooks) if name.startswith("on_")]:
+for _name in [name for name in dir(ProcessorHooks) if name.startswith("on_")]:
     setattr(HookChain, _name, _chained(_name))
 
 

@@ -27,6 +27,7 @@ from pspf.broker import Broker, Fields, StreamInfo
 from pspf.errors import BrokerError, StateError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
+from pspf.outbox import PartitionOutbox
 
 if TYPE_CHECKING:
     from state_stores import StateStore
@@ -190,6 +191,8 @@ class OwnedPartition:
     partition: int
     store: StateStore
     streams: dict[str, StreamCursor]
+    #: what the partition's handlers emitted, to publish
+    outbox: PartitionOutbox
     cache: dict[str, bytes | None] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     dead: dict[str, Fields] = field(default_factory=dict)
@@ -205,6 +208,7 @@ class OwnedPartition:
         for cursor in self.streams.values():
             cursor.foreign.update(self._marked(keys.FOREIGN_NAMESPACE, cursor.topic))
             cursor.superseded.load(self._marked(keys.SUPERSEDED_NAMESPACE, cursor.topic))
+        self.outbox.load()
 
     def _marked(self, namespace: str, topic: str) -> list[bytes]:
         """The ids of ``topic`` that a namespace of ``entry_name`` keys marks."""
@@ -297,7 +301,8 @@ class Partitions:
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
                 )
-            owned = OwnedPartition(partition, store, streams, backup=backup)
+            outbox = PartitionOutbox(store, self.group, partition)
+            owned = OwnedPartition(partition, store, streams, outbox, backup=backup)
             owned.load_bookkeeping()
             self._claim_pending(owned)
         except BaseException:

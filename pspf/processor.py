@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import msgspec
 
@@ -46,7 +45,9 @@ from pspf.errors import LeaseLost
 from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.keys import StreamId, entry_name
+from pspf.outbox import Emitter, Relay, RelayHooks, RowState, call_hook
 from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class Counts(msgspec.Struct, kw_only=True):
     parked: int = 0
     dead_lettered: int = 0
     lost_entries: int = 0
+    #: outbox rows published, and publish attempts that failed
+    published: int = 0
+    publish_failed: int = 0
 
     def add(self, other: Counts) -> None:
         for name in Counts.__struct_fields__:
@@ -75,7 +79,7 @@ class CycleResult(Counts, kw_only=True):
     idle: bool = False
 
 
-class ProcessorHooks:
+class ProcessorHooks(RelayHooks):
     """Extension points (metrics, audit); the defaults do nothing. A failing hook is logged.
 
     Hooks run on the worker's thread. The success path calls them per cycle, partition or stream,
@@ -132,12 +136,15 @@ class BatchProcessor:
         block_ms: int,
         policies: dict[str, RetryPolicy],
         hooks: ProcessorHooks | None = None,
+        outbox: OutboxSettings | None = None,
     ) -> None:
         self.app = app
         self.broker = broker
         self.consumer = consumer
         self.policies = policies
         self.hooks = hooks or ProcessorHooks()
+        self.emitter = Emitter(broker, app.name)
+        self.relay = Relay(broker, consumer, outbox or OutboxSettings(), self.hooks)
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}
         self.delivery = Delivery(
@@ -190,14 +197,15 @@ class BatchProcessor:
             by_partition.setdefault(read.cursor.partition, []).append(read)
             result.read += len(read.entries)
         if result.read:
-            self._call_hook(self.hooks.on_read, result.read)
+            call_hook(self.hooks.on_read, result.read)
         outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]] = []
         for partition, partition_reads in by_partition.items():
-            batch = PartitionBatch(self.owned[partition], self.app.state_decoder)
+            batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
             self._commit(batch, stream_outcomes)
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
+        self._publish(result)
         self.delivery.advance(
             [
                 (o.cursor, o.finished, o.retry_in_s)
@@ -210,8 +218,23 @@ class BatchProcessor:
             result.read == 0
             and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
             and not any(parked(f) for owned in self.owned.values() for f in owned.failures.values())
+            and not any(owned.outbox.open for owned in self.owned.values())
         )
+        if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
+            for owned in self.owned.values():
+                if owned.backup is not None:
+                    owned.backup.flush()
         return result
+
+    # -- step 7: publish ----------------------------------------------------------------------
+
+    def _publish(self, result: CycleResult) -> None:
+        """Publish what the owned partitions emitted (and the backup or the lease confirmed)."""
+        for owned in self.owned.values():
+            if owned.outbox.open or owned.outbox.counts[RowState.PUBLISHED]:
+                published, failed = self.relay.step(owned.outbox)
+                result.published += published
+                result.publish_failed += failed
 
     # -- steps 2-4: skip, decode, handle ------------------------------------------------------
 
@@ -294,11 +317,14 @@ class BatchProcessor:
                 self._loop = asyncio.new_event_loop()
             ran, errors, states = run_async(self._loop, handler, meta, todo, batch, stop)
             for index in sorted(states):
-                key, new = states[index]
-                if index < ran and new is not UNCHANGED:
-                    batch.overlay[key] = new
+                key, new, emits = states[index]
+                if index < ran:
+                    if new is not UNCHANGED:
+                        batch.overlay[key] = new
+                    if emits:
+                        batch.emitted += emits
         else:
-            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch, stop)
+            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop)
         if batch.broken is not None:
             raise batch.broken
         return ran, errors
@@ -329,10 +355,10 @@ class BatchProcessor:
                 continue
             outcome, failure = decisions[index]
             result.failed += 1
-            self._call_hook(self.hooks.on_failure, cursor.topic, cursor.partition, id_b.decode(), failure)
+            call_hook(self.hooks.on_failure, cursor.topic, cursor.partition, id_b.decode(), failure)
             if outcome is not Outcome.DEAD:
                 batch.failures[name] = failure
-                self._call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
+                call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
             if outcome is Outcome.RETRY:
                 result.retried += 1
                 return handled, last_done, self.policies[cursor.topic].delay_s(failure.attempts)
@@ -354,11 +380,11 @@ class BatchProcessor:
     def _commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> None:
         took = batch.commit(outcomes)
         if took is not None:
-            self._call_hook(self.hooks.on_commit, batch.owned.partition, took)
+            call_hook(self.hooks.on_commit, batch.owned.partition, took)
         for o in outcomes:  # with nothing to write, the entries done are reported all the same
             if took is not None or o.handled or o.skipped:
                 c = o.cursor
-                self._call_hook(self.hooks.on_batch_committed, c.topic, c.partition, o.handled, o.skipped)
+                call_hook(self.hooks.on_batch_committed, c.topic, c.partition, o.handled, o.skipped)
 
     # -- step 6: acknowledge ------------------------------------------------------------------
 
@@ -395,13 +421,14 @@ class BatchProcessor:
         first = [r for r in first if r.ids or r.dead or r.backup is not None]
         if not first and not then:
             return
-        self._call_hook(
-            self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]}
-        )
+        call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]})
         started = time.perf_counter()
         lost = self._send_acks(first, result, backups=True)
+        for batch, _ in outcomes:
+            if batch.owned.partition not in lost:  # its rows are in the backup, under the lease
+                batch.owned.outbox.confirm()
         self._send_acks([r for r in then if self._by_stream[r.stream].partition not in lost], result)
-        self._call_hook(self.hooks.on_ack, time.perf_counter() - started)
+        call_hook(self.hooks.on_ack, time.perf_counter() - started)
 
     def _send_acks(self, requests: list[AckRequest], result: CycleResult, backups: bool = False) -> set[int]:
         """One pipelined round trip of acknowledging calls; the partitions whose lease was lost."""
@@ -441,17 +468,10 @@ class BatchProcessor:
                     entry_id.decode(),
                     fields.get(b"error_type", b"").decode(),
                 )
-                self._call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
+                call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
 
     def _lease_lost(self, stream: str, reason: str, result: CycleResult) -> None:
         partition = self._by_stream[stream].partition
         log.warning("lease lost, giving the partition up stream=%s: %s", stream, reason)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)
-
-    @staticmethod
-    def _call_hook(hook: Any, *args: Any) -> None:
-        try:
-            hook(*args)
-        except Exception:
-            log.exception("a processor hook failed: %s", getattr(hook, "__qualname__", hook))

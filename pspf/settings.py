@@ -101,6 +101,19 @@ class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     standby: bool = False
 
 
+class OutboxSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How the outbox relay publishes what handlers emit."""
+
+    #: Publish attempts of a row before it is DEAD (an operator replays it).
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 10
+    base_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 200
+    max_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 30_000
+    #: A claim not settled for this long is expired: the row goes back to PENDING.
+    claim_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
+    #: Published rows are kept this long (for ``pspf outbox list/replay``), then deleted.
+    retention_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+
+
 class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Where a worker serves Prometheus metrics and its health; without a port it serves nothing.
 
@@ -122,6 +135,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     retry: RetrySettings = msgspec.field(default_factory=RetrySettings)
     state: StateSettings = msgspec.field(default_factory=StateSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
+    outbox: OutboxSettings = msgspec.field(default_factory=OutboxSettings)
 
     @classmethod
     def load(
@@ -175,6 +189,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_DURABILITY": ("state", "durability"),
     "PSPF_STATE_BACKUP": ("state", "backup"),
     "PSPF_STANDBY": ("state", "standby"),
+    "PSPF_OUTBOX_MAX_ATTEMPTS": ("outbox", "max_attempts"),
+    "PSPF_OUTBOX_RETRY_BASE_MS": ("outbox", "base_delay_ms"),
+    "PSPF_OUTBOX_RETRY_MAX_MS": ("outbox", "max_delay_ms"),
+    "PSPF_OUTBOX_CLAIM_TIMEOUT_MS": ("outbox", "claim_timeout_ms"),
+    "PSPF_OUTBOX_RETENTION_S": ("outbox", "retention_s"),
     "PSPF_METRICS_PORT": ("metrics", "port"),
     "PSPF_METRICS_HOST": ("metrics", "host"),
     "PSPF_STUCK_AFTER_S": ("metrics", "stuck_after_s"),

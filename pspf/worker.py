@@ -117,6 +117,7 @@ class Worker:
             block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
             policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
             hooks=hooks,
+            outbox=settings.outbox,
         )
         self._store_factory = store_factory or self._open_store
         self.partitions = Partitions(

@@ -13,6 +13,7 @@ from pspf.broker import Broker
 from pspf.codec import StateDecoder
 from pspf.delivery import Delivery, Read
 from pspf.keys import StreamId
+from pspf.outbox import Emitter, PartitionOutbox
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.settings import Settings
 from state_stores import MemoryStore
@@ -32,7 +33,7 @@ def owned_partition(store: MemoryStore) -> tuple[OwnedPartition, StreamCursor]:
         lease_value="owner|1",
         checkpoint=store.checkpoints().get(TOPIC),
     )
-    owned = OwnedPartition(0, store, {stream: cursor})
+    owned = OwnedPartition(0, store, {stream: cursor}, PartitionOutbox(store, "app", 0))
     owned.load_bookkeeping()
     return owned, cursor
 
@@ -49,7 +50,10 @@ def marks(store: MemoryStore) -> list[str]:
 
 def commit(owned: OwnedPartition, cursor: StreamCursor, checkpoint: str | None, acked: list[bytes]) -> None:
     moved = None if checkpoint is None else StreamId.parse(checkpoint)
-    PartitionBatch(owned, StateDecoder()).commit([StreamOutcome(cursor, moved, acked, [], None, 0, 0)])
+    emitter = Emitter(Broker(Settings.load({}, environ={}).redis), "app")  # never reached: nothing emitted
+    PartitionBatch(owned, StateDecoder(), emitter).commit(
+        [StreamOutcome(cursor, moved, acked, [], None, 0, 0)]
+    )
 
 
 def test_marked_entries_are_skipped_until_the_checkpoint_passes_them() -> None:

@@ -1,0 +1,166 @@
+"""``ctx.emit`` against a real redis-server: outputs published once, in order, with their source."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+
+from pspf import App, Context, Settings, Worker
+from pspf.broker import Broker
+from pspf.keys import OUTBOX_NAMESPACE, producers_key, stream_key
+from pspf.outbox import (
+    SOURCE_APP_HEADER,
+    SOURCE_ID_HEADER,
+    SOURCE_PARTITION_HEADER,
+    SOURCE_TOPIC_HEADER,
+    RowState,
+    decode_row,
+)
+from state_stores import open_store
+from tests.conftest import Names
+
+pytestmark = pytest.mark.integration
+
+
+class Order(msgspec.Struct):
+    user: str
+    amount: int
+
+
+def outputs(rclient: redis.Redis, topic: str, partitions: int) -> list[dict[str, Any]]:
+    """Every entry of a topic: key, decoded value, headers, and the partition it is in."""
+    found = []
+    for p in range(partitions):
+        for _, fields in rclient.xrange(stream_key(topic, p)):
+            found.append(
+                {
+                    "partition": p,
+                    "key": fields.get(b"key", b"").decode(),
+                    "value": json.loads(fields[b"value"]),
+                    "headers": json.loads(fields.get(b"headers", b"{}")),
+                }
+            )
+    return found
+
+
+def rows(settings: Settings, app: str, partitions: int) -> list[Any]:
+    found = []
+    for p in range(partitions):
+        with open_store(settings.state.engine, settings.state.dir, app, p, readonly=True) as store:
+            found += [decode_row(raw) for _, raw in store.items(OUTBOX_NAMESPACE)]
+    return found
+
+
+def test_each_handled_entry_emits_once_with_its_source(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    orders, enriched = make_topic(2), make_topic(3)
+    app = App(names.app())
+
+    @app.handler(orders)
+    def enrich(order: Order, ctx: Context) -> None:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+        ctx.emit(enriched, {"user": order.user, "n": ctx.state["n"]}, key=order.user)
+
+    produce(orders, [(f"u{i % 7}", {"user": f"u{i % 7}", "amount": i}) for i in range(300)])
+    settings = make_settings(PSPF_BATCH_SIZE=40)
+    summary = Worker(app, settings).run(until_idle=True)
+
+    got = outputs(rclient, enriched, 3)
+    assert summary.published == 300
+    assert len(got) == 300
+    sources = Counter((o["headers"][SOURCE_PARTITION_HEADER], o["headers"][SOURCE_ID_HEADER]) for o in got)
+    assert len(sources) == 300 and set(sources.values()) == {1}
+    for out in got:
+        assert out["headers"][SOURCE_APP_HEADER] == app.name
+        assert out["headers"][SOURCE_TOPIC_HEADER] == orders
+        assert out["key"] == out["value"]["user"]
+    # Per key the handler's order: n counts up without a gap.
+    per_user: dict[str, list[int]] = {}
+    for out in got:
+        per_user.setdefault(out["key"], []).append(out["value"]["n"])
+    assert all(ns == list(range(1, len(ns) + 1)) for ns in per_user.values())
+    assert {r.state for r in rows(settings, app.name, 2)} == {RowState.PUBLISHED}
+
+
+def test_a_failing_handler_emits_nothing_and_a_dead_entry_publishes_nothing(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    app = App(names.app())
+
+    @app.handler(source)
+    def flaky(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, {"i": value["i"], "attempt": ctx.delivery_count})
+        if value["i"] == 3 and ctx.delivery_count < 2:
+            raise RuntimeError("first attempt fails after emitting")
+        if value["i"] == 5:
+            raise RuntimeError("always fails after emitting")
+
+    produce(source, [(None, {"i": i}) for i in range(8)])
+    Worker(app, make_settings(PSPF_MAX_RETRIES=2)).run(until_idle=True)
+
+    got = outputs(rclient, target, 1)
+    assert sorted(o["value"]["i"] for o in got) == [0, 1, 2, 3, 4, 6, 7]
+    assert next(o for o in got if o["value"]["i"] == 3)["value"]["attempt"] == 2
+    assert rclient.xlen(f"{stream_key(source, 0)}:dlq") == 1
+
+
+def test_emitting_to_a_missing_topic_fails_the_entry_with_a_clear_error(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source = make_topic(1)
+    app = App(names.app())
+
+    @app.handler(source)
+    def lost(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit("no-such-topic", value)
+
+    produce(source, [(None, {"i": 1})])
+    Worker(app, make_settings(PSPF_MAX_RETRIES=1)).run(until_idle=True)
+    (dead,) = rclient.xrange(f"{stream_key(source, 0)}:dlq")
+    fields = dead[1]
+    assert fields[b"error_type"] == b"EmitError"
+    assert b"no-such-topic" in fields[b"message"] and b"does not exist" in fields[b"message"]
+
+
+def test_a_repeated_publish_adds_nothing(redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis) -> None:
+    topic = make_topic(1)
+    broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+    rows_ = [(seq, {b"value": str(seq).encode()}) for seq in range(1, 6)]
+    assert broker.publish(topic, 0, "app/0", rows_[:3]) == 3
+    assert broker.publish(topic, 0, "app/0", rows_) == 2  # 1-3 again: skipped
+    assert broker.publish(topic, 0, "app/0", rows_) == 0
+    assert broker.publish(topic, 0, "other/0", rows_[:1]) == 1  # another producer counts apart
+    assert [f[b"value"] for _, f in rclient.xrange(stream_key(topic, 0))] == [b"1", b"2", b"3", b"4", b"5", b"1"]
+    assert rclient.hget(producers_key(topic, 0), "app/0") == b"5"
+
+
+def test_a_target_of_the_wrong_type_refuses_before_writing(
+    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+) -> None:
+    topic = make_topic(1)
+    rclient.delete(stream_key(topic, 0))
+    rclient.set(stream_key(topic, 0), "not a stream")
+    broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        broker.publish(topic, 0, "app/0", [(1, {b"value": b"1"})])
+    assert rclient.hget(producers_key(topic, 0), "app/0") is None

@@ -42,6 +42,9 @@ from pspf.service import (
     DeadLetterInfo,
     DlqChange,
     Health,
+    OutboxReplay,
+    OutboxRowDetail,
+    OutboxRowInfo,
     ReplayResult,
     Service,
     TopicDescription,
@@ -62,6 +65,23 @@ DLQ_ID_PATTERN = r"^[0-9]{1,9}:[0-9]{1,19}(-[0-9]{1,19})?$"
 DlqId = Annotated[
     str, msgspec.Meta(pattern=DLQ_ID_PATTERN, description="PARTITION:ID as the DLQ list shows it")
 ]
+
+
+ROW_ID_PATTERN = r"^[0-9]{1,9}:[0-9]{1,18}$"
+RowId = Annotated[
+    str, msgspec.Meta(pattern=ROW_ID_PATTERN, description="PARTITION:ROW as the outbox list shows it")
+]
+
+
+class OutboxReplayRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf outbox replay`` takes: row ids, or every dead (or dead and published) row."""
+
+    ids: list[RowId] = []
+    dead: Annotated[bool, msgspec.Meta(description="every dead row")] = False
+    all: Annotated[bool, msgspec.Meta(description="every dead and every published row")] = False
+    limit: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dry_run: Annotated[bool, msgspec.Meta(description="say what would be replayed; change nothing")] = False
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=60, description="wait for the owners to apply it")] = 10.0
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -256,6 +276,33 @@ def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str,
     return _service(state).state_get(app, key)
 
 
+@get("/apps/{app:str}/outbox", sync_to_thread=True, responses=_errors(404), summary="An app's outbox rows")
+def outbox_list(
+    state: State,
+    app: FromPath[str],
+    row_state: Annotated[
+        str | None, QueryParameter(query="state", description="pending, claimed, published or dead")
+    ] = None,
+    partition: Annotated[int | None, QueryParameter(ge=0, description="only this source partition")] = None,
+    limit: Annotated[int | None, QueryParameter(ge=1, description="at most this many rows")] = None,
+) -> list[OutboxRowInfo]:
+    return _service(state).outbox_list(app, row_state, partition, limit)
+
+
+@get(
+    "/apps/{app:str}/outbox/{row_id:str}",
+    sync_to_thread=True,
+    responses=_errors(404),
+    summary="One outbox row whole",
+)
+def outbox_show(
+    state: State,
+    app: FromPath[str],
+    row_id: Annotated[str, PathParameter(pattern=ROW_ID_PATTERN, description="PARTITION:ROW as listed")],
+) -> OutboxRowDetail:
+    return _service(state).outbox_show(app, row_id)
+
+
 @get(
     "/metrics",
     sync_to_thread=True,
@@ -332,6 +379,26 @@ def replay(
     return result
 
 
+@post(
+    "/apps/{app:str}/outbox/replay",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "outbox.replay"},
+    security=_BEARER,
+    responses=_errors(401, 403, 404),
+    summary="Publish dead or published outbox rows again, each once more",
+)
+def outbox_replay(
+    request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[OutboxReplayRequest]
+) -> OutboxReplay:
+    remember_params(request, data)
+    result = _service(state).outbox_replay(
+        app, data.ids, data.dead, data.all, data.limit, dry_run=data.dry_run, wait_s=data.wait_s
+    )
+    audit(request, 200, "ok", result)
+    return result
+
+
 _READ_ROUTES: list[ControllerRouterHandler] = [
     health,
     list_topics,
@@ -341,9 +408,11 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     groups,
     app_lag,
     state_get,
+    outbox_list,
+    outbox_show,
     prometheus_metrics,
 ]
-_WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay]
+_WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay, outbox_replay]
 
 
 def create_app(service: Service, token: str | None) -> Litestar:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
+import msgspec
 
 from cli.commands import print_json, print_table
 from cli.main import CliState, broker_option, cli, json_option, service_for, state_dir_option, store_option
@@ -184,6 +186,146 @@ def replay(
         click.echo(f"state and checkpoints {done} reset; run the app to rebuild the state")
     else:
         click.echo(f"checkpoints {'would be' if dry_run else 'were'} moved back; the state was kept")
+
+
+@cli.group()
+def outbox() -> None:
+    """Inspect and replay what apps emitted (ctx.emit): their outbox rows."""
+
+
+@outbox.command("list", epilog="\b\nExample:\n  pspf outbox list enricher --state dead")
+@click.argument("app")
+@click.option("--state", "row_state", type=click.Choice(["pending", "claimed", "published", "dead"]))
+@click.option("--partition", type=click.IntRange(min=0), help="Only rows of this source partition.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many rows.")
+@broker_option
+@state_dir_option
+@store_option
+@json_option
+@click.pass_obj
+def outbox_list(
+    obj: CliState,
+    app: str,
+    row_state: str | None,
+    partition: int | None,
+    limit: int | None,
+    broker: str | None,
+    state_dir: Path | None,
+    store: str | None,
+    as_json: bool,
+) -> None:
+    """List APP's outbox rows (from its state backup, or --state-dir)."""
+    found = service_for(obj, broker, state_dir, store).outbox_list(app, row_state, partition, limit)
+    if as_json:
+        print_json(found)
+        return
+    print_table(
+        ["ROW", "STATE", "TARGET", "KEY", "SOURCE", "ATTEMPTS", "CREATED", "LAST ERROR"],
+        [
+            [
+                r.row_id,
+                r.state,
+                f"{r.topic}:{r.partition}",
+                r.key,
+                r.source,
+                r.attempts,
+                r.created_at,
+                r.last_error,
+            ]
+            for r in found
+        ],
+    )
+
+
+@outbox.command("show")
+@click.argument("app")
+@click.argument("row_id")
+@broker_option
+@state_dir_option
+@store_option
+@json_option
+@click.pass_obj
+def outbox_show(
+    obj: CliState,
+    app: str,
+    row_id: str,
+    broker: str | None,
+    state_dir: Path | None,
+    store: str | None,
+    as_json: bool,
+) -> None:
+    """Show one outbox row of APP whole (ROW_ID as `pspf outbox list` prints it)."""
+    detail = service_for(obj, broker, state_dir, store).outbox_show(app, row_id)
+    if as_json:
+        print_json(detail)
+        return
+    for name in detail.__struct_fields__:
+        click.echo(f"{name}: {msgspec.json.encode(getattr(detail, name)).decode()}")
+
+
+@outbox.command(
+    "replay",
+    epilog="\b\nExamples:\n  pspf outbox replay enricher 0:17 2:5\n"
+    "  pspf outbox replay enricher --dead --dry-run",
+)
+@click.argument("app")
+@click.argument("ids", nargs=-1)
+@click.option("--dead", is_flag=True, help="Every dead row.")
+@click.option("--all", "all_rows", is_flag=True, help="Every dead and every published row.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many rows.")
+@click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the partitions' owners to apply it.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@json_option
+@click.pass_obj
+def outbox_replay(
+    obj: CliState,
+    app: str,
+    ids: tuple[str, ...],
+    dead: bool,
+    all_rows: bool,
+    limit: int | None,
+    dry_run: bool,
+    wait_s: float,
+    yes: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Publish APP's dead or published outbox rows again, each once more.
+
+    The app's workers apply the request (their stores hold the rows): a running worker of APP
+    owning the rows' partitions does so within a few seconds. Exit code 7 when some partition's
+    owner did not apply it within --wait: the request stays queued for the next owner.
+    """
+    service = service_for(obj, broker)
+    preview = service.outbox_replay(app, ids, dead, all_rows, limit, dry_run=True)
+    if not dry_run and preview.selected:
+        if not yes:
+            click.confirm(f"Replay {len(preview.selected)} outbox row(s) of {app}?", abort=True, err=True)
+        result = service.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
+    else:
+        result = preview
+    if as_json:
+        print_json(result)
+    elif dry_run:
+        click.echo(f"would replay {len(result.selected)} row(s) (dry run, nothing changed)")
+    else:
+        click.echo(f"replayed {len(result.replayed)} of {len(result.selected)} selected row(s)")
+    if result.waiting:
+        click.echo(
+            f"partition(s) {', '.join(map(str, result.waiting))}: no worker of {app} applied the request "
+            f"within {wait_s:g}s; it stays queued until one owns them",
+            err=True,
+        )
+        sys.exit(7)
 
 
 @cli.group()

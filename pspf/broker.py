@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import resources
 from typing import Any, NamedTuple, cast
 
+import msgspec
 import redis
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
@@ -794,13 +795,16 @@ class Broker:
             entries = cast(list[tuple[bytes, Fields]], self.client.xrevrange(log_key, top, "-", count=count))
         return [(bytes(entry_id), fields) for entry_id, fields in entries]
 
-    def backup_values(self, key: str, count: int = 10_000) -> Iterator[list[tuple[bytes, bytes]]]:
-        """A backup's fields and values, in pages of about ``count`` (HSCAN)."""
+    def backup_values(
+        self, key: str, count: int = 10_000, match: bytes | None = None
+    ) -> Iterator[list[tuple[bytes, bytes]]]:
+        """A backup's fields and values (those ``match`` selects), in pages of about ``count`` (HSCAN)."""
         cursor = 0
         while True:
             with self.translate_errors(key):
                 cursor, page = cast(
-                    tuple[int, dict[bytes, bytes]], self.client.hscan(key, cursor, count=count)
+                    tuple[int, dict[bytes, bytes]],
+                    self.client.hscan(key, cursor, match=match, count=count),
                 )
             if page:
                 yield list(page.items())
@@ -904,6 +908,55 @@ class Broker:
             self._publish, [([stream, keys.producers_key(topic, partition)], args)]
         )
         return int(reply[0])
+
+    def request_outbox_replay(self, app: str, partition: int, ids: Sequence[int]) -> None:
+        """Ask the owner of a partition to replay outbox rows (added to a request still waiting)."""
+        key = keys.outbox_replay_key(app)
+        with self.translate_errors(key), self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    waiting = pipe.hget(key, str(partition))
+                    wanted = sorted({*ids, *(msgspec.json.decode(waiting) if waiting else [])})
+                    pipe.multi()
+                    pipe.hset(key, str(partition), msgspec.json.encode(wanted))
+                    pipe.hdel(keys.outbox_replayed_key(app), str(partition))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def outbox_replay_requests(self, app: str, partitions: Sequence[int]) -> dict[int, bytes]:
+        """The waiting replay requests (raw) of those partitions."""
+        if not partitions:
+            return {}
+        key = keys.outbox_replay_key(app)
+        with self.translate_errors(key):
+            found = cast(list[bytes | None], self.client.hmget(key, [str(p) for p in partitions]))
+        return {p: raw for p, raw in zip(partitions, found, strict=True) if raw}
+
+    def finish_outbox_replay(self, app: str, partition: int, request: bytes, outcome: bytes) -> None:
+        """Record what a replay request did and drop it, unless a newer request replaced it meanwhile."""
+        key = keys.outbox_replay_key(app)
+        with self.translate_errors(key), self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(key)  # type: ignore[no-untyped-call]
+            if pipe.hget(key, str(partition)) != request:
+                pipe.unwatch()
+                return  # the next lease round applies the newer one (replaying a row twice is a no-op)
+            pipe.multi()
+            pipe.hdel(key, str(partition))
+            pipe.hset(keys.outbox_replayed_key(app), str(partition), outcome)
+            with suppress(redis.WatchError):
+                pipe.execute()
+
+    def outbox_replay_outcomes(self, app: str, partitions: Sequence[int]) -> dict[int, bytes | None]:
+        """Per partition: None while its request waits, else what its owner did (raw JSON)."""
+        with self.translate_errors(keys.outbox_replay_key(app)):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(keys.outbox_replay_key(app), [str(p) for p in partitions])
+            pipe.hmget(keys.outbox_replayed_key(app), [str(p) for p in partitions])
+            waiting, done = pipe.execute()
+        return {p: None if w else d for p, w, d in zip(partitions, waiting, done, strict=True)}
 
     def add_chunks(
         self,

@@ -112,6 +112,16 @@ def member_info_key(app: str) -> str:
     return f"{PREFIX}:app:{{{app}}}:member-info"
 
 
+def outbox_replay_key(app: str) -> str:
+    """Hash of operators' outbox replay requests (partition -> JSON row ids); the owner applies them."""
+    return f"{PREFIX}:app:{{{app}}}:outbox-replay"
+
+
+def outbox_replayed_key(app: str) -> str:
+    """Hash of what the owners did with the last replay request per partition (JSON)."""
+    return f"{PREFIX}:app:{{{app}}}:outbox-replayed"
+
+
 def stream_key(topic: str, partition: int) -> str:
     """The stream of one topic partition, e.g. ``pspf:{orders:0}``."""
     return f"{PREFIX}:{{{topic}:{partition}}}"

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -33,7 +34,7 @@ from pspf import keys
 from pspf.broker import Broker, GroupPosition
 from pspf.errors import BrokerError, ConfigError
 from pspf.failures import DeadLetter, Failure
-from pspf.outbox import call_hook
+from pspf.outbox import OutboxRow, RowState, call_hook
 from pspf.processor import ProcessorHooks
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,34 @@ class WorkerMetrics(ProcessorHooks):
             ("app",),
             registry=r,
         ).labels(app)
+        self._outbox_rows = Gauge(
+            "pspf_outbox_rows",
+            "Outbox rows of an owned partition by state.",
+            ("app", "partition", "state"),
+            registry=r,
+        )
+        self._outbox_published = Counter(
+            "pspf_outbox_published",
+            "Outbox rows published (emitted entries added to their topics).",
+            ("app",),
+            registry=r,
+        ).labels(app)
+        self._outbox_latency = Histogram(
+            "pspf_outbox_publish_latency_seconds",
+            "From an emitting batch's commit to its row's publish.",
+            ("app",),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        ).labels(app)
+        self._outbox_failed = Counter(
+            "pspf_outbox_failed_attempts",
+            "Publish attempts of outbox rows that failed.",
+            ("app",),
+            registry=r,
+        ).labels(app)
+        self._outbox_dead = Counter(
+            "pspf_outbox_dead", "Outbox rows that became DEAD (attempts exhausted).", ("app",), registry=r
+        ).labels(app)
         self._series: dict[tuple[str, int], _Series] = {}
         self._lock = threading.Lock()
         #: owned partition -> unix time it was taken
@@ -185,6 +214,9 @@ class WorkerMetrics(ProcessorHooks):
         with self._lock:
             self._taken.pop(partition, None)
             self._progress.pop(partition, None)
+        for state in RowState:
+            with suppress(KeyError):
+                self._outbox_rows.remove(self.app, str(partition), str(state))
 
     def members_seen(self, members: int, rebalanced: bool) -> None:
         """The live members at a lease round, and whether this worker's target changed."""
@@ -231,6 +263,21 @@ class WorkerMetrics(ProcessorHooks):
 
     def on_dead_letter(self, record: DeadLetter) -> None:
         self._counters(record.source_topic, record.source_partition).dead_lettered.inc()
+
+    def on_outbox_settled(self, partition: int, published: list[OutboxRow], failed: list[OutboxRow]) -> None:
+        if published:
+            self._outbox_published.inc(len(published))
+            for row in published:
+                self._outbox_latency.observe(max(0, (row.published_ms or 0) - row.created_ms) / 1000)
+        if failed:
+            self._outbox_failed.inc(len(failed))
+            dead = sum(1 for row in failed if row.state is RowState.DEAD)
+            if dead:
+                self._outbox_dead.inc(dead)
+
+    def on_outbox_rows(self, partition: int, counts: dict[RowState, int]) -> None:
+        for state, count in counts.items():
+            self._outbox_rows.labels(self.app, str(partition), str(state)).set(count)
 
     def _counters(self, topic: str, partition: int) -> _Series:
         series = self._series.get((topic, partition))

@@ -271,15 +271,14 @@ class PartitionOutbox:
             self.next_id, self.next_seq = (int(x) for x in raw_next.decode().split("/"))
         self.open.clear()
         self.counts = dict.fromkeys(RowState, 0)
-        reaped: list[OutboxRow] = []
+        reaped: list[tuple[RowState | None, OutboxRow]] = []
         stamp = now_ms()
         for _, raw in self.store.items(keys.OUTBOX_NAMESPACE):
             row = decode_row(raw)
             if row.state is RowState.CLAIMED:
-                row = move(
-                    row, RowState.PENDING, stamp, error=f"claim of {row.claimed_by} reaped at takeover"
-                )
-                reaped.append(row)
+                reap = f"claim of {row.claimed_by} reaped at takeover"
+                reaped.append((None, move(row, RowState.PENDING, stamp, error=reap)))
+                continue
             self.counts[row.state] += 1
             if row.state is RowState.PENDING:
                 self.open[row.id] = row
@@ -318,27 +317,47 @@ class PartitionOutbox:
         self.confirmed = max(self.confirmed, self.unconfirmed)
 
     def write(
-        self, rows: Iterable[OutboxRow], extra: dict[tuple[str, str], bytes | None] | None = None
+        self,
+        changes: Iterable[tuple[RowState | None, OutboxRow]],
+        extra: dict[tuple[str, str], bytes | None] | None = None,
     ) -> None:
-        """Store rows (one transaction) and keep the index and the counts in step."""
-        rows = list(rows)
+        """Store changed rows (state before, row after) in one transaction; keep index and counts in step."""
+        changes = list(changes)
         with self.store.transaction() as tx:
-            for row in rows:
+            for _, row in changes:
                 tx.set(keys.OUTBOX_NAMESPACE, row_key(row.id), encode_row(row))
             for (namespace, key), value in (extra or {}).items():
                 if value is None:
                     tx.delete(namespace, key)
                 else:
                     tx.set(namespace, key, value)
-        for row in rows:
-            before = self.open.get(row.id)
+        for before, row in changes:
             if before is not None:
-                self.counts[before.state] -= 1
+                self.counts[before] -= 1
             self.counts[row.state] += 1
             if row.state in (RowState.PENDING, RowState.CLAIMED):
                 self.open[row.id] = row
             else:
                 self.open.pop(row.id, None)
+
+    def replay(self, ids: Iterable[int]) -> list[int]:
+        """PUBLISHED/DEAD rows among ``ids`` back to PENDING under new sequence numbers (one write).
+
+        Others (pending, claimed, pruned) are left as they are. The replayed rows are published
+        once ``confirm`` says the write reached the backup.
+        """
+        stamp = now_ms()
+        replayed: list[tuple[RowState | None, OutboxRow]] = []
+        for row in sorted(self.current(ids).values(), key=lambda r: r.id):
+            if row.state in (RowState.PUBLISHED, RowState.DEAD):
+                again = move(row, RowState.PENDING, stamp, seq=self.next_seq + len(replayed))
+                replayed.append((row.state, again))
+        if replayed:
+            counters = f"{self.next_id}/{self.next_seq + len(replayed)}".encode()
+            self.write(replayed, {(keys.OUTBOX_META_NAMESPACE, "next"): counters})
+            self.next_seq += len(replayed)
+            self.unconfirmed = self.next_seq - 1
+        return [row.id for _, row in replayed]
 
     def current(self, ids: Iterable[int]) -> dict[int, OutboxRow]:
         """The rows as the store has them now."""
@@ -382,6 +401,9 @@ class RelayHooks:
     def on_outbox_settled(self, partition: int, published: list[OutboxRow], failed: list[OutboxRow]) -> None:
         """The claimed rows are marked: published, or back to pending / dead after a failure."""
 
+    def on_outbox_rows(self, partition: int, counts: dict[RowState, int]) -> None:
+        """A partition's outbox rows by state, after a relay step."""
+
 
 def call_hook(hook: Any, *args: Any) -> None:
     """Call a hook; a failing hook is logged, never the worker's failure."""
@@ -417,7 +439,7 @@ class Relay:
         if rows:
             claimed_at = self.clock()
             claimed = [move(row, RowState.CLAIMED, claimed_at, relay=self.name) for row in rows]
-            outbox.write(claimed)
+            outbox.write((RowState.PENDING, row) for row in claimed)
             call_hook(self.hooks.on_outbox_claimed, outbox.partition, len(claimed))
             sent, errors = self._publish(outbox, claimed)
             published, failed = self._settle(outbox, claimed, sent, errors)
@@ -467,7 +489,7 @@ class Relay:
                 published.append(move(stored, RowState.PUBLISHED, now))
             else:
                 failed.append(self._failed(stored, errors.get(row.id, "not published"), now))
-        outbox.write([*published, *failed])
+        outbox.write((RowState.CLAIMED, row) for row in [*published, *failed])
         return published, failed
 
     def _failed(self, row: OutboxRow, error: str, now: int) -> OutboxRow:
@@ -492,7 +514,7 @@ class Relay:
             if row.state is RowState.CLAIMED and (row.claimed_ms or 0) + self.settings.claim_timeout_ms <= now
         ]
         if expired:
-            outbox.write(self._failed(row, "claim expired", now) for row in expired)
+            outbox.write((RowState.CLAIMED, self._failed(row, "claim expired", now)) for row in expired)
 
     def _prune(self, outbox: PartitionOutbox) -> None:
         """Delete rows published longer than the retention ago (a bounded look per pass)."""

@@ -226,6 +226,29 @@ class BatchProcessor:
                     owned.backup.flush()
         return result
 
+    def apply_outbox_replays(self) -> None:
+        """Apply operators' outbox replay requests for the owned partitions (``pspf outbox replay``)."""
+        requests = self.broker.outbox_replay_requests(self.app.name, sorted(self.owned))
+        for partition, raw in requests.items():
+            owned = self.owned[partition]
+            try:
+                ids = msgspec.json.decode(raw, type=list[int])
+            except msgspec.DecodeError:
+                log.error("unreadable outbox replay request dropped partition=%s: %r", partition, raw[:100])
+                ids = []
+            replayed = owned.outbox.replay(ids)
+            if owned.backup is not None:
+                owned.backup.flush()
+            owned.outbox.confirm()
+            outcome = {"requested": ids, "replayed": replayed, "at_ms": int(time.time() * 1000)}
+            self.broker.finish_outbox_replay(self.app.name, partition, raw, msgspec.json.encode(outcome))
+            log.info(
+                "outbox replay partition=%s: %s of %s requested rows back to pending",
+                partition,
+                len(replayed),
+                len(ids),
+            )
+
     # -- step 7: publish ----------------------------------------------------------------------
 
     def _publish(self, result: CycleResult) -> None:
@@ -235,6 +258,7 @@ class BatchProcessor:
                 published, failed = self.relay.step(owned.outbox)
                 result.published += published
                 result.publish_failed += failed
+                call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
 
     # -- steps 2-4: skip, decode, handle ------------------------------------------------------
 

@@ -39,6 +39,7 @@ from pspf.keys import (
     StreamId,
 )
 from pspf.membership import live_members
+from pspf.outbox import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER, OutboxRow, RowState, decode_row, row_key
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
@@ -182,6 +183,45 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     superseded: int = 0
     state_reset: bool
     dry_run: bool
+
+
+class OutboxRowInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """An outbox row as ``pspf outbox list`` shows it."""
+
+    #: PARTITION:ROW (the source partition and the row's number there)
+    row_id: str
+    state: str
+    topic: str
+    partition: int
+    key: str | None
+    seq: int
+    attempts: int
+    last_error: str | None
+    created_at: str
+    published_at: str | None
+    #: the input entry that emitted it (source topic and id)
+    source: str | None
+
+
+class OutboxRowDetail(OutboxRowInfo, frozen=True, kw_only=True):
+    """One outbox row whole: also its value, headers and claim."""
+
+    value: str
+    headers: dict[str, str]
+    available_at: str
+    claimed_at: str | None
+    claimed_by: str | None
+
+
+class OutboxReplay(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``outbox_replay`` selected, and what the partitions' owners did with it."""
+
+    selected: list[str]
+    dry_run: bool
+    #: rows the owners put back to PENDING (published again once each)
+    replayed: list[str] = msgspec.field(default_factory=list)
+    #: partitions whose owner did not apply the request in time (it stays queued)
+    waiting: list[int] = msgspec.field(default_factory=list)
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):
@@ -883,6 +923,133 @@ class Service:
                 self.broker.delete_backup(keys.backup_keys(topic, partition, app))
         return ImportResult(partitions=partitions, values=values)
 
+    # -- outbox ---------------------------------------------------------------------------------
+
+    def _outbox_rows(self, app: str, partition: int | None = None) -> Iterator[tuple[int, OutboxRow]]:
+        """(partition, row) of an app's outbox rows: from the backups, else from the stores here."""
+        keys.check_name("app", app)
+        state = self.settings.state
+        wanted = range(self._app_partitions(app)) if partition is None else [partition]
+        backups = {} if self.local_state else {p: b for p in wanted if (b := self._backup_keys(app, p))}
+        stored = [p for p in stored_partitions(state.engine, state.dir, app) if partition in (None, p)]
+        partitions = sorted({*backups, *stored})
+        if not partitions:
+            raise NotFound(f"no outbox of app {app!r} in Redis or under {state.dir}")
+        head = field(keys.OUTBOX_NAMESPACE, "")
+        for p in partitions:
+            if p in backups:
+                rows = [
+                    decode_row(raw)
+                    for page in self.broker.backup_values(backups[p].values, match=head + b"*")
+                    for _, raw in page
+                ]
+                yield from ((p, row) for row in sorted(rows, key=lambda r: r.id))
+                continue
+            with open_store(state.engine, state.dir, app, p, readonly=True) as store:
+                yield from ((p, decode_row(raw)) for _, raw in store.items(keys.OUTBOX_NAMESPACE))
+
+    def outbox_list(
+        self, app: str, row_state: str | None = None, partition: int | None = None, limit: int | None = None
+    ) -> list[OutboxRowInfo]:
+        """An app's outbox rows (those in ``row_state``), by partition and row number."""
+        wanted = None if row_state is None else _row_state(row_state)
+        found = []
+        for p, row in self._outbox_rows(app, partition):
+            if wanted is None or row.state is wanted:
+                found.append(_row_info(p, row))
+                if limit is not None and len(found) >= limit:
+                    break
+        return found
+
+    def outbox_show(self, app: str, row_id: str) -> OutboxRowDetail:
+        """One outbox row whole (ROW_ID as ``outbox_list`` gives it)."""
+        partition, number = parse_row_id(row_id)
+        row = self._outbox_row(app, partition, number)
+        return OutboxRowDetail(
+            **msgspec.structs.asdict(_row_info(partition, row)),
+            value=row.fields.get(codec.VALUE, b"").decode(errors="replace"),
+            headers=codec.decode_headers(row.fields.get(codec.HEADERS)),
+            available_at=_iso(row.available_ms),
+            claimed_at=None if row.claimed_ms is None else _iso(row.claimed_ms),
+            claimed_by=row.claimed_by,
+        )
+
+    def outbox_replay(
+        self,
+        app: str,
+        ids: Sequence[str] = (),
+        dead: bool = False,
+        all_rows: bool = False,
+        limit: int | None = None,
+        dry_run: bool = False,
+        wait_s: float = 30.0,
+    ) -> OutboxReplay:
+        """Publish outbox rows again: DEAD or PUBLISHED -> PENDING, under new sequence numbers.
+
+        Select rows by id, every DEAD row, or every DEAD and PUBLISHED row. The partition's
+        owner applies the request (its store holds the rows); this waits up to ``wait_s`` for
+        it, and a request no worker applied in time stays queued for the next owner.
+        """
+        if sum(1 for given in (bool(ids), dead, all_rows) if given) != 1:
+            raise ConfigError("give row ids, --dead or --all")
+        replayable = (RowState.PUBLISHED, RowState.DEAD)
+        selected: list[tuple[int, int]] = []
+        if ids:
+            for row_id in ids:
+                partition, number = parse_row_id(row_id)
+                row = self._outbox_row(app, partition, number)
+                if row.state not in replayable:
+                    raise ConfigError(
+                        f"outbox row {row_id} is {row.state}: only published or dead rows replay"
+                    )
+                selected.append((partition, number))
+        else:
+            states = (RowState.DEAD,) if dead else replayable
+            selected = [(p, row.id) for p, row in self._outbox_rows(app) if row.state in states]
+        selected = selected[:limit] if limit is not None else selected
+        names = [f"{p}:{n}" for p, n in selected]
+        if dry_run or not selected:
+            return OutboxReplay(selected=names, dry_run=dry_run)
+        by_partition: dict[int, list[int]] = {}
+        for p, n in selected:
+            by_partition.setdefault(p, []).append(n)
+        for p, numbers in by_partition.items():
+            self.broker.request_outbox_replay(app, p, numbers)
+        deadline = time.monotonic() + wait_s
+        outcomes: dict[int, bytes | None] = {}
+        while True:
+            outcomes = self.broker.outbox_replay_outcomes(app, sorted(by_partition))
+            if all(outcomes.values()) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        replayed = [
+            f"{p}:{n}"
+            for p, raw in outcomes.items()
+            if raw
+            for n in _json_any.decode(raw).get("replayed", [])
+        ]
+        return OutboxReplay(
+            selected=names,
+            dry_run=False,
+            replayed=replayed,
+            waiting=[p for p, raw in outcomes.items() if not raw],
+        )
+
+    def _outbox_row(self, app: str, partition: int, number: int) -> OutboxRow:
+        """One row, from the partition's backup, else from its store here."""
+        keys.check_name("app", app)
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        raw = None
+        if backup is not None:
+            raw = self.broker.backup_value(backup.values, field(keys.OUTBOX_NAMESPACE, row_key(number)))
+        elif partition in stored_partitions(self.settings.state.engine, self.settings.state.dir, app):
+            state = self.settings.state
+            with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                raw = store.get(keys.OUTBOX_NAMESPACE, row_key(number))
+        if raw is None:
+            raise NotFound(f"app {app!r} has no outbox row {partition}:{number}")
+        return decode_row(raw)
+
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
         """The keys that have state in ``app``, over every partition store found, sorted."""
         keys.check_name("app", app)
@@ -910,12 +1077,47 @@ class Service:
         return found if limit is None else found[:limit]
 
 
+def parse_row_id(row_id: str) -> tuple[int, int]:
+    """``"2:17"`` -> (partition 2, row 17)."""
+    partition, sep, number = row_id.partition(":")
+    if not (sep and partition.isascii() and partition.isdigit() and number.isascii() and number.isdigit()):
+        raise ConfigError(
+            f"invalid outbox row id {row_id!r}: expected PARTITION:ROW as `pspf outbox list` prints it"
+        )
+    return int(partition), int(number)
+
+
+def _row_info(partition: int, row: OutboxRow) -> OutboxRowInfo:
+    headers = codec.decode_headers(row.fields.get(codec.HEADERS))
+    source_topic, source_id = headers.get(SOURCE_TOPIC_HEADER), headers.get(SOURCE_ID_HEADER)
+    return OutboxRowInfo(
+        row_id=f"{partition}:{row.id}",
+        state=str(row.state),
+        topic=row.topic,
+        partition=row.partition,
+        key=_text_or_none(row.fields.get(codec.KEY)),
+        seq=row.seq,
+        attempts=row.attempts,
+        last_error=row.last_error,
+        created_at=_iso(row.created_ms),
+        published_at=None if row.published_ms is None else _iso(row.published_ms),
+        source=f"{source_topic}/{source_id}" if source_topic and source_id else None,
+    )
+
+
 def parse_dlq_id(dlq_id: str) -> tuple[int, bytes]:
     """``"2:1700000000000-0"`` -> (partition 2, the DLQ stream's entry id)."""
     partition, sep, entry_id = dlq_id.partition(":")
     if not sep or not partition.isascii() or not partition.isdigit():
         raise ConfigError(f"invalid DLQ id {dlq_id!r}: expected PARTITION:ID as `pspf dlq list` prints it")
     return int(partition), str(StreamId.parse(entry_id)).encode()
+
+
+def _row_state(text: str) -> RowState:
+    try:
+        return RowState(text)
+    except ValueError:
+        raise ConfigError(f"invalid outbox state {text!r}: use {', '.join(RowState)}") from None
 
 
 def parse_duration_ms(text: str) -> int:

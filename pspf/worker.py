@@ -349,6 +349,7 @@ class Worker:
             for owned in self.processor.owned.values():
                 self.partitions.claim_idle(owned, min_idle_ms)
         self._take_free(target)
+        self.processor.apply_outbox_replays()
         if self.standby is not None:
             self.standby.keep({p for p in range(self._partitions) if p not in self._held})
 

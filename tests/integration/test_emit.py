@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,8 +26,9 @@ from pspf.outbox import (
     RowState,
     decode_row,
 )
+from pspf.service import Service
 from state_stores import open_store
-from tests.conftest import Names
+from tests.conftest import Names, pspf_command, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -112,12 +117,40 @@ def test_a_failing_handler_emits_nothing_and_a_dead_entry_publishes_nothing(
             raise RuntimeError("always fails after emitting")
 
     produce(source, [(None, {"i": i}) for i in range(8)])
-    Worker(app, make_settings(PSPF_MAX_RETRIES=2)).run(until_idle=True)
+    summary = Worker(app, make_settings(PSPF_MAX_RETRIES=2)).run(until_idle=True)
 
     got = outputs(rclient, target, 1)
     assert sorted(o["value"]["i"] for o in got) == [0, 1, 2, 3, 4, 6, 7]
     assert next(o for o in got if o["value"]["i"] == 3)["value"]["attempt"] == 2
     assert rclient.xlen(f"{stream_key(source, 0)}:dlq") == 1
+    assert summary.published == 7
+
+
+def test_an_entry_redriven_from_the_dlq_emits_once_when_it_succeeds(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    app = App(names.app())
+    fixed = False
+
+    @app.handler(source)
+    def picky(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value)
+        if value["i"] == 2 and not fixed:
+            raise ValueError("a bug, fixed later")
+
+    produce(source, [(None, {"i": i}) for i in range(4)])
+    settings = make_settings(PSPF_MAX_RETRIES=1)
+    Worker(app, settings).run(until_idle=True)
+    assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 3]
+    fixed = True
+    assert Service(settings).dlq_redrive(source, all_entries=True).changed == 1
+    Worker(app, settings).run(until_idle=True)
+    assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 2, 3]
 
 
 def test_emitting_to_a_missing_topic_fails_the_entry_with_a_clear_error(
@@ -142,7 +175,9 @@ def test_emitting_to_a_missing_topic_fails_the_entry_with_a_clear_error(
     assert b"no-such-topic" in fields[b"message"] and b"does not exist" in fields[b"message"]
 
 
-def test_a_repeated_publish_adds_nothing(redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis) -> None:
+def test_a_repeated_publish_adds_nothing(
+    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+) -> None:
     topic = make_topic(1)
     broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
     rows_ = [(seq, {b"value": str(seq).encode()}) for seq in range(1, 6)]
@@ -150,7 +185,14 @@ def test_a_repeated_publish_adds_nothing(redis_url: str, make_topic: Callable[[i
     assert broker.publish(topic, 0, "app/0", rows_) == 2  # 1-3 again: skipped
     assert broker.publish(topic, 0, "app/0", rows_) == 0
     assert broker.publish(topic, 0, "other/0", rows_[:1]) == 1  # another producer counts apart
-    assert [f[b"value"] for _, f in rclient.xrange(stream_key(topic, 0))] == [b"1", b"2", b"3", b"4", b"5", b"1"]
+    assert [f[b"value"] for _, f in rclient.xrange(stream_key(topic, 0))] == [
+        b"1",
+        b"2",
+        b"3",
+        b"4",
+        b"5",
+        b"1",
+    ]
     assert rclient.hget(producers_key(topic, 0), "app/0") == b"5"
 
 
@@ -164,3 +206,117 @@ def test_a_target_of_the_wrong_type_refuses_before_writing(
     with pytest.raises(Exception, match="WRONGTYPE"):
         broker.publish(topic, 0, "app/0", [(1, {b"value": b"1"})])
     assert rclient.hget(producers_key(topic, 0), "app/0") is None
+
+
+def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source, target = make_topic(2), make_topic(1)
+    rclient.delete(stream_key(target, 0))
+    rclient.set(stream_key(target, 0), "in the way")  # WRONGTYPE for every publish
+    app = App(names.app())
+
+    @app.handler(source)
+    def forward(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value)
+
+    produce(source, [(f"k{i}", {"i": i}) for i in range(20)])
+    settings = make_settings(
+        PSPF_OUTBOX_MAX_ATTEMPTS=3, PSPF_OUTBOX_RETRY_BASE_MS=10, PSPF_OUTBOX_RETRY_MAX_MS=50
+    )
+    summary = Worker(app, settings).run(until_idle=True)
+    assert summary.published == 0 and summary.publish_failed >= 20 * 3
+
+    service = Service(settings)
+    dead = service.outbox_list(app.name, "dead")
+    assert len(dead) == 20
+    assert all(r.attempts == 3 and r.last_error and "WRONGTYPE" in r.last_error for r in dead)
+    detail = service.outbox_show(app.name, dead[0].row_id)
+    assert json.loads(detail.value)["i"] in range(20) and detail.headers[SOURCE_APP_HEADER] == app.name
+
+    rclient.delete(stream_key(target, 0))  # repaired
+    preview = service.outbox_replay(app.name, dead=True, dry_run=True)
+    assert sorted(preview.selected) == sorted(r.row_id for r in dead) and not preview.replayed
+
+    worker = Worker(app, settings)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        result = service.outbox_replay(app.name, dead=True, wait_s=20)
+        assert sorted(result.replayed) == sorted(r.row_id for r in dead) and result.waiting == []
+        wait_for(lambda: rclient.xlen(stream_key(target, 0)) == 20, 20)
+        wait_for(lambda: len(service.outbox_list(app.name, "published")) == 20, 20)
+        # Replaying the same rows again publishes them once more, and only once.
+        again = service.outbox_replay(app.name, ids=[dead[0].row_id], wait_s=20)
+        assert again.replayed == [dead[0].row_id]
+        wait_for(lambda: rclient.xlen(stream_key(target, 0)) == 21, 20)
+        time.sleep(0.5)
+    finally:
+        worker.stop()
+        thread.join()
+    twice = json.loads(service.outbox_show(app.name, dead[0].row_id).value)["i"]
+    counts = Counter(o["value"]["i"] for o in outputs(rclient, target, 1))
+    assert counts == Counter({**dict.fromkeys(range(20), 1), twice: 2})
+
+
+def test_a_replay_no_worker_applies_stays_queued_and_the_cli_says_so(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    redis_url: str,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    app = App(names.app())
+
+    @app.handler(source)
+    def forward(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value)
+
+    produce(source, [(None, {"i": 1})])
+    settings = make_settings()
+    Worker(app, settings).run(until_idle=True)
+    (row,) = Service(settings).outbox_list(app.name, "published")
+    done = subprocess.run(
+        pspf_command(
+            "outbox", "replay", app.name, row.row_id, "--yes", "--wait", "0.3", "--broker", redis_url
+        ),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 7, done.stderr
+    assert "stays queued" in done.stderr and "replayed 0 of 1" in done.stdout
+    # The next worker of the app applies it: the row is published a second time.
+    Worker(app, settings).run(until_idle=True)
+    wait_for(lambda: rclient.xlen(stream_key(target, 0)) == 2, 10)
+    listed = subprocess.run(
+        pspf_command("outbox", "list", app.name, "--json", "--broker", redis_url),
+        capture_output=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [r["state"] for r in json.loads(listed.stdout)] == ["published"]
+    bad = subprocess.run(
+        pspf_command("outbox", "show", app.name, "zero", "--broker", redis_url),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "expected PARTITION:ROW" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

@@ -81,7 +81,6 @@ class OutboxReplayRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     all: Annotated[bool, msgspec.Meta(description="every dead and every published row")] = False
     limit: Annotated[int, msgspec.Meta(ge=1)] | None = None
     dry_run: Annotated[bool, msgspec.Meta(description="say what would be replayed; change nothing")] = False
-    wait_s: Annotated[float, msgspec.Meta(ge=0, le=60, description="wait for the owners to apply it")] = 10.0
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -281,7 +280,7 @@ def outbox_list(
     state: State,
     app: FromPath[str],
     row_state: Annotated[
-        str | None, QueryParameter(query="state", description="pending, claimed, published or dead")
+        str | None, QueryParameter(name="state", description="pending, claimed, published or dead")
     ] = None,
     partition: Annotated[int | None, QueryParameter(ge=0, description="only this source partition")] = None,
     limit: Annotated[int | None, QueryParameter(ge=1, description="at most this many rows")] = None,
@@ -386,14 +385,15 @@ def replay(
     opt={AUDIT_OPTION: "outbox.replay"},
     security=_BEARER,
     responses=_errors(401, 403, 404),
-    summary="Publish dead or published outbox rows again, each once more",
+    summary="Publish dead or published outbox rows again, each once more (queued for the owners)",
 )
 def outbox_replay(
     request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[OutboxReplayRequest]
 ) -> OutboxReplay:
     remember_params(request, data)
+    # No waiting in a request: the answer lists the partitions whose owners have yet to apply it.
     result = _service(state).outbox_replay(
-        app, data.ids, data.dead, data.all, data.limit, dry_run=data.dry_run, wait_s=data.wait_s
+        app, data.ids, data.dead, data.all, data.limit, dry_run=data.dry_run, wait_s=0
     )
     audit(request, 200, "ok", result)
     return result

@@ -22,7 +22,7 @@ from pspf.context import Emitted
 from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
-from pspf.outbox import Emitter, PartitionOutbox, encode_row, row_key
+from pspf.outbox import Emitter, PartitionOutbox, row_writes
 from pspf.ownership import OwnedPartition, StreamCursor
 
 if TYPE_CHECKING:
@@ -120,7 +120,8 @@ class PartitionBatch:
             _put(tx, keys.STATE_NAMESPACE, self.overlay)
             if rows:
                 for row in rows:
-                    tx.set(keys.OUTBOX_NAMESPACE, row_key(row.id), encode_row(row))
+                    for (namespace, key), value in row_writes(row, content=True).items():
+                        tx.set(namespace, key, value)
                 tx.set(keys.OUTBOX_META_NAMESPACE, "next", PartitionOutbox.counters(rows))
             _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})

@@ -41,8 +41,10 @@ BACKUP_IDENTITY = "identity"
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that
 #: moves the checkpoint to or past them.
 SUPERSEDED_NAMESPACE = "__superseded"
-#: Outbox rows (``ctx.emit``) by zero-padded row id (``outbox.row_key``).
+#: Outbox rows (``ctx.emit``) by zero-padded row id (``outbox.row_key``): what they publish,
+#: written once, and where they stand (``OUTBOX_STATE_NAMESPACE``), rewritten at each transition.
 OUTBOX_NAMESPACE = "__outbox"
+OUTBOX_STATE_NAMESPACE = "__outbox_state"
 #: The outbox's counters: key "next" = "next row id/next sequence number".
 OUTBOX_META_NAMESPACE = "__outbox_meta"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
@@ -55,6 +57,7 @@ STORE_NAMESPACES = (
     SUPERSEDED_NAMESPACE,
     BACKUP_NAMESPACE,
     OUTBOX_NAMESPACE,
+    OUTBOX_STATE_NAMESPACE,
     OUTBOX_META_NAMESPACE,
 )
 

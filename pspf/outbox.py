@@ -115,16 +115,85 @@ class OutboxRow(msgspec.Struct, array_like=True, frozen=True):
         return keys.stream_key(self.topic, self.partition)
 
 
+# A row is stored as two values under its key: its content (written once, when the batch that
+# emitted it commits) and its status (rewritten at each transition, small).
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(OutboxRow)
+_content_decoder = msgspec.msgpack.Decoder(tuple[str, int, dict[bytes, bytes]])
+_status_decoder = msgspec.msgpack.Decoder(
+    tuple[RowState, int, int, int, int, int | None, str | None, int | None, str | None]
+)
 
 
-def encode_row(row: OutboxRow) -> bytes:
-    return _encoder.encode(row)
+def status_value(row: OutboxRow) -> bytes:
+    return _encoder.encode(
+        (
+            row.state,
+            row.seq,
+            row.created_ms,
+            row.attempts,
+            row.available_ms,
+            row.claimed_ms,
+            row.claimed_by,
+            row.published_ms,
+            row.last_error,
+        )
+    )
 
 
-def decode_row(raw: bytes) -> OutboxRow:
-    return _decoder.decode(raw)
+def row_writes(row: OutboxRow, content: bool = False) -> dict[tuple[str, str], bytes]:
+    """The store writes of a row's status (and with ``content``, of its content too)."""
+    key = row_key(row.id)
+    writes = {(keys.OUTBOX_STATE_NAMESPACE, key): status_value(row)}
+    if content:
+        writes[(keys.OUTBOX_NAMESPACE, key)] = _encoder.encode((row.topic, row.partition, row.fields))
+    return writes
+
+
+def join_row(key: str, content: bytes, status: bytes) -> OutboxRow:
+    topic, partition, fields = _content_decoder.decode(content)
+    state, seq, created, attempts, available, claimed_ms, claimed_by, published, error = (
+        _status_decoder.decode(status)
+    )
+    return OutboxRow(
+        int(key),
+        seq,
+        topic,
+        partition,
+        fields,
+        created,
+        state,
+        attempts,
+        available,
+        claimed_ms,
+        claimed_by,
+        published,
+        error,
+    )
+
+
+def rows_in_store(store: StateStore, ids: Iterable[int] | None = None) -> list[OutboxRow]:
+    """The rows a store holds (those of ``ids``), in id order."""
+    if ids is None:
+        statuses = dict(store.items(keys.OUTBOX_STATE_NAMESPACE))
+        contents = store.items(keys.OUTBOX_NAMESPACE)
+    else:
+        wanted = [row_key(i) for i in ids]
+        statuses = store.get_many(keys.OUTBOX_STATE_NAMESPACE, wanted)
+        contents = iter(sorted(store.get_many(keys.OUTBOX_NAMESPACE, wanted).items()))
+    return [join_row(key, raw, statuses[key]) for key, raw in contents if key in statuses]
+
+
+def rows_in_backup(values: Iterable[tuple[bytes, bytes]]) -> list[OutboxRow]:
+    """The rows among a backup's (field, value) pairs, in id order."""
+    contents: dict[str, bytes] = {}
+    statuses: dict[str, bytes] = {}
+    for name, raw in values:
+        namespace, _, key = name.partition(b"\x00")
+        if namespace == keys.OUTBOX_NAMESPACE.encode():
+            contents[key.decode()] = raw
+        elif namespace == keys.OUTBOX_STATE_NAMESPACE.encode():
+            statuses[key.decode()] = raw
+    return [join_row(key, contents[key], statuses[key]) for key in sorted(contents) if key in statuses]
 
 
 def row_key(row_id: int) -> str:
@@ -251,10 +320,12 @@ class PartitionOutbox:
     succeeded: rows above it are not published yet (see the module's fencing note).
     """
 
-    def __init__(self, store: StateStore, app: str, partition: int) -> None:
+    def __init__(self, store: StateStore, app: str, partition: int, relay: str) -> None:
         self.store = store
         self.partition = partition
         self.producer = f"{app}/{partition}"
+        #: the name of this worker's relay (its consumer name): what its claims say
+        self.relay = relay
         self.next_seq = 1
         self.next_id = 1
         self.confirmed = 0
@@ -273,8 +344,7 @@ class PartitionOutbox:
         self.counts = dict.fromkeys(RowState, 0)
         reaped: list[tuple[RowState | None, OutboxRow]] = []
         stamp = now_ms()
-        for _, raw in self.store.items(keys.OUTBOX_NAMESPACE):
-            row = decode_row(raw)
+        for row in rows_in_store(self.store):
             if row.state is RowState.CLAIMED:
                 reap = f"claim of {row.claimed_by} reaped at takeover"
                 reaped.append((None, move(row, RowState.PENDING, stamp, error=reap)))
@@ -290,14 +360,23 @@ class PartitionOutbox:
         self.confirmed = self.next_seq - 1
 
     def rows_for(self, emitted: list[tuple[str, int, Fields]]) -> list[OutboxRow]:
-        """A batch's emitted entries as new rows, numbered on from the partition's counters."""
+        """A batch's emitted entries as new rows, numbered on from the partition's counters.
+
+        Each is claimed by this worker's relay in the same write (PENDING -> CLAIMED, so no write
+        of its own is needed before it is published), unless an earlier row to the same target
+        waits: then it waits PENDING behind it.
+        """
         stamp = now_ms()
-        return [
-            OutboxRow(
+        held = self.held_targets()
+        rows = []
+        for i, (topic, partition, fields) in enumerate(emitted):
+            row = OutboxRow(
                 self.next_id + i, self.next_seq + i, topic, partition, fields, stamp, available_ms=stamp
             )
-            for i, (topic, partition, fields) in enumerate(emitted)
-        ]
+            rows.append(
+                row if (topic, partition) in held else move(row, RowState.CLAIMED, stamp, relay=self.relay)
+            )
+        return rows
 
     @staticmethod
     def counters(rows: list[OutboxRow]) -> bytes:
@@ -308,7 +387,7 @@ class PartitionOutbox:
         """After the batch commit: its rows are the partition's (to be confirmed)."""
         for row in rows:
             self.open[row.id] = row
-        self.counts[RowState.PENDING] += len(rows)
+            self.counts[row.state] += 1
         self.unconfirmed = rows[-1].seq
         self.next_id, self.next_seq = rows[-1].id + 1, rows[-1].seq + 1
 
@@ -325,7 +404,7 @@ class PartitionOutbox:
         changes = list(changes)
         with self.store.transaction() as tx:
             for _, row in changes:
-                tx.set(keys.OUTBOX_NAMESPACE, row_key(row.id), encode_row(row))
+                tx.set(keys.OUTBOX_STATE_NAMESPACE, row_key(row.id), status_value(row))
             for (namespace, key), value in (extra or {}).items():
                 if value is None:
                     tx.delete(namespace, key)
@@ -361,18 +440,27 @@ class PartitionOutbox:
 
     def current(self, ids: Iterable[int]) -> dict[int, OutboxRow]:
         """The rows as the store has them now."""
-        found = self.store.get_many(keys.OUTBOX_NAMESPACE, [row_key(i) for i in ids])
-        return {int(k): decode_row(v) for k, v in found.items()}
+        return {row.id: row for row in rows_in_store(self.store, ids)}
+
+    def held_targets(self) -> set[tuple[str, int]]:
+        """Targets with a row waiting (backing off, or claimed and not yet published)."""
+        return {(row.topic, row.partition) for row in self.open.values()}
 
     def publishable(self, now: int, limit: int) -> list[OutboxRow]:
-        """PENDING rows to claim now, in sequence order, none after a waiting row to the same target."""
+        """Confirmed rows to publish now, in sequence order, none after a waiting row to the same target.
+
+        Rows this relay claimed when their batch committed, and PENDING rows that are due (to claim).
+        """
         out: list[OutboxRow] = []
         held: set[tuple[str, int]] = set()
         for row in sorted(self.open.values(), key=lambda r: r.seq):
             target = (row.topic, row.partition)
             if target in held:
                 continue
-            if row.state is not RowState.PENDING or row.available_ms > now or row.seq > self.confirmed:
+            ready = (row.state is RowState.CLAIMED and row.claimed_by == self.relay) or (
+                row.state is RowState.PENDING and row.available_ms <= now
+            )
+            if not ready or row.seq > self.confirmed:
                 held.add(target)
                 continue
             out.append(row)
@@ -438,8 +526,14 @@ class Relay:
         failed: list[OutboxRow] = []
         if rows:
             claimed_at = self.clock()
-            claimed = [move(row, RowState.CLAIMED, claimed_at, relay=self.name) for row in rows]
-            outbox.write((RowState.PENDING, row) for row in claimed)
+            due = [
+                move(row, RowState.CLAIMED, claimed_at, relay=self.name)
+                for row in rows
+                if row.state is RowState.PENDING
+            ]
+            if due:
+                outbox.write((RowState.PENDING, row) for row in due)
+            claimed = [outbox.open[row.id] for row in rows]
             call_hook(self.hooks.on_outbox_claimed, outbox.partition, len(claimed))
             sent, errors = self._publish(outbox, claimed)
             published, failed = self._settle(outbox, claimed, sent, errors)
@@ -475,13 +569,16 @@ class Relay:
     def _settle(
         self, outbox: PartitionOutbox, claimed: list[OutboxRow], sent: set[int], errors: dict[int, str]
     ) -> tuple[list[OutboxRow], list[OutboxRow]]:
-        """Mark what was published, and count the failed attempts; only rows still claimed by us."""
+        """Mark what was published, and count the failed attempts; only rows still claimed by us.
+
+        The claim is verified against the partition's index, which mirrors every write to the rows
+        in the store (the store is this process's alone: no other relay can change it).
+        """
         now = self.clock()
-        current = outbox.current(row.id for row in claimed)
         published: list[OutboxRow] = []
         failed: list[OutboxRow] = []
         for row in claimed:
-            stored = current.get(row.id)
+            stored = outbox.open.get(row.id)
             if stored is None or stored.claimed_by != self.name or stored.claimed_ms != row.claimed_ms:
                 log.warning("outbox row %s: claim lost before it was settled", row.id)
                 continue
@@ -527,6 +624,7 @@ class Relay:
             with outbox.store.transaction() as tx:
                 for key in doomed:
                     tx.delete(keys.OUTBOX_NAMESPACE, key)
+                    tx.delete(keys.OUTBOX_STATE_NAMESPACE, key)
             outbox.counts[RowState.PUBLISHED] -= len(doomed)
 
 
@@ -536,10 +634,10 @@ def _published_before(store: StateStore, cutoff: int) -> list[str]:
     Row ids grow with creation time: the look stops at the first row created after the cutoff.
     """
     doomed = []
-    for looked, (key, raw) in enumerate(store.items(keys.OUTBOX_NAMESPACE)):
-        row = decode_row(raw)
-        if row.created_ms > cutoff or looked >= PRUNE_SCAN:
+    for looked, (key, raw) in enumerate(store.items(keys.OUTBOX_STATE_NAMESPACE)):
+        state, _, created, *_, published, _ = _status_decoder.decode(raw)
+        if created > cutoff or looked >= PRUNE_SCAN:
             break
-        if row.state is RowState.PUBLISHED and (row.published_ms or 0) <= cutoff:
+        if state is RowState.PUBLISHED and (published or 0) <= cutoff:
             doomed.append(key)
     return doomed

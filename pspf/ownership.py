@@ -301,7 +301,7 @@ class Partitions:
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
                 )
-            outbox = PartitionOutbox(store, self.group, partition)
+            outbox = PartitionOutbox(store, self.group, partition, self.consumer)
             owned = OwnedPartition(partition, store, streams, outbox, backup=backup)
             owned.load_bookkeeping()
             self._claim_pending(owned)

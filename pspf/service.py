@@ -39,7 +39,15 @@ from pspf.keys import (
     StreamId,
 )
 from pspf.membership import live_members
-from pspf.outbox import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER, OutboxRow, RowState, decode_row, row_key
+from pspf.outbox import (
+    SOURCE_ID_HEADER,
+    SOURCE_TOPIC_HEADER,
+    OutboxRow,
+    RowState,
+    row_key,
+    rows_in_backup,
+    rows_in_store,
+)
 from pspf.producer import Producer
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
@@ -935,18 +943,16 @@ class Service:
         partitions = sorted({*backups, *stored})
         if not partitions:
             raise NotFound(f"no outbox of app {app!r} in Redis or under {state.dir}")
-        head = field(keys.OUTBOX_NAMESPACE, "")
         for p in partitions:
             if p in backups:
-                rows = [
-                    decode_row(raw)
-                    for page in self.broker.backup_values(backups[p].values, match=head + b"*")
-                    for _, raw in page
-                ]
-                yield from ((p, row) for row in sorted(rows, key=lambda r: r.id))
+                pages = self.broker.backup_values(
+                    backups[p].values, match=keys.OUTBOX_NAMESPACE.encode() + b"*"
+                )
+                yield from ((p, row) for row in rows_in_backup(pair for page in pages for pair in page))
                 continue
             with open_store(state.engine, state.dir, app, p, readonly=True) as store:
-                yield from ((p, decode_row(raw)) for _, raw in store.items(keys.OUTBOX_NAMESPACE))
+                found = rows_in_store(store)
+            yield from ((p, row) for row in found)
 
     def outbox_list(
         self, app: str, row_state: str | None = None, partition: int | None = None, limit: int | None = None
@@ -1039,16 +1045,21 @@ class Service:
         """One row, from the partition's backup, else from its store here."""
         keys.check_name("app", app)
         backup = None if self.local_state else self._backup_keys(app, partition)
-        raw = None
+        found: list[OutboxRow] = []
         if backup is not None:
-            raw = self.broker.backup_value(backup.values, field(keys.OUTBOX_NAMESPACE, row_key(number)))
+            names = [
+                field(namespace, row_key(number))
+                for namespace in (keys.OUTBOX_NAMESPACE, keys.OUTBOX_STATE_NAMESPACE)
+            ]
+            values = [self.broker.backup_value(backup.values, name) for name in names]
+            found = rows_in_backup((n, v) for n, v in zip(names, values, strict=True) if v is not None)
         elif partition in stored_partitions(self.settings.state.engine, self.settings.state.dir, app):
             state = self.settings.state
             with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
-                raw = store.get(keys.OUTBOX_NAMESPACE, row_key(number))
-        if raw is None:
+                found = rows_in_store(store, [number])
+        if not found:
             raise NotFound(f"app {app!r} has no outbox row {partition}:{number}")
-        return decode_row(raw)
+        return found[0]
 
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
         """The keys that have state in ``app``, over every partition store found, sorted."""

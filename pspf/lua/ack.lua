@@ -68,13 +68,24 @@ if backup ~= '' then
     redis.call('HSET', KEYS[5], 'identity', identity)
   end
   if logged then
-    local per = 8 * chunk
-    local parts = math.max(1, math.ceil((last - items + 1) / per))
-    for part = 0, parts - 1 do
-      local first = items + part * per
+    -- Parts of at most ~16 KB and 256 values: Redis builds a stream entry by appending to one
+    -- buffer, so a large entry costs the square of its size (2,600 values took 15 ms in one
+    -- entry, well under 1 ms in parts).
+    local bounds, size = {items}, 0
+    for k = items, last, 2 do
+      local item = #ARGV[k] + #ARGV[k + 1]
+      if k > bounds[#bounds] and (size + item > 16384 or k - bounds[#bounds] >= 512) then
+        bounds[#bounds + 1] = k
+        size = 0
+      end
+      size = size + item
+    end
+    local parts = #bounds
+    for part = 1, parts do
+      local upto = part < parts and bounds[part + 1] - 1 or last
       redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'prev', prev,
-                 'id', identity ~= '' and identity or prev, 'part', tostring(part),
-                 'more', part < parts - 1 and '1' or '0', unpack(ARGV, first, math.min(first + per - 1, last)))
+                 'id', identity ~= '' and identity or prev, 'part', tostring(part - 1),
+                 'more', part < parts and '1' or '0', unpack(ARGV, bounds[part], upto))
     end
   end
 end

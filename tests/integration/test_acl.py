@@ -32,7 +32,7 @@ ACL_RULES = (
     "resetkeys ~pspf:* resetchannels -@all +@stream +hsetnx +hset +hget +hgetall +hscan +hdel +sadd "
     "+smembers +exists +mget "
     "+get +set +incr +pexpire +del +evalsha +script|load +watch +multi +exec +unwatch +info +command|info "
-    "+ping +select +zadd +zrem +zrange +zrangebyscore +zscore +time"
+    "+ping +select +zadd +zrem +zrange +zrangebyscore +zscore +time +type +hmget"
 )
 OPTIONAL_RULES = "+config|get"
 UNCHECKED = "persistence and eviction are unchecked"
@@ -181,5 +181,11 @@ def test_commands_of_rarer_paths_are_allowed(user: Callable[[str], AsUser]) -> N
         )
         assert broker.add_chunks([chunk], 60, maxlen="100") == [1]
         assert broker.add_chunks([chunk], 60, maxlen="100") == [0]  # the marker saw it
+        # The outbox: publishing (TYPE, HGET, XADD, HSET in Lua) and replay requests (HMGET).
+        assert broker.publish(as_user.topic, 0, "app/0", [(1, {b"value": b"{}"})]) == 1
+        broker.request_outbox_replay(as_user.app, 0, [1])
+        raw = broker.outbox_replay_requests(as_user.app, [0, 1])[0]
+        broker.finish_outbox_replay(as_user.app, 0, raw, b"{}")
+        assert broker.outbox_replay_outcomes(as_user.app, [0]) == {0: b"{}"}
     finally:
         broker.close()

@@ -221,6 +221,9 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("POST", "/topics/{topic}/dlq/redrive"),
         ("POST", "/topics/{topic}/dlq/purge"),
         ("POST", "/apps/{app}/replay"),
+        ("GET", "/apps/{app}/outbox"),
+        ("GET", "/apps/{app}/outbox/{row_id}"),
+        ("POST", "/apps/{app}/outbox/replay"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]

@@ -7,7 +7,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +17,14 @@ import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
-from pspf.keys import OUTBOX_NAMESPACE, producers_key, stream_key
+from pspf.keys import producers_key, stream_key
 from pspf.outbox import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
     SOURCE_PARTITION_HEADER,
     SOURCE_TOPIC_HEADER,
     RowState,
-    decode_row,
+    rows_in_store,
 )
 from pspf.service import Service
 from state_stores import open_store
@@ -36,6 +36,33 @@ pytestmark = pytest.mark.integration
 class Order(msgspec.Struct):
     user: str
     amount: int
+
+
+@pytest.fixture
+def services() -> Iterator[Callable[[Settings], Service]]:
+    """Services over given settings, closed after the test."""
+    made: list[Service] = []
+
+    def make(settings: Settings) -> Service:
+        made.append(Service(settings))
+        return made[-1]
+
+    yield make
+    for service in made:
+        service.close()
+
+
+@pytest.fixture
+def brokers() -> Iterator[Callable[[str], Broker]]:
+    made: list[Broker] = []
+
+    def make(url: str) -> Broker:
+        made.append(Broker(Settings.load({"PSPF_BROKER": url}, environ={}).redis))
+        return made[-1]
+
+    yield make
+    for broker in made:
+        broker.close()
 
 
 def outputs(rclient: redis.Redis, topic: str, partitions: int) -> list[dict[str, Any]]:
@@ -58,7 +85,7 @@ def rows(settings: Settings, app: str, partitions: int) -> list[Any]:
     found = []
     for p in range(partitions):
         with open_store(settings.state.engine, settings.state.dir, app, p, readonly=True) as store:
-            found += [decode_row(raw) for _, raw in store.items(OUTBOX_NAMESPACE)]
+            found += rows_in_store(store)
     return found
 
 
@@ -127,6 +154,7 @@ def test_a_failing_handler_emits_nothing_and_a_dead_entry_publishes_nothing(
 
 
 def test_an_entry_redriven_from_the_dlq_emits_once_when_it_succeeds(
+    services: Callable[[Settings], Service],
     make_settings: Callable[..., Settings],
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
@@ -148,7 +176,7 @@ def test_an_entry_redriven_from_the_dlq_emits_once_when_it_succeeds(
     Worker(app, settings).run(until_idle=True)
     assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 3]
     fixed = True
-    assert Service(settings).dlq_redrive(source, all_entries=True).changed == 1
+    assert services(settings).dlq_redrive(source, all_entries=True).changed == 1
     Worker(app, settings).run(until_idle=True)
     assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 2, 3]
 
@@ -176,10 +204,10 @@ def test_emitting_to_a_missing_topic_fails_the_entry_with_a_clear_error(
 
 
 def test_a_repeated_publish_adds_nothing(
-    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+    brokers: Callable[[str], Broker], redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
 ) -> None:
     topic = make_topic(1)
-    broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+    broker = brokers(redis_url)
     rows_ = [(seq, {b"value": str(seq).encode()}) for seq in range(1, 6)]
     assert broker.publish(topic, 0, "app/0", rows_[:3]) == 3
     assert broker.publish(topic, 0, "app/0", rows_) == 2  # 1-3 again: skipped
@@ -197,18 +225,19 @@ def test_a_repeated_publish_adds_nothing(
 
 
 def test_a_target_of_the_wrong_type_refuses_before_writing(
-    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+    brokers: Callable[[str], Broker], redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
 ) -> None:
     topic = make_topic(1)
     rclient.delete(stream_key(topic, 0))
     rclient.set(stream_key(topic, 0), "not a stream")
-    broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+    broker = brokers(redis_url)
     with pytest.raises(Exception, match="WRONGTYPE"):
         broker.publish(topic, 0, "app/0", [(1, {b"value": b"1"})])
     assert rclient.hget(producers_key(topic, 0), "app/0") is None
 
 
 def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
+    services: Callable[[Settings], Service],
     make_settings: Callable[..., Settings],
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
@@ -231,7 +260,7 @@ def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
     summary = Worker(app, settings).run(until_idle=True)
     assert summary.published == 0 and summary.publish_failed >= 20 * 3
 
-    service = Service(settings)
+    service = services(settings)
     dead = service.outbox_list(app.name, "dead")
     assert len(dead) == 20
     assert all(r.attempts == 3 and r.last_error and "WRONGTYPE" in r.last_error for r in dead)
@@ -264,6 +293,7 @@ def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
 
 
 def test_a_replay_no_worker_applies_stays_queued_and_the_cli_says_so(
+    services: Callable[[Settings], Service],
     make_settings: Callable[..., Settings],
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
@@ -282,7 +312,7 @@ def test_a_replay_no_worker_applies_stays_queued_and_the_cli_says_so(
     produce(source, [(None, {"i": 1})])
     settings = make_settings()
     Worker(app, settings).run(until_idle=True)
-    (row,) = Service(settings).outbox_list(app.name, "published")
+    (row,) = services(settings).outbox_list(app.name, "published")
     done = subprocess.run(
         pspf_command(
             "outbox", "replay", app.name, row.row_id, "--yes", "--wait", "0.3", "--broker", redis_url
@@ -320,3 +350,43 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_the_admin_api_lists_shows_and_replays_outbox_rows(
+    services: Callable[[Settings], Service],
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+) -> None:
+    from litestar.testing import TestClient
+
+    from admin_api import create_app
+
+    source, target = make_topic(2), make_topic(1)
+    app = App(names.app())
+
+    @app.handler(source)
+    def forward(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value, key=ctx.key)
+
+    produce(source, [(f"k{i}", {"i": i}) for i in range(6)])
+    settings = make_settings()
+    Worker(app, settings).run(until_idle=True)
+    service = services(settings)
+    with TestClient(app=create_app(service, token="secret")) as api:
+        listed = api.get(f"/apps/{app.name}/outbox", params={"state": "published"})
+        assert listed.status_code == 200, listed.text
+        assert listed.json() == msgspec.to_builtins(service.outbox_list(app.name, "published"))
+        assert len(listed.json()) == 6
+        row_id = listed.json()[0]["row_id"]
+        shown = api.get(f"/apps/{app.name}/outbox/{row_id}")
+        assert shown.status_code == 200 and shown.json()["row_id"] == row_id
+        assert api.get(f"/apps/{app.name}/outbox/{row_id.split(':')[0]}:999").status_code == 404
+        assert api.get(f"/apps/{app.name}/outbox", params={"state": "lost"}).status_code == 422
+        body = {"ids": [row_id], "dry_run": True}
+        assert api.post(f"/apps/{app.name}/outbox/replay", json=body).status_code == 401
+        dry = api.post(
+            f"/apps/{app.name}/outbox/replay", json=body, headers={"Authorization": "Bearer secret"}
+        )
+        assert dry.status_code == 200 and dry.json()["selected"] == [row_id] and dry.json()["dry_run"]

@@ -72,7 +72,9 @@ def test_a_failed_attempt_counts_keeps_the_error_and_clears_the_claim(to: RowSta
 
 @pytest.mark.parametrize("before", [RowState.PUBLISHED, RowState.DEAD])
 def test_a_replay_needs_a_new_sequence_and_starts_over(before: RowState) -> None:
-    done = row(before, attempts=10, last_error="x", published_ms=120 if before is RowState.PUBLISHED else None)
+    done = row(
+        before, attempts=10, last_error="x", published_ms=120 if before is RowState.PUBLISHED else None
+    )
     with pytest.raises(TransitionRefused, match="new sequence"):
         move(done, RowState.PENDING, 400)
     again = move(done, RowState.PENDING, 400, seq=42)
@@ -81,11 +83,21 @@ def test_a_replay_needs_a_new_sequence_and_starts_over(before: RowState) -> None
 
 
 def test_publishable_rows_wait_behind_an_earlier_row_to_the_same_target() -> None:
-    outbox = PartitionOutbox(MemoryStore(), "app", 0)
-    rows = outbox.rows_for([("a", 0, {b"value": b"1"}), ("a", 0, {b"value": b"2"}), ("b", 0, {b"value": b"3"})])
+    outbox = PartitionOutbox(MemoryStore(), "app", 0, "relay-a")
+    rows = outbox.rows_for(
+        [("a", 0, {b"value": b"1"}), ("a", 0, {b"value": b"2"}), ("b", 0, {b"value": b"3"})]
+    )
     outbox.committed(rows)
     assert outbox.publishable(10**13, 100) == []  # not confirmed yet
     outbox.confirm()
     assert [r.id for r in outbox.publishable(10**13, 100)] == [1, 2, 3]
-    outbox.open[1] = msgspec.structs.replace(outbox.open[1], available_ms=2 * 10**13)  # backing off
+    outbox.open[1] = move(
+        outbox.open[1], RowState.PENDING, 10**13, error="down", retry_in_ms=10**13
+    )  # backing off
     assert [r.id for r in outbox.publishable(10**13, 100)] == [3]
+    # A new row to the held target waits PENDING behind it; one to another target is claimed at once.
+    later = outbox.rows_for([("a", 0, {b"value": b"4"}), ("c", 0, {b"value": b"5"})])
+    assert [(r.state, r.claimed_by) for r in later] == [
+        (RowState.PENDING, None),
+        (RowState.CLAIMED, "relay-a"),
+    ]

@@ -33,7 +33,7 @@ def owned_partition(store: MemoryStore) -> tuple[OwnedPartition, StreamCursor]:
         lease_value="owner|1",
         checkpoint=store.checkpoints().get(TOPIC),
     )
-    owned = OwnedPartition(0, store, {stream: cursor}, PartitionOutbox(store, "app", 0))
+    owned = OwnedPartition(0, store, {stream: cursor}, PartitionOutbox(store, "app", 0, "c"))
     owned.load_bookkeeping()
     return owned, cursor
 

@@ -1,0 +1,250 @@
+"""Outbox benchmark: the order-totals app with one ``ctx.emit`` per entry, against the same app
+without emits and a plain redis-py loop, and the end-to-end latency of an emitted entry.
+
+Usage::
+
+    python benchmarks/emit.py                     # 100,000 entries, 3 runs, latency at 10,000/s
+    python benchmarks/emit.py --entries 50000 --runs 1 --rate 5000 --seconds 3
+    python benchmarks/emit.py --store rocksdb
+
+Throughput: each run pre-loads the same entries into ONE partition of two fresh topics (and a
+plain stream). A worker (in a child process, ``run(until_idle=True)``, which returns once every
+emitted entry is published) runs the order-totals app over the first topic, and the same app
+with ``ctx.emit(out, {"user", "total"}, key=user)`` per entry over the second; the plain loop of
+``benchmarks/throughput.py`` (XREADGROUP, decode, dict update, XACK) runs in this process over
+the copy. Every run checks that the output topic holds exactly one entry per input.
+
+Latency: a worker of the emitting app runs (``run()``) while this process adds entries at
+``--rate`` per second for ``--seconds``, in small pipelined groups every 10 ms. The latency of an
+entry is the output's stream id time minus its input's (both the server's clock, in ms, found
+through the ``pspf-source-id`` header): from the input's XADD to the output's XADD.
+
+Without ``--broker``, a redis-server of its own is started (see ``benchmarks/throughput.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run the checkout's code even when it is not installed
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from benchmarks.throughput import make_orders, own_redis_server, preload, run_plain  # noqa: E402
+from pspf import App, Context, Settings, Worker  # noqa: E402
+from pspf.keys import stream_key  # noqa: E402
+from pspf.outbox import SOURCE_ID_HEADER  # noqa: E402
+from pspf.service import Service  # noqa: E402
+
+
+def totals_app(name: str, topic: str, out: str | None) -> App:
+    app = App(name)
+
+    @app.handler(topic)
+    def add(order: dict, ctx: Context) -> None:  # type: ignore[type-arg] # as throughput.py measures
+        total = ctx.state.get("total", 0) + order["amount"]
+        ctx.state["total"] = total
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+        if out is not None:
+            ctx.emit(out, {"user": order["user"], "total": total}, key=order["user"])
+
+    return app
+
+
+def worker_child(args: argparse.Namespace) -> None:
+    """Run one worker; print {"seconds": ...} (until idle), or run until SIGTERM (``--forever``)."""
+    import logging
+
+    logging.getLogger("pspf").setLevel(logging.ERROR)
+    settings = Settings.load(
+        {
+            "PSPF_BROKER": args.broker,
+            "PSPF_STATE_DIR": args.state_dir,
+            "PSPF_BLOCK_MS": 100,
+            "PSPF_BATCH_SIZE": args.batch_size,
+            "PSPF_STORE": args.store,
+        },
+        environ={},
+    )
+    worker = Worker(totals_app(args.app, args.topic, args.out or None), settings)
+    if args.forever:
+        signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+        worker.run()
+        return
+    start = time.perf_counter()
+    summary = worker.run(until_idle=True)
+    print(json.dumps({"seconds": time.perf_counter() - start, "published": summary.published}))
+
+
+def child_command(
+    args: argparse.Namespace, url: str, app: str, topic: str, out: str, state_dir: str
+) -> list[str]:
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--broker",
+        url,
+        "--app",
+        app,
+        "--topic",
+        topic,
+        "--out",
+        out,
+        "--state-dir",
+        state_dir,
+        "--batch-size",
+        str(args.batch_size),
+        "--store",
+        args.store,
+    ]
+
+
+def run_child(command: list[str]) -> dict[str, Any]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker child failed ({done.returncode}):\n{done.stderr}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+    run = uuid.uuid4().hex[:8]
+    plain_topic, emit_topic, out = f"bench-{run}-a", f"bench-{run}-b", f"bench-{run}-out"
+    copy = f"bench-{run}-copy"
+    preload(url, plain_topic, copy, orders)
+    preload(url, emit_topic, None, orders)
+    service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
+    service.create_topic(out, 1)
+    service.close()
+    with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
+        without = run_child(child_command(args, url, f"app-{run}-a", plain_topic, "", state_dir))
+        with_emit = run_child(child_command(args, url, f"app-{run}-b", emit_topic, out, state_dir))
+    plain = run_plain(url, copy, f"plain-{run}", args.batch_size, raw=True)
+    client = redis.Redis.from_url(url)
+    emitted = client.xlen(stream_key(out, 0))
+    client.close()
+    if emitted != len(orders) or with_emit["published"] != len(orders):
+        raise RuntimeError(f"{emitted} entries in the output topic for {len(orders)} inputs")
+    n = len(orders)
+    return {
+        "without": n / without["seconds"],
+        "with": n / with_emit["seconds"],
+        "plain": n / plain["seconds"],
+    }
+
+
+def latency_run(url: str, args: argparse.Namespace) -> list[int]:
+    run = uuid.uuid4().hex[:8]
+    topic, out, app = f"lat-{run}-in", f"lat-{run}-out", f"lat-{run}"
+    service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
+    service.create_topic(topic, 1)
+    service.create_topic(out, 1)
+    service.close()
+    total = int(args.rate * args.seconds)
+    orders = make_orders(total, args.keys, seed=3)
+    client = redis.Redis.from_url(url)
+    with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
+        worker = subprocess.Popen([*child_command(args, url, app, topic, out, state_dir), "--forever"])
+        try:
+            time.sleep(1.0)  # the worker takes its partition
+            tick = 0.01
+            per_tick = max(1, round(args.rate * tick))
+            start = time.perf_counter()
+            for i in range(0, total, per_tick):
+                pipe = client.pipeline(transaction=False)
+                for user, value in orders[i : i + per_tick]:
+                    pipe.xadd(stream_key(topic, 0), {b"key": user.encode(), b"value": value})
+                pipe.execute()
+                sleep = start + (i // per_tick + 1) * tick - time.perf_counter()
+                if sleep > 0:
+                    time.sleep(sleep)
+            deadline = time.monotonic() + 60
+            while client.xlen(stream_key(out, 0)) < total and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+    latencies = []
+    for out_id, fields in client.xrange(stream_key(out, 0)):
+        source = json.loads(fields[b"headers"])[SOURCE_ID_HEADER]
+        latencies.append(int(out_id.split(b"-")[0]) - int(source.split("-")[0]))
+    client.close()
+    if len(latencies) != total:
+        raise RuntimeError(f"{len(latencies)} outputs for {total} inputs")
+    return latencies
+
+
+def percentile(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entries", type=int, default=100_000, help="entries per throughput run (100000)")
+    parser.add_argument("--keys", type=int, default=1000, help="distinct keys (1000)")
+    parser.add_argument("--runs", type=int, default=3, help="throughput runs; medians are reported (3)")
+    parser.add_argument("--rate", type=float, default=10_000, help="entries/s of the latency run (10000)")
+    parser.add_argument("--seconds", type=float, default=5, help="length of the latency run (5)")
+    parser.add_argument("--batch-size", type=int, default=1000, help="PSPF_BATCH_SIZE and COUNT (1000)")
+    parser.add_argument("--store", choices=("sqlite", "rocksdb"), default="sqlite")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--forever", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--app", help=argparse.SUPPRESS)
+    parser.add_argument("--topic", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--state-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        worker_child(args)
+        return
+    if args.broker:
+        report(args.broker, f"Redis at {args.broker}", args)
+        return
+    with own_redis_server() as (url, description):
+        report(url, description, args)
+
+
+def report(url: str, description: str, args: argparse.Namespace) -> None:
+    orders = make_orders(args.entries, args.keys)
+    runs = [throughput_run(url, args, orders) for _ in range(args.runs)]
+    med = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    ratios = [r["with"] / r["without"] for r in runs]
+    print(
+        f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, "
+        f"{os.cpu_count()} cores"
+    )
+    print(f"Throughput, entries/s, median of {args.runs} run(s)")
+    print(f"  order totals, no emit                {med['without']:>10,.0f}")
+    print(f"  order totals, one ctx.emit per entry {med['with']:>10,.0f}   until every output is published")
+    print(f"  plain redis-py loop                  {med['plain']:>10,.0f}")
+    print(
+        f"  ratio emit / no emit                 {statistics.median(ratios):>10.2f}   "
+        f"(per run: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 0.60)"
+    )
+    versus_plain = statistics.median(r["with"] / r["plain"] for r in runs)
+    print(f"  ratio emit / plain loop              {versus_plain:>10.2f}")
+    latencies = latency_run(url, args)
+    print(f"End-to-end latency, input XADD -> output XADD, {args.rate:,.0f} entries/s for {args.seconds:g} s")
+    print(
+        f"  p50 {percentile(latencies, 0.5):.0f} ms   p99 {percentile(latencies, 0.99):.0f} ms   "
+        f"max {max(latencies)} ms   ({len(latencies):,} entries)"
+    )
+
+
+if __name__ == "__main__":
+    main()

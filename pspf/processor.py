@@ -223,7 +223,10 @@ class BatchProcessor:
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
             for owned in self.owned.values():
                 if owned.backup is not None:
-                    owned.backup.flush()
+                    try:
+                        owned.backup.flush()
+                    except LeaseLost as exc:
+                        self._lease_lost(owned.backup.stream, str(exc), result)
         return result
 
     def apply_outbox_replays(self) -> None:
@@ -238,7 +241,11 @@ class BatchProcessor:
                 ids = []
             replayed = owned.outbox.replay(ids)
             if owned.backup is not None:
-                owned.backup.flush()
+                try:
+                    owned.backup.flush()
+                except LeaseLost as exc:  # the next lease round gives the partition up
+                    log.warning("outbox replay partition=%s not confirmed: %s", partition, exc)
+                    continue
             owned.outbox.confirm()
             outcome = {"requested": ids, "replayed": replayed, "at_ms": int(time.time() * 1000)}
             self.broker.finish_outbox_replay(self.app.name, partition, raw, msgspec.json.encode(outcome))

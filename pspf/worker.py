@@ -143,6 +143,8 @@ class Worker:
         self._partitions = 0
         self._stopping = threading.Event()
         self._next_idle_claim = 0.0
+        #: when the held leases were last renewed (monotonic): every renewal of a round counts
+        self._renewed_at = 0.0
         #: Set by a lost connection: the next lease round checks the owned streams again.
         self._recheck_streams = False
         self._signals = 0
@@ -271,7 +273,7 @@ class Worker:
             try:
                 if time.monotonic() >= next_lease_round:
                     self._lease_round()
-                    next_lease_round = time.monotonic() + lease_every_s
+                    next_lease_round = self._renewed_at + lease_every_s
                 # "Nothing left to read" needs only a look, not a blocking read.
                 result = self.processor.run_once(block=not until_idle)
                 finished = until_idle and result.idle and self._others_drained()
@@ -333,6 +335,7 @@ class Worker:
             for cursor in self.processor.cursors():
                 self.partitions.check_stream(cursor.stream, cursor.checkpoint)
             self._recheck_streams = False
+        self._renewed_at = time.monotonic()
         for partition in self.leases.renew(self._held):
             self._drop(partition, release=False)
         members = self.membership.heartbeat()
@@ -356,6 +359,7 @@ class Worker:
     def _take_free(self, target: set[int]) -> None:
         """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""
         for partition in self.leases.takeable(sorted(target - set(self._held))):
+            self._renew_if_due()  # the partitions taken before may have taken long to restore
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue
@@ -398,19 +402,28 @@ class Worker:
 
         Raises LeaseLost when the new partition's lease is gone: the takeover stops there.
         """
-        every_s = self.settings.consumer.lease_ttl_ms / 3000
-        last = time.monotonic()
 
         def renew() -> None:
-            nonlocal last
-            if time.monotonic() - last < every_s:
-                return
-            last = time.monotonic()
-            self.membership.heartbeat()
-            if partition in self.leases.renew({**self._held, partition: leases}):
+            if partition in self._renew_if_due({partition: leases}):
                 raise LeaseLost(f"the lease of partition {partition} expired while it was being taken")
 
         return renew
+
+    def _renew_if_due(self, taking: dict[int, Leases] | None = None) -> list[int]:
+        """Renew the held leases (and those being taken) when a third of their TTL has passed.
+
+        One clock for a whole lease round: restores that each stay short can add up to more than
+        the TTL. Held partitions whose lease is gone are dropped; returns the lost partitions.
+        """
+        if time.monotonic() - self._renewed_at < self.settings.consumer.lease_ttl_ms / 3000:
+            return []
+        self._renewed_at = time.monotonic()
+        self.membership.heartbeat()
+        lost = self.leases.renew({**self._held, **(taking or {})})
+        for partition in lost:
+            if partition in self._held:
+                self._drop(partition, release=False)
+        return lost
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)

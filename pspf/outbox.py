@@ -13,6 +13,13 @@ Rows follow the lifecycle of seed 000, written once in ``TRANSITIONS`` and appli
     CLAIMED -> DEAD (attempts exhausted)
     PUBLISHED / DEAD -> PENDING (replay by an operator, under a new sequence number)
 
+A batch's rows are claimed by this worker's relay in the batch's own commit (created PENDING and
+claimed in one write), so publishing them needs no write of its own first; a row waiting behind
+an earlier one to the same target is created PENDING and claimed when its turn comes. Claims of a
+relay that died are reaped by the next owner when it takes the partition (CLAIMED -> PENDING).
+A claim is verified before its row is marked PUBLISHED against the partition's index, which
+mirrors every write of the rows: the store is this process's alone.
+
 Publishing (step 7) is idempotent on the target: each (app, source partition) is a producer that
 numbers its rows; ``lua/publish.lua`` on the target partition's hash tag appends only rows whose
 sequence is above the last one it recorded for that producer, and records it in the same call.
@@ -268,6 +275,7 @@ class Emitter:
         self.broker = broker
         self.app = app
         self._partitions: dict[str, int] = {}
+        self._heads: dict[tuple[str, int], bytes] = {}
 
     def partitions(self, topic: str) -> int:
         known = self._partitions.get(topic)
@@ -288,17 +296,11 @@ class Emitter:
         partitions = self.partitions(topic)
         try:
             encoded = codec.encode_value(value)
-            fields = codec.entry_fields(
-                encoded,
-                key,
-                {
-                    **(headers or {}),
-                    SOURCE_APP_HEADER: self.app,
-                    SOURCE_TOPIC_HEADER: ctx.topic,
-                    SOURCE_PARTITION_HEADER: str(ctx.partition),
-                    SOURCE_ID_HEADER: ctx.id,
-                },
-            )
+            if headers:
+                fields = codec.entry_fields(encoded, key, {**headers, **self._source(ctx)})
+            else:  # the common case, without a JSON encoding of the same headers per entry
+                fields = codec.entry_fields(encoded, key)
+                fields[codec.HEADERS] = self._headers_head(ctx) + ctx._id + b'"}'
         except ConfigError as exc:
             raise EmitError(f"cannot emit to topic {topic!r}: {exc}") from None
         partition = (
@@ -307,6 +309,22 @@ class Emitter:
             else ctx.partition % partitions
         )
         return topic, partition, fields
+
+    def _source(self, ctx: Context) -> dict[str, str]:
+        return {
+            SOURCE_APP_HEADER: self.app,
+            SOURCE_TOPIC_HEADER: ctx.topic,
+            SOURCE_PARTITION_HEADER: str(ctx.partition),
+            SOURCE_ID_HEADER: ctx.id,
+        }
+
+    def _headers_head(self, ctx: Context) -> bytes:
+        """The source headers' JSON up to the entry id's value (ids need no escaping)."""
+        head = self._heads.get((ctx.topic, ctx.partition))
+        if head is None:
+            encoded = codec.json_encoder.encode({**self._source(ctx), SOURCE_ID_HEADER: ""})
+            head = self._heads[(ctx.topic, ctx.partition)] = encoded[: -len(b'"}')]
+        return head
 
 
 # -- one partition's rows --------------------------------------------------------------------------

@@ -390,3 +390,51 @@ def test_the_admin_api_lists_shows_and_replays_outbox_rows(
             f"/apps/{app.name}/outbox/replay", json=body, headers={"Authorization": "Bearer secret"}
         )
         assert dry.status_code == 200 and dry.json()["selected"] == [row_id] and dry.json()["dry_run"]
+
+
+def test_published_rows_are_pruned_after_the_retention_and_metrics_count_the_outbox(
+    services: Callable[[Settings], Service],
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    import urllib.request
+
+    source, target = make_topic(1), make_topic(2)
+    app = App(names.app())
+
+    @app.handler(source)
+    def forward(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value, key=ctx.key)
+
+    produce(source, [(f"k{i}", {"i": i}) for i in range(40)])
+    settings = make_settings(PSPF_OUTBOX_RETENTION_S=0.5, PSPF_METRICS_PORT=0)
+    service = services(settings)
+    worker = Worker(app, settings)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_for(lambda: sum(rclient.xlen(stream_key(target, p)) for p in range(2)) == 40, 20)
+        address = None
+        while address is None:
+            address = worker.metrics_address
+        host, port = address
+        text = urllib.request.urlopen(f"http://{host}:{port}/metrics").read().decode()
+        assert (
+            "pspf_outbox_published_total" in text
+            and f'pspf_outbox_published_total{{app="{app.name}"}} 40.0' in text
+        )
+        assert "pspf_outbox_publish_latency_seconds_count" in text
+        # Published rows go once they are older than the retention, from the store and the backup.
+        wait_for(lambda: service.outbox_list(app.name) == [], 20)
+        text = urllib.request.urlopen(f"http://{host}:{port}/metrics").read().decode()
+        assert f'pspf_outbox_rows{{app="{app.name}",partition="0",state="published"}} 0.0' in text
+    finally:
+        worker.stop()
+        thread.join()
+    with open_store(settings.state.engine, settings.state.dir, app.name, 0, readonly=True) as store:
+        assert rows_in_store(store) == []
+    # One sequence record per producer on each target partition, whatever was published.
+    assert {rclient.hlen(producers_key(target, p)) for p in range(2)} == {1}

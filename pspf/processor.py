@@ -15,10 +15,13 @@ the module that holds it:
    writes join the batch only if its handler returns. A failure is retried (ordered mode: the
    stream waits), parked (deferred mode: the stream goes on) or dead-lettered (``failures``);
 5. commit (``batch``): ONE store transaction per partition holds the state writes, the new
-   checkpoints and the retry bookkeeping (attempts, parked entries, dead-letter decisions);
+   checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
+   (attempts, parked entries, dead-letter decisions);
 6. acknowledge (here): ONE pipelined round trip acknowledges every stream's batch and moves its
-   dead entries to the DLQ, each stream in a Lua call that checks its lease token; it happens
-   only after step 5 returned.
+   dead entries to the DLQ, each stream in a Lua call that checks its lease token (and updates
+   the partition's state backup); it happens only after step 5 returned;
+7. publish (``outbox``): the relay publishes the rows whose acknowledgement succeeded, each at
+   most once on its target; acknowledging never waits for it.
 
 Invariants kept here: nothing is acknowledged before the commit that holds its effects; a stream
 is applied in id order by one owner, and an owner works through its own pending entries before it

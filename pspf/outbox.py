@@ -351,7 +351,8 @@ class PartitionOutbox:
         self.counts: dict[RowState, int] = dict.fromkeys(RowState, 0)
         #: seq of rows committed by the last commits whose acknowledgement is still to come
         self.unconfirmed = 0
-        self._next_prune = 0.0
+        #: when the relay looks for published rows to prune next (monotonic)
+        self.next_prune = 0.0
 
     def load(self) -> None:
         """Index the store's rows at takeover; claims from before (any relay's) are reaped."""
@@ -633,9 +634,9 @@ class Relay:
 
     def _prune(self, outbox: PartitionOutbox) -> None:
         """Delete rows published longer than the retention ago (a bounded look per pass)."""
-        if time.monotonic() < outbox._next_prune:
+        if time.monotonic() < outbox.next_prune:
             return
-        outbox._next_prune = time.monotonic() + max(1.0, self.settings.retention_s / 10)
+        outbox.next_prune = time.monotonic() + max(1.0, self.settings.retention_s / 10)
         cutoff = self.clock() - int(self.settings.retention_s * 1000)
         doomed = _published_before(outbox.store, cutoff)
         if doomed:

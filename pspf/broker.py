@@ -640,6 +640,10 @@ class Broker:
         """
         if not requests:
             return []
+        if all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests):
+            done = self._ack_in_transaction(requests)
+            if done is not None:
+                return done
         calls: list[tuple[list[Any], list[Any]]] = []
         for r in requests:
             b = r.backup
@@ -674,6 +678,56 @@ class Broker:
                     raise reply
             results.append((int(reply[0]), int(reply[1])))
         return results
+
+    def _ack_in_transaction(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost] | None:
+        """The common acknowledgement (no DLQ moves, no upload) as plain commands in MULTI/EXEC.
+
+        Same effects as ``lua/ack.lua``, fenced the way reads are: the leases (and backup metas)
+        are WATCHed and checked first, so EXEC applies nothing if any of them changed or expired
+        meanwhile. A batch's values travel as command arguments, which Redis takes far faster than
+        a script's. None when a lease is not held or changed: then the script decides, per
+        partition.
+        """
+        leases = [r.lease_key for r in requests]
+        metas = [r.backup.keys.meta for r in requests if r.backup is not None]
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            with self.translate_errors():
+                reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]
+                reads += [("HGET", meta, "identity") for meta in metas]
+                connection.send_packed_command([hiredis.pack_command(c) for c in reads])  # type: ignore[no-untyped-call]
+                replies = [connection.read_response() for _ in reads]
+                held, identities = replies[1], iter(replies[2:])
+                if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)):
+                    connection.send_packed_command([hiredis.pack_command(("UNWATCH",))])  # type: ignore[no-untyped-call]
+                    connection.read_response()
+                    return None
+                commands: list[tuple[Any, ...]] = [("MULTI",)]
+                acks: list[int | None] = []
+                for r in requests:
+                    if r.backup is not None:
+                        commands += _backup_commands(r.backup, _text(next(identities)))
+                    acks.append(len(commands) - 1 if r.ids else None)
+                    if r.ids:
+                        commands.append(("XACK", r.stream, r.group, *r.ids))
+                commands.append(("EXEC",))
+                connection.send_packed_command([hiredis.pack_command(c) for c in commands])  # type: ignore[no-untyped-call]
+                for _ in commands[:-1]:
+                    connection.read_response()  # OK, QUEUED...
+                done = connection.read_response()
+        except BaseException:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+        if done is None:
+            return None  # a lease or backup changed under us: nothing was applied
+        for reply in done:
+            if isinstance(reply, redis.ResponseError):
+                with self.translate_errors():
+                    raise reply
+        return [(0, 0) if at is None else (int(done[at]), 0) for at in acks]
 
     def _eval_pipelined(
         self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]], raise_on_error: bool = True
@@ -996,6 +1050,46 @@ class Broker:
             for stream, marker, flat in chunks
         ]
         return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+
+
+#: A backup log entry's part: at most this many bytes of values, and of values (see ``lua/ack.lua``).
+LOG_PART_BYTES = 16384
+LOG_PART_VALUES = 256
+
+
+def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
+    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log's parts."""
+    commands: list[tuple[Any, ...]] = []
+    if b.sets:
+        commands.append(("HSET", b.keys.values, *b.sets))
+    if b.deletes:
+        commands.append(("HDEL", b.keys.values, *b.deletes))
+    meta: list[Any] = [x for topic, checkpoint in b.checkpoints.items() for x in ("cp:" + topic, checkpoint)]
+    if b.identity:
+        meta += ["identity", b.identity]
+    if meta:
+        commands.append(("HSET", b.keys.meta, *meta))
+    if BACKUP_LOG_LENGTH > 0:
+        items: list[Any] = [
+            x for topic, checkpoint in b.checkpoints.items() for x in ("c" + topic, checkpoint)
+        ]
+        items += b.sets
+        for name in b.deletes:
+            items += [b"\x00" + name, b""]
+        parts: list[list[Any]] = [[]]
+        size = 0
+        for k in range(0, len(items), 2):
+            item = len(items[k]) + len(items[k + 1])
+            if parts[-1] and (size + item > LOG_PART_BYTES or len(parts[-1]) >= 2 * LOG_PART_VALUES):
+                parts.append([])
+                size = 0
+            parts[-1] += items[k : k + 2]
+            size += item
+        for number, part in enumerate(parts):
+            more = "1" if number < len(parts) - 1 else "0"
+            head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
+            commands.append((*head, "id", b.identity or prev, "part", number, "more", more, *part))
+    return commands
 
 
 def _text(value: bytes | str | None) -> str:

@@ -11,10 +11,11 @@ The contract:
   fencing token and a sequence number, ``state_stores.Journal``), in the same write. A store and
   a backup with the same identity hold the same values.
 - Order per batch: the local commit holds the batch's writes, checkpoints and identity; then ONE
-  Lua call per partition (``lua/ack.lua``) checks the lease, updates the backup with every write
-  the store journaled since the last call, sets the identity, logs the update, acknowledges the
-  batch and moves its dead entries to the DLQ. Nothing is acknowledged before the backup holds the
-  batch's effects, and an ex-owner whose lease moved can change none of it.
+  atomic call checks the lease, updates the backup with every write the store journaled since the
+  last call, sets the identity, logs the update, acknowledges the batch and moves its dead entries
+  to the DLQ (``Broker.ack``: a MULTI/EXEC under WATCHed leases, or ``lua/ack.lua``). Nothing is
+  acknowledged before the backup holds the batch's effects, and an ex-owner whose lease moved can
+  change none of it.
 - A crash between the two leaves the local store ahead of the backup with the entries still
   pending. At takeover (``PartitionBackup.reconcile``) the store's identity is compared with the
   backup's: equal, the store is used as it is; one the log leads from (a store some updates

@@ -632,11 +632,12 @@ class Broker:
         return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
-        """Acknowledge several partitions' batches in ONE pipelined round trip.
+        """Acknowledge several partitions' batches (and update their backups) under their leases.
 
-        Each partition's XACK (and DLQ moves) run in a Lua call that checks its lease, so one
-        lost lease refuses only that partition's acknowledgement. Each result is
-        (acknowledged, moved to the DLQ) or LeaseLost.
+        Usually one MULTI/EXEC with the leases WATCHed (``_ack_in_transaction``). With DLQ moves,
+        an upload, or a lease not held, each partition's call runs in a Lua call that checks its
+        lease (one pipelined round trip), so one lost lease refuses only that partition's
+        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost.
         """
         if not requests:
             return []

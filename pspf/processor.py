@@ -17,9 +17,10 @@ the module that holds it:
 5. commit (``batch``): ONE store transaction per partition holds the state writes, the new
    checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
    (attempts, parked entries, dead-letter decisions);
-6. acknowledge (here): ONE pipelined round trip acknowledges every stream's batch and moves its
-   dead entries to the DLQ, each stream in a Lua call that checks its lease token (and updates
-   the partition's state backup); it happens only after step 5 returned;
+6. acknowledge (here, through ``Broker.ack``): ONE atomic call acknowledges every stream's batch,
+   updates the partitions' state backups and moves dead entries to the DLQ, under the leases
+   (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that checks its lease token);
+   it happens only after step 5 returned;
 7. publish (``outbox``): the relay publishes the rows whose acknowledgement succeeded, each at
    most once on its target; acknowledging never waits for it.
 

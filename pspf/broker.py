@@ -692,7 +692,8 @@ class Broker:
         leases = [r.lease_key for r in requests]
         metas = [r.backup.keys.meta for r in requests if r.backup is not None]
         pool = self.client.connection_pool
-        connection = pool.get_connection()
+        with self.translate_errors():  # connecting may fail too
+            connection = pool.get_connection()
         try:
             with self.translate_errors():
                 reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]

@@ -65,6 +65,17 @@ def brokers() -> Iterator[Callable[[str], Broker]]:
         broker.close()
 
 
+def forwarding_app(name: str, source: str, target: str) -> App:
+    """An app that emits each entry of ``source`` to ``target``, under the entry's key."""
+    app = App(name)
+
+    @app.handler(source)
+    def forward(value: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, value, key=ctx.key or None)
+
+    return app
+
+
 def outputs(rclient: redis.Redis, topic: str, partitions: int) -> list[dict[str, Any]]:
     """Every entry of a topic: key, decoded value, headers, and the partition it is in."""
     found = []
@@ -247,11 +258,7 @@ def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
     source, target = make_topic(2), make_topic(1)
     rclient.delete(stream_key(target, 0))
     rclient.set(stream_key(target, 0), "in the way")  # WRONGTYPE for every publish
-    app = App(names.app())
-
-    @app.handler(source)
-    def forward(value: dict[str, Any], ctx: Context) -> None:
-        ctx.emit(target, value)
+    app = forwarding_app(names.app(), source, target)
 
     produce(source, [(f"k{i}", {"i": i}) for i in range(20)])
     settings = make_settings(
@@ -303,11 +310,7 @@ def test_a_replay_no_worker_applies_stays_queued_and_the_cli_says_so(
     tmp_path: Path,
 ) -> None:
     source, target = make_topic(1), make_topic(1)
-    app = App(names.app())
-
-    @app.handler(source)
-    def forward(value: dict[str, Any], ctx: Context) -> None:
-        ctx.emit(target, value)
+    app = forwarding_app(names.app(), source, target)
 
     produce(source, [(None, {"i": 1})])
     settings = make_settings()
@@ -364,11 +367,7 @@ def test_the_admin_api_lists_shows_and_replays_outbox_rows(
     from admin_api import create_app
 
     source, target = make_topic(2), make_topic(1)
-    app = App(names.app())
-
-    @app.handler(source)
-    def forward(value: dict[str, Any], ctx: Context) -> None:
-        ctx.emit(target, value, key=ctx.key)
+    app = forwarding_app(names.app(), source, target)
 
     produce(source, [(f"k{i}", {"i": i}) for i in range(6)])
     settings = make_settings()
@@ -403,11 +402,7 @@ def test_published_rows_are_pruned_after_the_retention_and_metrics_count_the_out
     import urllib.request
 
     source, target = make_topic(1), make_topic(2)
-    app = App(names.app())
-
-    @app.handler(source)
-    def forward(value: dict[str, Any], ctx: Context) -> None:
-        ctx.emit(target, value, key=ctx.key)
+    app = forwarding_app(names.app(), source, target)
 
     produce(source, [(f"k{i}", {"i": i}) for i in range(40)])
     settings = make_settings(PSPF_OUTBOX_RETENTION_S=0.5, PSPF_METRICS_PORT=0)

@@ -1018,7 +1018,7 @@ class Broker:
             pipe.watch(key)  # type: ignore[no-untyped-call]
             if pipe.hget(key, str(partition)) != request:
                 pipe.unwatch()
-                return  # the next lease round applies the newer one (replaying a row twice is a no-op)
+                return  # the next lease round applies the newer one (it includes these ids too)
             pipe.multi()
             pipe.hdel(key, str(partition))
             pipe.hset(keys.outbox_replayed_key(app), str(partition), outcome)

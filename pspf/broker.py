@@ -10,7 +10,7 @@ place, into PSPF's error types.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from importlib import resources
 from typing import Any, NamedTuple, cast
@@ -691,38 +691,22 @@ class Broker:
         """
         leases = [r.lease_key for r in requests]
         metas = [r.backup.keys.meta for r in requests if r.backup is not None]
-        pool = self.client.connection_pool
-        with self.translate_errors():  # connecting may fail too
-            connection = pool.get_connection()
-        try:
-            with self.translate_errors():
-                reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]
-                reads += [("HGET", meta, "identity") for meta in metas]
-                connection.send_packed_command([hiredis.pack_command(c) for c in reads])  # type: ignore[no-untyped-call]
-                replies = [connection.read_response() for _ in reads]
-                held, identities = replies[1], iter(replies[2:])
-                if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)):
-                    connection.send_packed_command([hiredis.pack_command(("UNWATCH",))])  # type: ignore[no-untyped-call]
-                    connection.read_response()
-                    return None
-                commands: list[tuple[Any, ...]] = [("MULTI",)]
-                acks: list[int | None] = []
-                for r in requests:
-                    if r.backup is not None:
-                        commands += _backup_commands(r.backup, _text(next(identities)))
-                    acks.append(len(commands) - 1 if r.ids else None)
-                    if r.ids:
-                        commands.append(("XACK", r.stream, r.group, *r.ids))
-                commands.append(("EXEC",))
-                connection.send_packed_command([hiredis.pack_command(c) for c in commands])  # type: ignore[no-untyped-call]
-                for _ in commands[:-1]:
-                    connection.read_response()  # OK, QUEUED...
-                done = connection.read_response()
-        except BaseException:
-            connection.disconnect()  # type: ignore[no-untyped-call]
-            raise
-        finally:
-            pool.release(connection)
+        with self._raw_connection() as send:
+            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]
+            replies = send(reads + [("HGET", meta, "identity") for meta in metas])
+            held, identities = replies[1], iter(replies[2:])
+            if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)):
+                send([("UNWATCH",)])
+                return None
+            commands: list[tuple[Any, ...]] = [("MULTI",)]
+            acks: list[int | None] = []
+            for r in requests:
+                if r.backup is not None:
+                    commands += _backup_commands(r.backup, _text(next(identities)))
+                acks.append(len(commands) - 1 if r.ids else None)
+                if r.ids:
+                    commands.append(("XACK", r.stream, r.group, *r.ids))
+            done = send([*commands, ("EXEC",)])[-1]  # OK, QUEUED..., then EXEC's
         if done is None:
             return None  # a lease or backup changed under us: nothing was applied
         for reply in done:
@@ -757,29 +741,41 @@ class Broker:
         return replies
 
     def _evalsha_each(self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]]) -> list[Any]:
-        """Send the calls in one write and read their replies (an error reply is returned, not raised).
+        """Send the calls in one write and read their replies (an error reply is returned, not raised)."""
+        with self._raw_connection() as send:
+            return send([("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls], keep_errors=True)
+
+    @contextmanager
+    def _raw_connection(self) -> Iterator[Callable[..., list[Any]]]:
+        """A pooled connection's ``send(commands, keep_errors=False)``: one write, then every reply.
 
         Packed by hiredis directly: these calls carry a batch's values (thousands of arguments),
-        and redis-py's generic packing costs about a microsecond more per argument.
+        and redis-py's generic packing costs about a microsecond more per argument. Errors are
+        PSPF errors; a connection left with unread replies is closed, never reused.
         """
         pool = self.client.connection_pool
-        connection = pool.get_connection()
-        try:
-            connection.send_packed_command(  # type: ignore[no-untyped-call]
-                [hiredis.pack_command(("EVALSHA", script.sha, len(k), *k, *a)) for k, a in calls]
-            )
-            replies: list[Any] = []
-            for _ in calls:
-                try:
-                    replies.append(connection.read_response())
-                except redis.ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except BaseException:
-            connection.disconnect()  # type: ignore[no-untyped-call] # replies may be left unread
-            raise
-        finally:
-            pool.release(connection)
+        with self.translate_errors():
+            connection = pool.get_connection()
+
+            def send(commands: Sequence[tuple[Any, ...]], keep_errors: bool = False) -> list[Any]:
+                connection.send_packed_command([hiredis.pack_command(c) for c in commands])  # type: ignore[no-untyped-call]
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:
+                        if not keep_errors:
+                            raise
+                        replies.append(exc)
+                return replies
+
+            try:
+                yield send
+            except BaseException:
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                raise
+            finally:
+                pool.release(connection)
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -49,6 +48,7 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.errors import BrokerError, ConfigError, NotFound, PSPFError
+from pspf.failures import RetryPolicy
 
 if TYPE_CHECKING:
     from pspf.broker import Broker, Fields
@@ -536,6 +536,10 @@ class Relay:
         self.settings = settings
         self.hooks = hooks or RelayHooks()
         self.clock = clock
+        #: the same backoff as failing entries': doubling, capped, with jitter
+        self.backoff = RetryPolicy(
+            base_delay_ms=settings.base_delay_ms, factor=2.0, max_delay_ms=settings.max_delay_ms
+        )
 
     def step(self, outbox: PartitionOutbox) -> tuple[int, int]:
         """One round over a partition's rows; (published, failed) rows."""
@@ -619,8 +623,8 @@ class Relay:
                 error,
             )
             return move(row, RowState.DEAD, now, error=error)
-        delay = min(s.max_delay_ms, s.base_delay_ms * 2**row.attempts) * random.uniform(0.5, 1.0)
-        return move(row, RowState.PENDING, now, error=error, retry_in_ms=int(delay))
+        delay_s = self.backoff.delay_s(row.attempts + 1)
+        return move(row, RowState.PENDING, now, error=error, retry_in_ms=int(delay_s * 1000))
 
     def _expire_claims(self, outbox: PartitionOutbox) -> None:
         now = self.clock()

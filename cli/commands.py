@@ -19,6 +19,7 @@ from cli.main import (
     state_dir_option,
     store_option,
 )
+from pspf.retention import Retention
 from pspf.service import parse_duration_ms
 
 
@@ -38,7 +39,7 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
 
 @cli.group()
 def topic() -> None:
-    """Create, list and describe topics."""
+    """Create, list, describe and trim topics."""
 
 
 @topic.command("create")
@@ -86,10 +87,109 @@ def topic_describe(obj: CliState, name: str, broker: str | None, as_json: bool) 
         f"topic {description.name}: {len(description.partitions)} partition(s), {description.length} entries"
     )
     rows = []
-    for p in description.partitions:
+    for p, trim in zip(description.partitions, description.trims, strict=True):
         groups = ", ".join(f"{g.name} (pending {g.pending})" for g in p.groups) or None
-        rows.append([p.partition, p.stream, p.length, p.last_id, groups])
-    print_table(["PARTITION", "STREAM", "LENGTH", "LAST ID", "GROUPS"], rows)
+        frees = f"{trim.removable} (held by {trim.held_by})" if description.retention.active else None
+        rows.append([p.partition, p.stream, p.length, trim.memory_bytes, p.last_id, groups, frees])
+    click.echo(f"retention: {_retention_text(description.retention)}")
+    print_table(["PARTITION", "STREAM", "LENGTH", "BYTES", "LAST ID", "GROUPS", "RETENTION FREES"], rows)
+
+
+def _retention_text(retention: Retention) -> str:
+    if not retention.active:
+        return "none (never trimmed)"
+    parts = []
+    if retention.max_age_ms is not None:
+        parts.append(f"max age {retention.max_age_ms} ms")
+    if retention.max_len is not None:
+        parts.append(f"max length {retention.max_len}")
+    if retention.replay_window_ms:
+        parts.append(f"replay window {retention.replay_window_ms} ms")
+    return ", ".join(parts)
+
+
+def _retention_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option(
+        "--max-len", type=click.IntRange(min=0), help="Keep at most this many entries per partition."
+    )(func)
+    return click.option("--max-age", help="Remove entries older than this (e.g. 7d, 12h, 30m).")(func)
+
+
+def _retention(max_age: str | None, max_len: int | None, replay_window: str | None = None) -> Retention:
+    return Retention(
+        max_age_ms=None if max_age is None else parse_duration_ms(max_age),
+        max_len=max_len,
+        replay_window_ms=0 if replay_window is None else parse_duration_ms(replay_window),
+    )
+
+
+@topic.command("retention")
+@click.argument("name")
+@_retention_options
+@click.option("--replay-window", help="Keep entries younger than this whatever else says (e.g. 1d).")
+@click.option("--clear", is_flag=True, help="Remove the retention: the topic is never trimmed.")
+@broker_option
+@json_option
+@click.pass_obj
+def topic_retention(
+    obj: CliState,
+    name: str,
+    max_age: str | None,
+    max_len: int | None,
+    replay_window: str | None,
+    clear: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Show or set the retention of NAME, which running workers apply to the partitions they own.
+
+    Trimming never removes an entry some consumer group of the topic has not acknowledged (or
+    that one of the apps reading it still needs), nor one inside the replay window.
+    """
+    service = service_for(obj, broker)
+    if clear or max_age is not None or max_len is not None or replay_window is not None:
+        shown = service.set_retention(
+            name, Retention() if clear else _retention(max_age, max_len, replay_window)
+        )
+    else:
+        shown = service.describe_topic(name).retention
+    if as_json:
+        print_json(shown)
+    else:
+        click.echo(f"topic {name} retention: {_retention_text(shown)}")
+
+
+@topic.command("trim")
+@click.argument("name")
+@_retention_options
+@click.option("--dry-run", is_flag=True, help="Show what would go; remove nothing.")
+@broker_option
+@json_option
+@click.pass_obj
+def topic_trim(
+    obj: CliState,
+    name: str,
+    max_age: str | None,
+    max_len: int | None,
+    dry_run: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Trim NAME now by its retention (or by --max-age / --max-len for this once).
+
+    Only entries every consumer group of the topic has acknowledged go.
+    """
+    override = None if max_age is None and max_len is None else _retention(max_age, max_len)
+    done = service_for(obj, broker).trim_topic(name, dry_run=dry_run, override=override)
+    if as_json:
+        print_json(done)
+        return
+    rows = [[p.partition, p.length, p.trim_before or None, p.removable, p.held_by] for p in done.partitions]
+    print_table(["PARTITION", "LENGTH", "TRIM BEFORE", "WOULD GO" if dry_run else "GOES", "HELD BY"], rows)
+    if dry_run:
+        click.echo(f"dry run: {sum(p.removable for p in done.partitions)} entries would go")
+    else:
+        click.echo(f"trimmed {done.removed} entries from topic {name}")
 
 
 # -- produce --------------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def broker_option(func: F) -> F:
         "--broker",
         envvar="PSPF_BROKER",
         show_envvar=True,
-        help="Redis/Valkey URL: redis://, rediss:// (TLS) or unix://  [default: redis://127.0.0.1:6379/0]",
+        help="Redis/Valkey URL: redis://, rediss:// (TLS), unix://, redis+cluster://HOST:PORT,... or "
+        "redis+sentinel://HOST:PORT,.../MASTER  [default: redis://127.0.0.1:6379/0]",
     )(func)
 
 
@@ -186,6 +187,8 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
         "Partition lease time to live; a dead worker's partitions move after it  [default: 10000]",
     ),
     ("--min-idle-ms", int, "Entries other consumers left idle this long are taken over  [default: 60000]"),
+    ("--wait-replicas", int, "Replicas that must have each acknowledgement (WAIT)  [default: 0]"),
+    ("--wait-timeout-ms", int, "How long an acknowledgement waits for them  [default: 1000]"),
     ("--max-retries", int, "Attempts of a failing entry before the DLQ  [default: 3]"),
     ("--retry-base-ms", int, "Backoff before the first retry  [default: 200]"),
     ("--retry-factor", float, "Backoff growth per attempt  [default: 2.0]"),

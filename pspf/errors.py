@@ -37,6 +37,15 @@ class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 
 
+class BackupWentBack(LeaseLost):
+    """The partition's state backup is behind this owner's store: the server lost writes.
+
+    A fail-over to a replica that had not caught up does that. The partition is given up like a
+    lost lease, and taking it again rebuilds the store from the backup, which matches the
+    server's streams.
+    """
+
+
 class StateError(PSPFError):
     """A state store cannot be opened, read or committed."""
 

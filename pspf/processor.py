@@ -484,7 +484,11 @@ class BatchProcessor:
             if isinstance(reply, LeaseLost):
                 self._lease_lost(request.stream, str(reply), result)
                 lost.add(partition)
-            elif request.dead:
+                continue
+            backup = self.owned[partition].backup
+            if request.backup is not None and backup is not None:
+                backup.sent()
+            if request.dead:
                 result.dead_lettered += reply[1]
                 self._forget_dead(self.owned[partition], request)
         return lost

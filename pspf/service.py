@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from pspf import codec, keys
+from pspf import codec, keys, retention
 from pspf.backup import field, snapshot
 from pspf.broker import Broker
 from pspf.errors import (
@@ -49,6 +49,7 @@ from pspf.outbox import (
     rows_in_store,
 )
 from pspf.producer import Producer
+from pspf.retention import PartitionTrim, Retention
 from pspf.settings import Settings
 from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
 
@@ -79,6 +80,19 @@ class TopicDescription(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     partitions: list[PartitionInfo]
     length: int
+    retention: Retention
+    #: per partition: its memory and what trimming by the retention would remove now
+    trims: list[PartitionTrim]
+
+
+class TopicTrim(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``pspf topic trim`` did (or, with ``dry_run``, would do)."""
+
+    name: str
+    retention: Retention
+    dry_run: bool
+    partitions: list[PartitionTrim]
+    removed: int
 
 
 class DeadLetterInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -360,7 +374,35 @@ class Service:
                     ],
                 )
             )
-        return TopicDescription(name=name, partitions=partitions, length=sum(p.length for p in partitions))
+        kept = retention.stored(self.broker, name)
+        return TopicDescription(
+            name=name,
+            partitions=partitions,
+            length=sum(p.length for p in partitions),
+            retention=kept,
+            trims=retention.plan(self.broker, name, range(count), kept),
+        )
+
+    def set_retention(self, name: str, wanted: Retention) -> Retention:
+        """Store a topic's retention (running workers apply it at their next trim pass)."""
+        self._partitions(name)
+        retention.store(self.broker, name, wanted)
+        return retention.stored(self.broker, name)
+
+    def trim_topic(self, name: str, dry_run: bool = False, override: Retention | None = None) -> TopicTrim:
+        """Trim a topic's partitions by its retention (or ``override``), never past what is needed."""
+        count = self._partitions(name)
+        applied = override if override is not None else retention.stored(self.broker, name)
+        if not applied.active:
+            raise ConfigError(
+                f"topic {name!r} has no retention: set one (pspf topic retention {name} --max-age 7d) "
+                "or give --max-age / --max-len"
+            )
+        plans = retention.plan(self.broker, name, range(count), applied, count=dry_run)
+        if not dry_run:
+            plans = retention.trim(self.broker, plans)
+        removed = 0 if dry_run else sum(p.removable for p in plans)
+        return TopicTrim(name=name, retention=applied, dry_run=dry_run, partitions=plans, removed=removed)
 
     # -- producing ------------------------------------------------------------------------------
 

@@ -34,6 +34,9 @@ class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    #: replicas that must have each acknowledging call (WAIT) before the worker goes on; 0: none
+    wait_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    wait_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
 
     def __repr__(self) -> str:
         tls = "".join(
@@ -55,8 +58,8 @@ class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
             "PSPF_TLS_KEY_FILE (--tls-key-file)": self.tls_key_file,
         }
         given = {name: path for name, path in files.items() if path}
-        if given and not self.url.startswith("rediss://"):
-            raise ConfigError(f"{', '.join(given)}: TLS files need a rediss:// broker URL")
+        if given and not self.url.startswith("rediss"):
+            raise ConfigError(f"{', '.join(given)}: TLS files need a rediss:// (or rediss+...) broker URL")
         if self.tls_key_file and not self.tls_cert_file:
             raise ConfigError("PSPF_TLS_KEY_FILE (--tls-key-file) needs the certificate of that key too")
         for name, path in given.items():
@@ -171,6 +174,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_TLS_CA_FILE": ("redis", "tls_ca_file"),
     "PSPF_TLS_CERT_FILE": ("redis", "tls_cert_file"),
     "PSPF_TLS_KEY_FILE": ("redis", "tls_key_file"),
+    "PSPF_WAIT_REPLICAS": ("redis", "wait_replicas"),
+    "PSPF_WAIT_TIMEOUT_MS": ("redis", "wait_timeout_ms"),
     "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
     "PSPF_BLOCK_MS": ("consumer", "block_ms"),
     "PSPF_CONSUMER": ("consumer", "consumer_name"),
@@ -210,32 +215,139 @@ def _name_error(message: str) -> str:
 _ENCODE_HINT = "percent-encode / ? # @ [ ] in a password"
 
 
-def check_broker_url(url: str) -> None:
-    """Raise ConfigError unless ``url`` is a redis://, rediss:// or unix:// URL we can use."""
+#: Broker URL schemes: (topology, TLS) of each.
+_SCHEMES: dict[str, tuple[str, bool]] = {
+    "redis": ("standalone", False),
+    "rediss": ("standalone", True),
+    "unix": ("standalone", False),
+    "redis+cluster": ("cluster", False),
+    "rediss+cluster": ("cluster", True),
+    "redis+sentinel": ("sentinel", False),
+    "rediss+sentinel": ("sentinel", True),
+}
+#: Query parameters a cluster or Sentinel URL may carry (a standalone URL takes redis-py's own).
+_TOPOLOGY_OPTIONS = frozenset(
+    {
+        "ssl_ca_certs",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+        "sentinel_username",
+        "sentinel_password",
+    }
+)
+
+
+class BrokerAddress(msgspec.Struct, frozen=True):
+    """A parsed cluster or Sentinel broker URL (standalone URLs go to redis-py as they are).
+
+    ``hosts`` are the cluster's seed nodes or the sentinels; the user name and password are the
+    data nodes' (ACL), ``sentinel_username`` / ``sentinel_password`` options the sentinels'.
+    """
+
+    topology: str
+    tls: bool
+    hosts: list[tuple[str, int]]
+    username: str | None = None
+    password: str | None = None
+    master: str = ""
+    db: int = 0
+    options: dict[str, str] = {}
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """Check a broker URL and, for a cluster or Sentinel, take it apart; ConfigError when unusable.
+
+    ``redis+cluster://[user:pass@]host:port[,host:port...]`` names seed nodes of a cluster;
+    ``redis+sentinel://[user:pass@]host:port[,host:port...]/MASTER[/DB]`` the sentinels of a
+    master; ``rediss+...`` is the same over TLS.
+    """
     # Never the exceptions' text: it quotes parts of the URL, which may be a password cut short.
     try:
         parts = urlsplit(url)
     except ValueError:
         raise ConfigError(f"invalid broker URL: cannot parse it ({_ENCODE_HINT})") from None
-    try:
-        parts.port  # noqa: B018 - reading it validates the port number
-    except ValueError:
+    shown = mask_url(url)
+    if parts.scheme not in _SCHEMES:
         raise ConfigError(
-            f"invalid broker URL {mask_url(url)!r}: the port must be a number up to 65535 ({_ENCODE_HINT})"
-        ) from None
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(
-            f"invalid broker URL {mask_url(url)!r}: scheme must be redis://, rediss:// or unix://"
+            f"invalid broker URL {shown!r}: scheme must be one of " + ", ".join(f"{s}://" for s in _SCHEMES)
         )
+    topology, tls = _SCHEMES[parts.scheme]
     if parts.scheme == "unix":
         if not parts.path:
-            raise ConfigError(f"invalid broker URL {mask_url(url)!r}: unix:// needs a socket path")
-        return
-    if not parts.hostname:
-        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: no host")
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ConfigError(f"invalid broker URL {mask_url(url)!r}: database must be a number")
+            raise ConfigError(f"invalid broker URL {shown!r}: unix:// needs a socket path")
+        return BrokerAddress(topology, tls, [])
+    userinfo, _, netloc = parts.netloc.rpartition("@")
+    hosts = [_host_port(hp, 26379 if topology == "sentinel" else 6379, shown) for hp in netloc.split(",")]
+    if topology == "standalone":
+        if len(hosts) != 1:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: several hosts need redis+cluster:// or redis+sentinel://"
+            )
+        number = parts.path.lstrip("/")
+        if number and not number.isdigit():
+            raise ConfigError(f"invalid broker URL {shown!r}: database must be a number")
+        return BrokerAddress(topology, tls, hosts)
+    master, db = _master_and_db(topology, parts.path, shown)
+    options = _topology_options(parts.query, shown)
+    user, has_password, password = userinfo.partition(":")
+    return BrokerAddress(
+        topology,
+        tls,
+        hosts,
+        unquote_plus(user) or None,
+        unquote_plus(password) if has_password else None,
+        master,
+        db,
+        options,
+    )
+
+
+def _master_and_db(topology: str, path: str, shown: str) -> tuple[str, int]:
+    """A Sentinel URL's master name and database (a cluster has database 0 only)."""
+    names = [p for p in path.split("/") if p]
+    if topology == "cluster":
+        if names not in ([], ["0"]):
+            raise ConfigError(f"invalid broker URL {shown!r}: a cluster has only database 0")
+        return "", 0
+    if not names or len(names) > 2:
+        raise ConfigError(f"invalid broker URL {shown!r}: give the master's name: .../MASTER_NAME[/DB]")
+    db = names[1] if len(names) == 2 else "0"
+    if not db.isdigit():
+        raise ConfigError(f"invalid broker URL {shown!r}: database must be a number")
+    return unquote_plus(names[0]), int(db)
+
+
+def _topology_options(query: str, shown: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for arg in filter(None, query.split("&")):
+        name, _, value = arg.partition("=")
+        name = unquote_plus(name)
+        if name not in _TOPOLOGY_OPTIONS:
+            known = ", ".join(sorted(_TOPOLOGY_OPTIONS))
+            raise ConfigError(f"invalid broker URL {shown!r}: unknown option {name!r} (known: {known})")
+        options[name] = unquote_plus(value)
+    return options
+
+
+def _host_port(text: str, default_port: int, shown: str) -> tuple[str, int]:
+    host, colon, port = text.rpartition(":") if not text.endswith("]") else (text, "", "")
+    if not colon:
+        host, port = text, ""
+    host = host.strip("[]")
+    if not host:
+        raise ConfigError(f"invalid broker URL {shown!r}: no host")
+    if port and not (port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(
+            f"invalid broker URL {shown!r}: the port must be a number up to 65535 ({_ENCODE_HINT})"
+        )
+    return host, int(port) if port else default_port
+
+
+def check_broker_url(url: str) -> None:
+    """Raise ConfigError unless ``url`` is a broker URL we can use (see ``parse_broker_url``)."""
+    parse_broker_url(url)
 
 
 #: Query parameters of a broker URL whose values carry no credential and are shown in messages

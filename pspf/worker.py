@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 import state_stores
-from pspf import keys
+from pspf import keys, retention
 from pspf.app import App
 from pspf.broker import Broker
 from pspf.errors import (
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
 _IDLE_POLL_S = 0.05
+#: How often a worker applies its topics' retention to the partitions it owns (and reads it again).
+TRIM_EVERY_S = 10.0
 #: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
 _METRICS_REDIS_TIMEOUT_S = 2.0
 
@@ -143,6 +145,7 @@ class Worker:
         self._partitions = 0
         self._stopping = threading.Event()
         self._next_idle_claim = 0.0
+        self._next_trim = 0.0
         #: when the held leases were last renewed (monotonic): every renewal of a round counts
         self._renewed_at = 0.0
         #: Set by a lost connection: the next lease round checks the owned streams again.
@@ -301,7 +304,8 @@ class Worker:
             summary.cycles += 1
             summary.add(result)
             for partition in result.lost_partitions:
-                self._drop(partition, release=False)
+                # releasing is a no-op for a lease that moved on, and frees one whose backup went back
+                self._drop(partition, release=True)
             if finished:
                 return
             if until_idle and result.read == 0:
@@ -331,9 +335,7 @@ class Worker:
         for owned in self.processor.owned.values():
             owned.store.check_in_place()
         if self._recheck_streams:
-            # Redis may be back with less than it had: check before anything is read again.
-            for cursor in self.processor.cursors():
-                self.partitions.check_stream(cursor.stream, cursor.checkpoint)
+            self._recheck_after_reconnect()
             self._recheck_streams = False
         self._renewed_at = time.monotonic()
         for partition in self.leases.renew(self._held):
@@ -353,8 +355,46 @@ class Worker:
                 self.partitions.claim_idle(owned, min_idle_ms)
         self._take_free(target)
         self.processor.apply_outbox_replays()
+        if time.monotonic() >= self._next_trim:
+            self._next_trim = time.monotonic() + TRIM_EVERY_S
+            self._trim_owned()
         if self.standby is not None:
             self.standby.keep({p for p in range(self._partitions) if p not in self._held})
+
+    def _recheck_after_reconnect(self) -> None:
+        """Check the owned partitions before anything is read again after a lost connection."""
+        # Redis may be back with less than it had (a restart without its data, a fail-over to
+        # a replica behind): check before anything is read again. A partition whose backup
+        # went back is taken again, which rebuilds its store from the backup: then the store
+        # matches the streams the server holds now.
+        for partition, owned in list(self.processor.owned.items()):
+            if owned.backup is not None and owned.backup.went_back():
+                log.warning(
+                    "the state backup of partition %s went back (the server lost writes): "
+                    "taking the partition again to restore its store from the backup",
+                    partition,
+                )
+                self._drop(partition, release=True)
+        for cursor in self.processor.cursors():
+            self.partitions.check_stream(cursor.stream, cursor.checkpoint)
+
+    def _trim_owned(self) -> None:
+        """Apply the retention of the app's topics to the partitions this worker owns."""
+        for topic in self.app.topics:
+            kept = retention.stored(self.broker, topic)
+            if not kept.active or not self._held:
+                continue
+            done = retention.trim(
+                self.broker, retention.plan(self.broker, topic, sorted(self._held), kept, False)
+            )
+            removed = sum(p.removable for p in done)
+            if removed:
+                log.info(
+                    "retention trimmed %s entries of topic %s partitions=%s",
+                    removed,
+                    topic,
+                    sorted(self._held),
+                )
 
     def _take_free(self, target: set[int]) -> None:
         """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""

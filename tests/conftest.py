@@ -15,7 +15,7 @@ import redis
 
 from pspf import Producer, Settings
 from pspf.broker import Broker
-from pspf.embedded import LocalRedis
+from pspf.embedded import LocalCluster, LocalRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,12 +30,38 @@ class RedisServer(LocalRedis):
         super().__init__(directory, aof=True, binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
 
 
+#: ``PSPF_TEST_TOPOLOGY=cluster``: the tests of the shared server run on a 3-master cluster.
+TOPOLOGY = os.environ.get("PSPF_TEST_TOPOLOGY", "standalone")
+standalone_only = pytest.mark.skipif(TOPOLOGY == "cluster", reason="needs one standalone server")
+
+
+class ClusterServer(LocalCluster):
+    """A 3-master cluster of the tests' own (``PSPF_TEST_REDIS_SERVER`` picks the binary)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, aof=True, binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
+
+    def crossslot_errors(self) -> int:
+        """CROSSSLOT replies the nodes gave since they started: PSPF must never send a command
+        that mixes slots."""
+        total = 0
+        for node in self.nodes:
+            with node.client() as client:
+                total += int(client.info("errorstats").get("errorstat_CROSSSLOT", {}).get("count", 0))
+        return total
+
+
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer | ClusterServer]:
+    directory = tmp_path_factory.mktemp("redis")
+    server = ClusterServer(directory) if TOPOLOGY == "cluster" else RedisServer(directory)
     server.start()
     yield server
-    server.stop()
+    try:
+        if isinstance(server, ClusterServer):
+            assert server.crossslot_errors() == 0, "a command mixed slots on the cluster"
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@
 -- ARGV[5] the backup update: "" for none; "update" (also added to the log); "replace" (the first
 --         part of a whole upload: backup, meta and log emptied first); "upload" (a later part)
 -- ARGV[6] the number of log entries to keep (about: MAXLEN ~)
+-- ARGV[7] with an "update": the identities the backup may hold now, comma-separated ("" not to
+--         check); a backup with another one went back (a fail-over lost writes): nothing is done
 -- then the n entry ids to acknowledge;
 -- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments;
 -- then, with a backup update: the batch identity ("" to leave it), the numbers c of checkpoints, s
@@ -15,7 +17,7 @@
 -- ""), so that the log entry is a slice of the arguments, not a table built item by item.
 -- An update's log entry holds "prev" (the identity it follows), "id", "part"/"more" (an update
 -- too large for one entry is split) and that slice (fields hold "\0": "namespace\0key").
--- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST".
+-- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST" or "BACKUP_WENT_BACK".
 -- Protects invariants 3, 4 and 7: the backup holds a batch's effects in the same atomic step that
 -- acknowledges its entries; a dead entry is added to the DLQ and acknowledged in one step, only
 -- while it is still pending (a repeated call after a crash moves it once); and a worker whose
@@ -25,7 +27,14 @@ if redis.call('GET', KEYS[2]) ~= ARGV[2] then
 end
 local chunk = 500
 local n, d, backup = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local first_id = 7
+if backup == 'update' and ARGV[7] ~= '' then
+  local held = redis.call('HGET', KEYS[5], 'identity') or ''
+  if not string.find(',' .. ARGV[7] .. ',', ',' .. held .. ',', 1, true) then
+    return redis.error_reply('BACKUP_WENT_BACK the state backup of ' .. KEYS[1] .. ' is at "' .. held ..
+                             '", not where this worker left it')
+  end
+end
+local first_id = 8
 local i = first_id + n
 local dead_at = i
 for _ = 1, d do

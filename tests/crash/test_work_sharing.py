@@ -247,7 +247,8 @@ class LeaseSampler:
     """
 
     def __init__(self, redis_url: str, topic: str, app: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, protocol=2)
+        self.broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
+        self.app = app
         self.keys = [lease_key(topic, p, app) for p in range(PARTITIONS)]
         self.samples: list[Sample] = []
         self._stop = threading.Event()
@@ -255,15 +256,19 @@ class LeaseSampler:
         self._thread = threading.Thread(target=self._run, name="lease-sampler", daemon=True)
 
     def _read(self) -> Sample:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.time()
-        pipe.mget(self.keys)
-        (seconds, micros), values = pipe.execute()
-        holders = [
-            None if v is None else int(v.decode().rpartition("|")[0].rsplit("/", 2)[1]) for v in values
-        ]
+        if self.broker.cluster:  # the leases are on several nodes: the app's node's time, then them
+            server_ms = self.broker.members(self.app)[0]
+            values = self.broker.lease_values(self.keys)
+        else:  # the server's time and every lease in one atomic step
+            pipe = self.broker.client.pipeline(transaction=True)
+            pipe.time()
+            pipe.mget(self.keys)
+            (seconds, micros), raw = pipe.execute()
+            server_ms = int(seconds) * 1000 + int(micros) // 1000
+            values = [None if v is None else v.decode() for v in raw]
+        holders = [None if v is None else int(v.rpartition("|")[0].rsplit("/", 2)[1]) for v in values]
         owners = tuple(pid if pid is not None and alive(pid) else None for pid in holders)
-        return Sample(time.monotonic(), int(seconds) * 1000 + int(micros) // 1000, owners)
+        return Sample(time.monotonic(), server_ms, owners)
 
     def _run(self) -> None:
         try:
@@ -304,7 +309,7 @@ class LeaseSampler:
         finally:
             self._stop.set()
             self._thread.join(5)
-            self.client.close()
+            self.broker.close()
         if self._error is not None:
             raise self._error
 
@@ -561,7 +566,7 @@ class Frozen:
             for p in range(PARTITIONS)
         }
         return cls(
-            leases=list(client.mget(names)),
+            leases=[client.get(name) for name in names],  # one by one: on a cluster they are in several slots
             lease_ttls_ms=[int(client.pttl(name)) for name in names],
             pending=pending,
             backups=backup_raw(client, topic, app, PARTITIONS),

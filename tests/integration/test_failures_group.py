@@ -114,7 +114,9 @@ def steal(client: Any, topic: str, app: str, count: int) -> list[bytes]:
             pipe.xadd(stream, {b"key": f"stolen{i}".encode(), b"value": b'{"amount": 1000}'})
         pipe.xreadgroup(app, "intruder", {stream: ">"}, count=count)
         *ids, reply = pipe.execute()
-    got: list[bytes] = [entry_id for entry_id, _ in reply[0][1]]
+    # a cluster client parses the reply into {stream: [entries]}, a server's client into [[stream, entries]]
+    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    got: list[bytes] = [entry_id for entry_id, _ in entries]
     assert got == ids, (got, ids)
     return list(ids)
 

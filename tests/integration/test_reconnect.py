@@ -115,19 +115,25 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
     assert Service(settings).state_get(app.name, "k") == {"count": 500}
 
 
-def test_a_stream_whose_tail_went_back_below_the_checkpoint_stops_the_worker_after_reconnect(
-    own_server: RedisServer, tmp_path: Path
+@pytest.mark.parametrize("backup", ["off", "on"])
+def test_a_stream_whose_tail_went_back_below_the_checkpoint_after_reconnect(
+    own_server: RedisServer, tmp_path: Path, backup: str
 ) -> None:
     """Redis comes back from an older copy of its data (a lost AOF tail, a fail-over, a restore):
     the stream's last id is below the worker's checkpoint, and 1,000 entries added then get ids
-    at or below it. The running worker must stop with a clear error after it reconnects, before
-    it acknowledges any of them as "already done"."""
+    at or below it. None of them may be acknowledged as "already done".
+
+    Without a state backup the running worker stops with a clear error after it reconnects. With
+    one, the backup (in the same older copy) is behind the store: the worker takes the partition
+    again, which restores the store from the backup, and applies the 1,000 entries, so its state
+    is exactly what the server's stream holds."""
     settings = Settings.load(
         {
             "PSPF_BROKER": own_server.url,
             "PSPF_STATE_DIR": str(tmp_path / "state"),
             "PSPF_BLOCK_MS": 100,
             "PSPF_LEASE_TTL_MS": 3000,
+            "PSPF_STATE_BACKUP": backup,
         },
         environ={},
     )
@@ -174,7 +180,13 @@ def test_a_stream_whose_tail_went_back_below_the_checkpoint_stops_the_worker_aft
                 pipe.xadd(stream, {"key": "late", "value": b'{"n": 1}'}, id=f"{last.ms}-{last.seq + i}")
             pipe.execute()
         assert StreamId(last.ms, last.seq + 1000) < checkpoint
-
+        if backup == "on":
+            held = len(client.xrange(stream))  # every entry the server holds now
+            wait_until(lambda: applied() == held, 30, "the store restored and the late entries applied")
+            assert held >= 1000
+            wait_until(lambda: client.xinfo_groups(stream)[0]["pending"] == 0, 10, "acknowledged")
+            assert runner.alive()
+            return
         wait_until(lambda: not runner.alive(), 20, "the worker to stop")
     assert isinstance(runner.error, BrokerError), runner.error
     assert "below the app's checkpoint" in str(runner.error)

@@ -6,7 +6,7 @@ import pytest
 
 from pspf import App, Worker
 from pspf.errors import ConfigError
-from pspf.settings import RedisSettings, Settings, check_broker_url, mask_url
+from pspf.settings import BrokerAddress, RedisSettings, Settings, check_broker_url, mask_url, parse_broker_url
 
 
 def test_defaults() -> None:
@@ -63,6 +63,15 @@ def test_unknown_setting_is_an_error_not_ignored() -> None:
         ("redis://localhost:notaport/0", "invalid broker URL"),
         ("redis://localhost:6379/zero", "database"),
         ("unix://", "socket path"),
+        ("redis://h1:6379,h2:6379/0", "several hosts need"),
+        ("redis+cluster://h1:7000,:7001", "no host"),
+        ("redis+cluster://h1:7000,h2:70000", "port must be a number"),
+        ("redis+cluster://h1:7000/3", "only database 0"),
+        ("redis+cluster://h1:7000?ssl_ca_certz=x", "unknown option 'ssl_ca_certz'"),
+        ("redis+sentinel://s1:26379", "master's name"),
+        ("redis+sentinel://s1:26379/mymaster/one", "database must be a number"),
+        ("redis+sentinel://s1:26379/mymaster/0/x", "master's name"),
+        ("redis+sentinal://s1:26379/mymaster", "scheme must be one of"),
     ],
 )
 def test_malformed_broker_urls(url: str, reason: str) -> None:
@@ -73,6 +82,57 @@ def test_malformed_broker_urls(url: str, reason: str) -> None:
 def test_good_broker_urls() -> None:
     for url in ("redis://localhost", "rediss://u:p@host:6380/1", "unix:///run/redis.sock"):
         check_broker_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        (
+            "redis+cluster://n1:7000,n2,[::1]:7002",
+            BrokerAddress("cluster", False, [("n1", 7000), ("n2", 6379), ("::1", 7002)]),
+        ),
+        (
+            "rediss+cluster://alice:s%40cret@n1:7000/0?ssl_ca_certs=ca.pem&ssl_cert_reqs=none",
+            BrokerAddress(
+                "cluster",
+                True,
+                [("n1", 7000)],
+                "alice",
+                "s@cret",
+                options={"ssl_ca_certs": "ca.pem", "ssl_cert_reqs": "none"},
+            ),
+        ),
+        (
+            "redis+sentinel://:pw@s1,s2:26380/my%20master/2?sentinel_password=spw",
+            BrokerAddress(
+                "sentinel",
+                False,
+                [("s1", 26379), ("s2", 26380)],
+                None,
+                "pw",
+                "my master",
+                2,
+                {"sentinel_password": "spw"},
+            ),
+        ),
+        ("rediss+sentinel://s1/m", BrokerAddress("sentinel", True, [("s1", 26379)], master="m")),
+    ],
+)
+def test_cluster_and_sentinel_urls_are_taken_apart(url: str, address: BrokerAddress) -> None:
+    assert parse_broker_url(url) == address
+
+
+def test_cluster_and_sentinel_urls_never_show_their_passwords() -> None:
+    for url in (
+        "redis+cluster://alice:s3cret@n1:7000,n2:7001",
+        "redis+sentinel://s1:26379,s2:26379/m?sentinel_password=s3cret",
+        "rediss+sentinel://:s3cret@s1/m",
+    ):
+        assert "s3cret" not in mask_url(url)
+        assert "s3cret" not in repr(Settings.load({"PSPF_BROKER": url}, environ={}))
+    with pytest.raises(ConfigError) as info:
+        check_broker_url("redis+cluster://alice:s3cret@n1:7000/4")
+    assert "s3cret" not in str(info.value)
 
 
 def test_passwords_never_show() -> None:

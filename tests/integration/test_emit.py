@@ -1,4 +1,4 @@
-"""``ctx.emit`` against a real redis-server: outputs published once, in order, with their source."""
+"""``ctx.emit`` against a real server: outputs published once, in order, with their source."""
 
 from __future__ import annotations
 

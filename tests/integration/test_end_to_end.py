@@ -1,4 +1,4 @@
-"""End to end against a real redis-server: produce, run until idle, check state exactly."""
+"""End to end against a real server: produce, run until idle, check state exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``pspf groups``, ``pspf lag`` and ``pspf replay`` against a real redis-server.
+"""``pspf groups``, ``pspf lag`` and ``pspf replay`` against a real server.
 
 Replay's promise: after a replay with the state reset, running the app again gives the state of
 the first run (not double); a replay interrupted between moving the group and resetting the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,16 +15,14 @@ from pspf import App, Context, Producer, Settings, Worker
 from pspf.embedded import LocalSentinel
 from pspf.errors import BrokerError
 from pspf.service import Service
-from tests.conftest import Names
+from tests.conftest import Names, server_binary_under_test
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSentinel]:
-    server = LocalSentinel(
-        tmp_path_factory.mktemp("sentinel"), binary=os.environ.get("PSPF_TEST_REDIS_SERVER")
-    )
+    server = LocalSentinel(tmp_path_factory.mktemp("sentinel"), binary=server_binary_under_test())
     server.start()
     yield server
     server.stop()

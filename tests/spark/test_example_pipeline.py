@@ -1,6 +1,6 @@
 """The README's Spark example, ``python examples/spark_pipeline.py``, runs and checks its own result.
 
-It runs as a user runs it (a subprocess, its own embedded redis-server, nothing of the tests'
+It runs as a user runs it (a subprocess, its own embedded server, nothing of the tests'
 set-up), on fewer orders than its default so that it stays quick. CI also runs the README's
 command as written (``.ci/run``).
 """

@@ -1,4 +1,4 @@
-"""The Spark sink in batch mode against a local Spark session and a real redis-server.
+"""The Spark sink in batch mode against a local Spark session and a real server.
 
 Covers: a 100,000-row write (count, partition of every key, every value), the key/value/columns
 options, option errors raised before any write, a task that fails halfway and is retried (with and

@@ -4,7 +4,7 @@ A topic is read by two apps (consumer groups): one has read part of it and ackno
 of what it read (pending entries) and has not read the rest (undelivered entries); the other has
 read and acknowledged everything. A Spark write that asks to trim far beyond them must keep every
 pending and undelivered entry of the first app, and may trim only entries both apps acknowledged.
-Against a real redis-server (``PSPF_TEST_REDIS_SERVER`` for 6.2) and a local Spark session.
+Against a real server (``PSPF_TEST_REDIS_SERVER`` for 6.2) and a local Spark session.
 """
 
 from __future__ import annotations

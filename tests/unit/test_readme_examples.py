@@ -1,6 +1,6 @@
 """CI runs every example the README tells users to run, so an example cannot break unnoticed.
 
-An example command (``python examples/...``, run as written: it starts its own redis-server)
+An example command (``python examples/...``, run as written: it starts its own server)
 is the first line of a code fence that follows a marker comment ``<!-- NAME -->``; ``.ci/run``
 runs the commands of the markers in its ``examples=(...)`` list. ``pspf run examples...`` lines
 need a server of the user's, so CI cannot run them; their MODULE:ATTRIBUTE must still load.

@@ -27,7 +27,15 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from pspf import keys
-from pspf.errors import BackupWentBack, BrokerError, BrokerUnavailable, GroupMissing, LeaseLost, NotFound
+from pspf.errors import (
+    BackupWentBack,
+    BrokerError,
+    BrokerUnavailable,
+    GroupMissing,
+    LeaseLost,
+    MemoryFull,
+    NotFound,
+)
 from pspf.settings import BrokerAddress, RedisSettings, mask_url, parse_broker_url
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,11 @@ RawEntry = tuple[bytes, Fields | None]
 _CLAIM_COUNT = 1000
 #: How often a worker idle on a cluster looks for new entries (``Broker.wait_for_new``).
 CLUSTER_POLL_MS = 20
+#: How often producers look whether a server without maxmemory got one (``Broker.guard_memory``);
+#: with one, they read its memory use before each write.
+MEMORY_CHECK_S = 5.0
+#: The longest pause a producer takes per write when the server nears its maxmemory.
+MEMORY_PAUSE_S = 1.0
 #: Updates a state backup's log keeps (about): a store or standby at most this many updates
 #: behind catches up from the log; further behind, it restores the whole backup.
 BACKUP_LOG_LENGTH = 1000
@@ -212,6 +225,10 @@ class Broker:
             ("WAIT", settings.wait_replicas, settings.wait_timeout_ms) if settings.wait_replicas else ()
         )
         self._wait_replicas = settings.wait_replicas
+        self._memory_limits = (settings.memory_slow_at, settings.memory_fail_at)
+        #: (when last read, highest share of maxmemory in use over the servers)
+        self._memory: tuple[float, float] = (-MEMORY_CHECK_S, 0.0)
+        self._slowed = False
         if not self.cluster:  # a cluster's node clients are set so in _on
             _raw_stream_replies(self.client)
         self._ack = self.client.register_script(_script("ack"))
@@ -365,8 +382,11 @@ class Broker:
     def stream_memory(self, stream: str) -> int | None:
         """The bytes a stream takes on its server (MEMORY USAGE); None where that is not allowed."""
         try:
-            used = self.client.memory_usage(stream)
-        except redis.RedisError:
+            with self.translate_errors(stream):
+                used = self.client.memory_usage(stream)
+        except BrokerUnavailable:
+            raise
+        except BrokerError:  # an ACL user without MEMORY USAGE
             return None
         return None if used is None else int(used)
 
@@ -1147,13 +1167,51 @@ class Broker:
 
     # -- producing ------------------------------------------------------------------------------
 
+    def guard_memory(self) -> None:
+        """Producers' brake: pause near the servers' maxmemory, and refuse (MemoryFull) at it.
+
+        Above ``memory_slow_at`` of maxmemory a write waits, the longer the fuller the server
+        (up to MEMORY_PAUSE_S), so workers can drain and retention trim; above ``memory_fail_at``
+        it fails, before the server evicts keys or refuses writes. No limit without maxmemory.
+        """
+        checked, used = self._memory
+        if used > 0 or time.monotonic() - checked >= MEMORY_CHECK_S:  # with a limit, before each write
+            used = 0.0
+            for server in self._servers():
+                with self.translate_errors():
+                    info = server.info("memory")
+                limit = int(info.get("maxmemory", 0))
+                if limit:
+                    used = max(used, int(info["used_memory"]) / limit)
+            self._memory = (time.monotonic(), used)
+        slow_at, fail_at = self._memory_limits
+        if used >= fail_at:
+            raise MemoryFull(
+                f"the server at {self.url} uses {used:.0%} of its maxmemory: producing stops before it "
+                f"evicts or refuses writes (PSPF_MEMORY_FAIL_AT={fail_at}); let the apps catch up and "
+                "trim the topics (pspf topic trim), or give the server more memory"
+            )
+        if used >= slow_at:
+            if not self._slowed:  # said once per stretch
+                log.warning(
+                    "the server at %s uses %.0f%% of its maxmemory: producing slows down",
+                    self.url,
+                    100 * used,
+                )
+            self._slowed = True
+            time.sleep(MEMORY_PAUSE_S * min(1.0, (used - slow_at) / max(fail_at - slow_at, 1e-9)))
+        else:
+            self._slowed = False
+
     def add_entries(
         self, entries: Sequence[tuple[str, Fields]], maxlen: str = "", minid: str = ""
     ) -> list[bytes]:
         """XADD many entries in one pipelined round trip; their ids, in order.
 
-        ``maxlen`` or ``minid`` trim each stream approximately as it grows.
+        ``maxlen`` or ``minid`` trim each stream approximately as it grows. Held back near the
+        server's maxmemory (``guard_memory``).
         """
+        self.guard_memory()
         with self.translate_errors():
             pipe = self.client.pipeline(transaction=False)
             for stream, fields in entries:
@@ -1241,8 +1299,10 @@ class Broker:
 
         Each chunk is (stream, marker or None, flat entries): per entry the number of field and
         value arguments, then those arguments. A chunk's marker counts its entries already added,
-        which are skipped. Returns how many entries each chunk added.
+        which are skipped. Returns how many entries each chunk added. Held back near the server's
+        maxmemory (``guard_memory``).
         """
+        self.guard_memory()
         calls = [
             ([stream] if marker is None else [stream, marker], [marker_ttl_s, maxlen, minid, *flat])
             for stream, marker, flat in chunks

@@ -37,6 +37,10 @@ class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 
 
+class MemoryFull(BrokerError):
+    """The server is near its maxmemory: producing stops before it evicts or refuses writes."""
+
+
 class BackupWentBack(LeaseLost):
     """The partition's state backup is behind this owner's store: the server lost writes.
 

@@ -37,6 +37,9 @@ class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: replicas that must have each acknowledging call (WAIT) before the worker goes on; 0: none
     wait_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
     wait_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    #: producers slow down above this share of the server's maxmemory, and stop above the next
+    memory_slow_at: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
+    memory_fail_at: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.95
 
     def __repr__(self) -> str:
         tls = "".join(
@@ -176,6 +179,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_TLS_KEY_FILE": ("redis", "tls_key_file"),
     "PSPF_WAIT_REPLICAS": ("redis", "wait_replicas"),
     "PSPF_WAIT_TIMEOUT_MS": ("redis", "wait_timeout_ms"),
+    "PSPF_MEMORY_SLOW_AT": ("redis", "memory_slow_at"),
+    "PSPF_MEMORY_FAIL_AT": ("redis", "memory_fail_at"),
     "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
     "PSPF_BLOCK_MS": ("consumer", "block_ms"),
     "PSPF_CONSUMER": ("consumer", "consumer_name"),

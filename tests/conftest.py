@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from pspf import Producer, Settings
 from pspf.broker import Broker
@@ -101,6 +102,14 @@ def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis_server.client()
     yield client
     client.close()
+
+
+def client_for(url: str) -> Any:
+    """A redis-py client of a test server's URL (one of a cluster's for ``redis+cluster://``)."""
+    if url.startswith("redis+cluster://"):
+        hosts = [host.rpartition(":") for host in url.removeprefix("redis+cluster://").split(",")]
+        return RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, _, p in hosts])  # type: ignore[no-untyped-call]
+    return redis.Redis.from_url(url)
 
 
 class Names:

@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from pspf.keys import stream_key
+from tests.conftest import client_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -169,14 +170,14 @@ def failing_ids(
                 if attempt == 0:
                     raise RuntimeError(f"injected failure at row {i}")
             else:
-                client = redis.Redis.from_url(url)
+                client = client_for(url)
                 try:
                     if client.exists(fail_while_key):
                         raise RuntimeError(f"injected failure at row {i} (attempt {attempt})")
                 finally:
                     client.close()
         if probe is not None and i == probe_at and attempt == 1:
-            client = redis.Redis.from_url(url)
+            client = client_for(url)
             try:
                 deadline = time.monotonic() + 10
                 found = probe(client)

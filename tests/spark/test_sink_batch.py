@@ -28,6 +28,7 @@ from pyspark.sql import functions as F
 
 from pspf.embedded import free_port
 from pspf.keys import sink_marker_key, stream_key
+from tests.conftest import standalone_only
 from tests.spark.conftest import TopicReader, arrow_batch_rows, failing_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -183,7 +184,7 @@ BAD_OPTIONS = [
     pytest.param(
         "exists",
         {"broker": "http://127.0.0.1:6379/0"},
-        "scheme must be redis://, rediss:// or unix://",
+        "scheme must be one of redis://, rediss://, unix://",
         id="bad-url-scheme",
     ),
     pytest.param(
@@ -335,6 +336,7 @@ def test_batch_retry_after_a_truncated_input_with_idempotency_key_loses_no_rows(
 SECRET = "s3cret"
 
 
+@standalone_only  # an ACL user and a URL of one server
 def test_broker_password_never_shows_in_driver_errors(
     spark: SparkSession, make_topic: Callable[[int], str], redis_server: Any
 ) -> None:
@@ -355,6 +357,7 @@ def test_broker_password_never_shows_in_driver_errors(
         assert SECRET not in repr(failed.value)
 
 
+@standalone_only  # an ACL user and a URL of one server
 def test_broker_password_never_shows_in_task_errors(
     spark: SparkSession, make_topic: Callable[[int], str], redis_server: Any, rclient: redis.Redis
 ) -> None:

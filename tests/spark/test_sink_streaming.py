@@ -35,6 +35,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pspf.keys import stream_key
 from pspf.spark import PSPFDataSource, PSPFStreamWriter, SinkCommitMessage
+from tests.conftest import standalone_only
 from tests.spark.conftest import TopicReader, arrow_batch_rows, failing_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -193,6 +194,7 @@ def test_task_retried_in_a_micro_batch_writes_each_row_once(
     assert topics.count(topic, 4) == rows
 
 
+@standalone_only  # a URL of one server
 def test_bad_options_fail_the_query_before_any_write_and_mask_the_password(
     spark: SparkSession,
     make_topic: Callable[[int], str],

@@ -218,7 +218,10 @@ class Broker:
         self.address = parse_broker_url(settings.url)
         #: a Redis Cluster: commands of several partitions go per slot, grouped per node
         self.cluster = self.address.topology == "cluster"
-        self.client = _connect(settings, self.address, socket_timeout_s)
+        try:  # a cluster client asks its seed nodes for the slot map at once
+            self.client = _connect(settings, self.address, socket_timeout_s)
+        except (redis.RedisError, RedisClusterException) as exc:
+            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
         self._slots_stale = False
         #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
         self._wait: tuple[Any, ...] = (

@@ -18,10 +18,14 @@ import redis
 from click.testing import CliRunner, Result
 
 from cli import cli
-from pspf import keys
+from pspf import App, Context, Producer, Settings, Worker, keys
 from pspf.broker import Broker
+from pspf.embedded import LocalCluster
+from pspf.errors import BrokerError
+from pspf.retention import Retention
+from pspf.service import Service
 from pspf.settings import RedisSettings
-from tests.conftest import ROOT, Names, RedisServer
+from tests.conftest import ROOT, Names, RedisServer, server_binary_under_test
 
 pytestmark = pytest.mark.integration
 
@@ -189,3 +193,41 @@ def test_commands_of_rarer_paths_are_allowed(user: Callable[[str], AsUser]) -> N
         assert broker.outbox_replay_outcomes(as_user.app, [0]) == {0: b"{}"}
     finally:
         broker.close()
+
+
+#: What a user of a cluster needs besides: the slot map, and COMMAND (the cluster client reads
+#: where each command's keys are).
+CLUSTER_RULES = "+cluster|slots +command"
+
+
+def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Path, names: Names) -> None:
+    """Without the cluster rules the client cannot even connect; with them, produce, run and trim work."""
+    topic, app = names.topic(), names.app()
+    with LocalCluster(tmp_path / "cluster", binary=server_binary_under_test()) as cluster:
+        for node in cluster.nodes:
+            with node.client() as admin:
+                for name, extra in [("plain", ""), ("clustered", CLUSTER_RULES)]:
+                    rules = [*ACL_RULES.split(), OPTIONAL_RULES, *extra.split()]
+                    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *rules)  # type: ignore[no-untyped-call]
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
+
+        def settings(name: str) -> Settings:
+            url = f"redis+cluster://{name}:pw@{hosts}"
+            return Settings.load({"PSPF_BROKER": url, "PSPF_STATE_DIR": str(tmp_path / "state")}, environ={})
+
+        with pytest.raises(BrokerError):
+            Service(settings("plain")).create_topic(topic, 4)
+        service = Service(settings("clustered"))
+        service.create_topic(topic, 4)
+        with Producer(settings=settings("clustered")) as producer:
+            for i in range(200):
+                producer.send(topic, {"n": i}, key=f"k{i % 5}")
+        counter = App(app)
+
+        @counter.handler(topic)
+        def count(value: dict[str, int], ctx: Context) -> None:
+            ctx.state["n"] = ctx.state.get("n", 0) + value["n"]
+
+        Worker(counter, settings("clustered")).run(until_idle=True)
+        assert sum(service.state_get(app, f"k{j}")["n"] for j in range(5)) == sum(range(200))
+        assert service.trim_topic(topic, override=Retention(max_len=10)).removed > 0

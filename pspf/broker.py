@@ -227,7 +227,6 @@ class Broker:
         self._wait: tuple[Any, ...] = (
             ("WAIT", settings.wait_replicas, settings.wait_timeout_ms) if settings.wait_replicas else ()
         )
-        self._wait_replicas = settings.wait_replicas
         self._memory_limits = (settings.memory_slow_at, settings.memory_fail_at)
         #: (when last read, highest share of maxmemory in use over the servers)
         self._memory: tuple[float, float] = (-MEMORY_CHECK_S, 0.0)
@@ -905,13 +904,14 @@ class Broker:
 
     def _replicated(self, replicas: int) -> None:
         """Say when fewer replicas than asked for have an acknowledging call (WAIT's reply)."""
-        if replicas < self._wait_replicas:
+        wanted, timeout_ms = self._wait[1:]
+        if replicas < wanted:
             log.warning(
                 "only %s of %s replicas have the last acknowledgement after %s ms: a fail-over now "
                 "could lose it (PSPF_WAIT_REPLICAS)",
                 replicas,
-                self._wait_replicas,
-                self._wait[2],
+                wanted,
+                timeout_ms,
             )
 
     def _eval_pipelined(

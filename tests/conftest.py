@@ -19,6 +19,7 @@ from pspf import Producer, Settings
 from pspf.broker import Broker
 from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary
 from pspf.errors import ConfigError
+from pspf.settings import parse_broker_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,9 +107,10 @@ def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 def client_for(url: str) -> Any:
     """A redis-py client of a test server's URL (one of a cluster's for ``redis+cluster://``)."""
-    if url.startswith("redis+cluster://"):
-        hosts = [host.rpartition(":") for host in url.removeprefix("redis+cluster://").split(",")]
-        return RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, _, p in hosts])  # type: ignore[no-untyped-call]
+    address = parse_broker_url(url)
+    if address.topology == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in address.hosts]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes)
     return redis.Redis.from_url(url)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pspf import App, Settings, Worker
+from pspf import App, Context, Settings, Worker
 from pspf.batch import iter_state
 from pspf.failures import DeadLetter
 from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
@@ -88,6 +88,17 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def summing_app(name: str, topic: str) -> App:
+    """An app that adds each entry's ``n`` to its key's ``total``."""
+    app = App(name)
+
+    @app.handler(topic)
+    def add(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["total"] = ctx.state.get("total", 0) + value["n"]
+
+    return app
 
 
 class WorkerThread:

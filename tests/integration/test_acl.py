@@ -18,7 +18,7 @@ import redis
 from click.testing import CliRunner, Result
 
 from cli import cli
-from pspf import App, Context, Producer, Settings, Worker, keys
+from pspf import Producer, Settings, Worker, keys
 from pspf.broker import Broker
 from pspf.embedded import LocalCluster
 from pspf.errors import BrokerError
@@ -26,6 +26,7 @@ from pspf.retention import Retention
 from pspf.service import Service
 from pspf.settings import RedisSettings
 from tests.conftest import ROOT, Names, RedisServer, server_binary_under_test
+from tests.integration.failures_support import summing_app
 
 pytestmark = pytest.mark.integration
 
@@ -222,12 +223,6 @@ def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Pat
         with Producer(settings=settings("clustered")) as producer:
             for i in range(200):
                 producer.send(topic, {"n": i}, key=f"k{i % 5}")
-        counter = App(app)
-
-        @counter.handler(topic)
-        def count(value: dict[str, int], ctx: Context) -> None:
-            ctx.state["n"] = ctx.state.get("n", 0) + value["n"]
-
-        Worker(counter, settings("clustered")).run(until_idle=True)
-        assert sum(service.state_get(app, f"k{j}")["n"] for j in range(5)) == sum(range(200))
+        Worker(summing_app(app, topic), settings("clustered")).run(until_idle=True)
+        assert sum(service.state_get(app, f"k{j}")["total"] for j in range(5)) == sum(range(200))
         assert service.trim_topic(topic, override=Retention(max_len=10)).removed > 0

@@ -11,25 +11,15 @@ import pytest
 from click.testing import CliRunner, Result
 
 from cli import cli
-from pspf import App, Context, Settings, Worker, worker
+from pspf import Settings, Worker, worker
 from pspf.errors import ConfigError
 from pspf.keys import stream_key
 from pspf.retention import Retention
 from pspf.service import Service
 from tests.conftest import Names
-from tests.integration.failures_support import WorkerThread, wait_until
+from tests.integration.failures_support import WorkerThread, summing_app, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def summing_app(name: str, topic: str) -> App:
-    app = App(name)
-
-    @app.handler(topic)
-    def add(value: dict[str, int], ctx: Context) -> None:
-        ctx.state["total"] = ctx.state.get("total", 0) + value["n"]
-
-    return app
 
 
 def run_until_idle(app: str, topic: str, settings: Settings) -> None:

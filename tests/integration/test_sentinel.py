@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import redis
 
-from pspf import App, Context, Producer, Settings, Worker
+from pspf import Producer, Settings, Worker
 from pspf.embedded import LocalSentinel
 from pspf.errors import BrokerError
 from pspf.service import Service
 from tests.conftest import Names, server_binary_under_test
+from tests.integration.failures_support import summing_app
 
 pytestmark = pytest.mark.integration
 
@@ -26,16 +27,6 @@ def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSentinel
     server.start()
     yield server
     server.stop()
-
-
-def counting_app(name: str, topic: str) -> App:
-    app = App(name)
-
-    @app.handler(topic)
-    def count(value: dict[str, int], ctx: Context) -> None:
-        ctx.state["total"] = ctx.state.get("total", 0) + value["n"]
-
-    return app
 
 
 def run_counting(
@@ -55,7 +46,7 @@ def run_counting(
     with Producer(settings=config) as producer:
         for i in range(entries):
             producer.send(topic, {"n": i}, key=f"k{i % 7}")
-    Worker(counting_app(app, topic), config).run(until_idle=True)
+    Worker(summing_app(app, topic), config).run(until_idle=True)
     return app, lambda: {key: Service(config).state_get(app, key) for key in [f"k{j}" for j in range(7)]}
 
 

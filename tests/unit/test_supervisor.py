@@ -144,11 +144,15 @@ def test_a_crashing_child_is_restarted_with_backoff_and_one_that_exits_0_is_not(
 
 
 def test_exit_2_of_one_child_stops_the_others_and_the_supervisor(tmp_path: Path) -> None:
+    # c-2 fails only once the others are up, so that "started once" does not race their start-up.
     body = (
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
         "if name == 'c-2':\n"
+        "    here = os.path.dirname(os.path.abspath(__file__))\n"
+        "    while not {'c-1', 'c-3'} <= {f.split('.')[0] for f in os.listdir(here)}:\n"
+        "        time.sleep(0.01)\n"
         "    print('Error: no good', file=sys.stderr, flush=True)\n"
         "    sys.exit(2)\n"
-        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
         "time.sleep(60)\n"
     )
     sup = supervisor(tmp_path, body, workers=3)

@@ -6,7 +6,7 @@ The contract:
   every value the partition's store holds (field ``namespace NUL key``; the memory it takes is
   about the encoded state's size), a meta hash with the identity and the checkpoint of every topic
   (``cp:TOPIC``), and a log: a stream of the last ``BACKUP_LOG_LENGTH`` updates (about), each
-  with the identity it follows and the one it sets.
+  with the identity it follows, the one it sets and the update, packed in one field.
 - Identity: every transaction an owner commits to its store is stamped with a new identity (its
   fencing token and a sequence number, ``state_stores.Journal``), in the same write. A store and
   a backup with the same identity hold the same values.
@@ -42,6 +42,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
 
 from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
@@ -99,36 +101,37 @@ class LogUpdate(NamedTuple):
     updates: Updates
 
 
+_log_decoder = msgspec.msgpack.Decoder(tuple[dict[str, str], list[bytes], list[bytes]])
+
+
 class _Entry(NamedTuple):
     prev: str
     identity: str
-    part: int
-    more: bool
-    fields: Fields
+    data: bytes | None
 
 
 def _entry(fields: Fields) -> _Entry:
-    return _Entry(
-        fields.get(b"prev", b"").decode(),
-        fields.get(b"id", b"").decode(),
-        int(fields.get(b"part", b"0")),
-        fields.get(b"more") == b"1",
-        fields,
-    )
+    return _Entry(fields.get(b"prev", b"").decode(), fields.get(b"id", b"").decode(), fields.get(b"data"))
 
 
-def _add_part(update: LogUpdate, fields: Fields) -> None:
-    for name, value in fields.items():
-        if name.startswith(b"\x00"):
-            update.updates[split_field(name[1:])] = None
-        elif b"\x00" in name:
-            update.updates[split_field(name)] = value
-        elif name.startswith(b"c"):
-            update.checkpoints[name[1:].decode()] = StreamId.parse(value)
+def _update(entry_id: bytes, entry: _Entry) -> LogUpdate:
+    """A log entry's update (``broker.log_data``); LogGap when it has none it can read."""
+    try:
+        if entry.data is None:
+            raise msgspec.DecodeError("no data")
+        checkpoints, sets, deletes = _log_decoder.decode(entry.data)
+    except msgspec.DecodeError as exc:  # e.g. written in another layout: restore instead
+        raise LogGap(f"log entry {entry_id.decode()} cannot be read: {exc}") from None
+    updates: Updates = {(BACKUP_NAMESPACE, BACKUP_IDENTITY): entry.identity.encode()}
+    for k in range(0, len(sets), 2):
+        updates[split_field(sets[k])] = sets[k + 1]
+    for name in deletes:
+        updates[split_field(name)] = None
+    return LogUpdate(entry.identity, {t: StreamId.parse(c) for t, c in checkpoints.items()}, updates)
 
 
 class LogReader:
-    """Reads whole updates from a backup's log after a position, each checked to follow the last."""
+    """Reads updates from a backup's log after a position, each checked to follow the last."""
 
     def __init__(self, broker: Broker, log_key: str, after: bytes, identity: str) -> None:
         self.broker = broker
@@ -136,29 +139,17 @@ class LogReader:
         self.after = after
         #: the identity of the last update read (where the reader stands)
         self.identity = identity
-        self._partial: LogUpdate | None = None
 
     def read(self, count: int = LOG_PAGE) -> list[LogUpdate]:
-        """The next whole updates (none when the log has nothing more yet); LogGap on a break."""
+        """The next updates (none when the log has nothing more yet); LogGap on a break."""
         done: list[LogUpdate] = []
         for entry_id, fields in self.broker.backup_log(self.log_key, self.after, count):
             entry = _entry(fields)
-            if entry.part == 0:
-                if self._partial is not None or entry.prev != self.identity:
-                    raise LogGap(
-                        f"log entry {entry_id.decode()} follows {entry.prev!r}, not {self.identity!r}"
-                    )
-                self._partial = LogUpdate(
-                    entry.identity, {}, {(BACKUP_NAMESPACE, BACKUP_IDENTITY): entry.identity.encode()}
-                )
-            elif self._partial is None or self._partial.identity != entry.identity:
-                raise LogGap(f"log entry {entry_id.decode()} is a part of an update whose start is gone")
-            _add_part(self._partial, entry.fields)
+            if entry.prev != self.identity:
+                raise LogGap(f"log entry {entry_id.decode()} follows {entry.prev!r}, not {self.identity!r}")
+            done.append(_update(entry_id, entry))
             self.after = entry_id
-            if not entry.more:
-                done.append(self._partial)
-                self.identity = self._partial.identity
-                self._partial = None
+            self.identity = entry.identity
         return done
 
 
@@ -181,9 +172,9 @@ def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | Non
         page = broker.backup_log_before(backup.log, before, LOG_PAGE)
         for entry_id, fields in page:
             entry = _entry(fields)
-            if entry.identity == identity and not entry.more:
+            if entry.identity == identity:
                 return LogReader(broker, backup.log, entry_id, identity)
-            if entry.prev == identity and entry.part == 0:
+            if entry.prev == identity:
                 return LogReader(
                     broker, backup.log, str(StreamId.parse(entry_id).previous()).encode(), identity
                 )

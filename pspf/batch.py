@@ -55,11 +55,11 @@ class StreamOutcome(NamedTuple):
 class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
-    __slots__ = ("broken", "dead", "decode_state", "emitted", "emitter", "failures", "overlay", "owned")
+    __slots__ = ("broken", "dead", "emitted", "emitter", "failures", "overlay", "owned", "state_decoder")
 
     def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder, emitter: Emitter) -> None:
         self.owned = owned
-        self.decode_state = state_decoder.decode
+        self.state_decoder = state_decoder
         self.emitter = emitter
         self.overlay: dict[str, bytes | None] = {}
         #: entries emitted by the attempts that returned, in the order they ran

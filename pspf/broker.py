@@ -242,6 +242,7 @@ class Broker:
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
         self._read = self.client.register_script(_script("read"))
+        self._read_loaded = False
 
     def close(self) -> None:
         self.client.close()
@@ -643,17 +644,35 @@ class Broker:
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
         calls = [([stream, lease], [group, consumer, count, value]) for stream, lease, value in streams]
-        lost: list[str] = []
-        read: list[tuple[bytes, list[RawEntry]]] = []
-        last: dict[str, bytes] = {}
-        for (stream, _, _), reply in zip(streams, self._eval_pipelined(self._read, calls), strict=True):
-            if reply[0] == 0:
-                lost.append(stream)
-            elif reply[0] == 1:
-                read.append((stream.encode(), _entries(reply[1])))
-            else:
-                last[stream] = bytes(reply[1])
-        return lost, read, ({} if read else last)
+        return _fenced_reads([s for s, _, _ in streams], self._eval_pipelined(self._read, calls))
+
+    def read_ahead(
+        self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
+    ) -> ReadAhead:
+        """Send ``read_new`` of the streams now and read its reply later (``ReadAhead``).
+
+        The server builds the next batch while this process runs the current one. The read is
+        fenced like any other (``lua/read.lua`` per stream): under a lease no longer held it
+        delivers nothing. Not on a cluster, whose partitions' reads go to several nodes.
+        """
+        if not self._read_loaded:  # else the first read ahead finds no script and is read again
+            with self.translate_errors():
+                self.client.script_load(self._read.script)
+            self._read_loaded = True
+        pool = self.client.connection_pool
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", self._read.sha, 2, stream, lease, group, consumer, count, value)
+            for stream, lease, value in streams
+        ]
+        with self.translate_errors():
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command([hiredis.pack_command(c) for c in commands])
+            except BaseException:
+                connection.disconnect()
+                pool.release(connection)
+                raise
+        return ReadAhead(self, connection, [s for s, _, _ in streams])
 
     def last_id(self, stream: str) -> bytes | None:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
@@ -1313,6 +1332,89 @@ class Broker:
         return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
 
 
+class ReadAhead:
+    """A fenced read sent ahead (``Broker.read_ahead``); its connection is its own until then.
+
+    What it delivered is pending for this consumer either way: ``take`` returns it as
+    ``read_new`` would, ``drop`` only says which entries they were (to be read again from the
+    pending list, in order), ``abandon`` closes the connection without reading.
+    """
+
+    def __init__(self, broker: Broker, connection: Any, streams: list[str]) -> None:
+        self.broker = broker
+        self.streams = streams
+        self._connection = connection
+
+    def take(self) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]] | None:
+        """The read's result as ``read_new`` returns it.
+
+        None when the server had no script (a restart emptied its cache): then nothing was
+        delivered, and the caller reads again.
+        """
+        replies = self._replies()
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            with self.broker.translate_errors():
+                self.broker.client.script_load(self.broker._read.script)
+            return None
+        return _fenced_reads(self.streams, replies)
+
+    def drop(self) -> dict[str, list[bytes]]:
+        """Read the replies without using them: the ids delivered, per stream."""
+        replies = self._replies()
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            return {}  # nothing ran
+        _, read, _ = _fenced_reads(self.streams, replies)
+        return {stream.decode(): [entry_id for entry_id, _ in entries] for stream, entries in read}
+
+    def abandon(self) -> None:
+        """Close the connection unread: what the read delivered stays pending for this consumer."""
+        if self._connection is not None:
+            self._connection.disconnect()
+            self._release()
+
+    def _replies(self) -> list[Any]:
+        connection = self._connection
+        if connection is None:
+            raise BrokerError("a read sent ahead was already read")
+        replies: list[Any] = []
+        try:
+            with self.broker.translate_errors():
+                for _ in self.streams:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:
+                        if not isinstance(exc, NoScriptError):
+                            raise
+                        replies.append(exc)
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            self._release()
+        return replies
+
+    def _release(self) -> None:
+        self.broker.client.connection_pool.release(self._connection)
+        self._connection = None
+
+
+def _fenced_reads(
+    streams: Sequence[str], replies: Sequence[Any]
+) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
+    """``lua/read.lua``'s replies as ``Broker.read_new`` returns them: lost, read, last ids."""
+    lost: list[str] = []
+    read: list[tuple[bytes, list[RawEntry]]] = []
+    last: dict[str, bytes] = {}
+    for stream, reply in zip(streams, replies, strict=True):
+        if reply[0] == 0:
+            lost.append(stream)
+        elif reply[0] == 1:
+            read.append((stream.encode(), _entries(reply[1])))
+        else:
+            last[stream] = bytes(reply[1])
+    return lost, read, ({} if read else last)
+
+
 def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
     """The keys and arguments of ``lua/ack.lua`` for one request."""
     b = r.backup
@@ -1332,21 +1434,28 @@ def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
     if b is not None:
         args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
         for topic, checkpoint in b.checkpoints.items():
-            args += ["c" + topic, checkpoint]
+            args += [topic, checkpoint]
         args += b.sets
-        for name in b.deletes:
-            args += [b"\x00" + name, b""]
+        args += b.deletes
+        args.append(log_data(b) if b.mode == "update" else b"")
     backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
     return [r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args
 
 
-#: A backup log entry's part: at most this many bytes of values, and of values (see ``lua/ack.lua``).
-LOG_PART_BYTES = 16384
-LOG_PART_VALUES = 256
+_log_encoder = msgspec.msgpack.Encoder()
+
+
+def log_data(b: BackupUpdate) -> bytes:
+    """An update as its log entry's ``data``: (checkpoints, flat sets, deleted fields), msgpack.
+
+    One field, not a field per value: Redis builds a stream entry by appending to one buffer, so
+    an entry of many fields costs far more than one of a single value of the same size.
+    """
+    return _log_encoder.encode((b.checkpoints, b.sets, b.deletes))
 
 
 def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
-    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log's parts."""
+    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry."""
     commands: list[tuple[Any, ...]] = []
     if b.sets:
         commands.append(("HSET", b.keys.values, *b.sets))
@@ -1358,25 +1467,8 @@ def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
     if meta:
         commands.append(("HSET", b.keys.meta, *meta))
     if BACKUP_LOG_LENGTH > 0:
-        items: list[Any] = [
-            x for topic, checkpoint in b.checkpoints.items() for x in ("c" + topic, checkpoint)
-        ]
-        items += b.sets
-        for name in b.deletes:
-            items += [b"\x00" + name, b""]
-        parts: list[list[Any]] = [[]]
-        size = 0
-        for k in range(0, len(items), 2):
-            item = len(items[k]) + len(items[k + 1])
-            if parts[-1] and (size + item > LOG_PART_BYTES or len(parts[-1]) >= 2 * LOG_PART_VALUES):
-                parts.append([])
-                size = 0
-            parts[-1] += items[k : k + 2]
-            size += item
-        for number, part in enumerate(parts):
-            more = "1" if number < len(parts) - 1 else "0"
-            head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
-            commands.append((*head, "id", b.identity or prev, "part", number, "more", more, *part))
+        head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
+        commands.append((*head, "id", b.identity or prev, "data", log_data(b)))
     return commands
 
 

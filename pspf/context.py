@@ -8,6 +8,7 @@ from pspf import codec
 
 if TYPE_CHECKING:
     from pspf.broker import Fields
+    from pspf.codec import StateDecoder
     from pspf.outbox import Emitter
 
 #: An emitted entry: (topic, partition, fields).
@@ -22,7 +23,8 @@ class StateSource(Protocol):
 
     def base(self, key: str) -> bytes | None: ...
 
-    def decode_state(self, key: str, raw: bytes) -> dict[str, Any]: ...
+    @property
+    def state_decoder(self) -> StateDecoder: ...
 
 
 class Context:
@@ -83,7 +85,7 @@ class Context:
         """The state of this entry's key, loaded on first use."""
         if self._state is None:
             self._base = base = self._source.base(self.key)
-            self._state = {} if base is None else self._source.decode_state(self.key, base)
+            self._state = {} if base is None else self._source.state_decoder.decode(self.key, base)
         return self._state
 
     def emit(

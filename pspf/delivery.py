@@ -7,6 +7,13 @@ that cycle, so a poison entry cannot drag its batch-mates' counts up with it; on
 than ``max_deliveries`` times with no recorded outcome is poison. Parked entries are claimed
 again when due. New entries are read in one XREADGROUP under the leases (``Broker.read_new``).
 
+Reading ahead: after a full batch of new entries, the next read is sent at once and its reply
+taken by the next cycle (``Broker.read_ahead``), so the server builds the next batch while the
+handlers run on this one. It is taken only when the next cycle reads exactly the same streams
+under the same leases; otherwise it is dropped: what it delivered is pending here, and each of its
+streams re-reads its pending list, in id order, as after a failure (those deliveries count as
+unattempted, so they make no entry look poison).
+
 Screening (step 2 of the cycle): an entry at or below its stream's checkpoint was applied before
 a crash and needs no handler, unless a foreign consumer took it; an entry judged dead before a
 crash is moved to the DLQ; a redriven entry meant for another app is skipped, and so is an entry
@@ -20,7 +27,7 @@ import time
 from typing import NamedTuple
 
 from pspf import codec, keys
-from pspf.broker import Broker, Fields, RawEntry
+from pspf.broker import Broker, Fields, RawEntry, ReadAhead
 from pspf.execution import Entry
 from pspf.failures import Failure, RetryPolicy
 from pspf.keys import StreamId, entry_name
@@ -82,6 +89,8 @@ class Delivery:
         self.policies = policies
         self.owned = owned
         self.streams = streams
+        #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
+        self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
 
     def read(self, block: bool) -> tuple[list[Read], list[str]]:
         """One cycle's reads, and the streams whose lease the read found taken.
@@ -111,17 +120,56 @@ class Delivery:
             else:
                 out += pending
         live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
+        ahead = self._take_ahead(live)
+        if ahead is None:  # a read ahead dropped just now sent its streams back to their pending lists
+            live = [stream for stream in live if self.streams[stream[0]].pending_after is None]
         if live:
-            lost_now, replies, last_ids = self.broker.read_new(
+            lost_now, replies, last_ids = ahead or self.broker.read_new(
                 self.group, self.consumer, live, self.batch_size
             )
             lost += lost_now
             new = [Read(self.streams[s.decode()], entries, {}) for s, entries in replies if entries]
             self._check_tails(new, last_ids)
             out += new
+            if not self.broker.cluster and any(len(r.entries) >= self.batch_size for r in new):
+                held = [stream for stream in live if stream[0] not in lost_now]
+                self._ahead = self.broker.read_ahead(self.group, self.consumer, held, self.batch_size), held
             if block and not out and last_ids:
                 self.broker.wait_for_new(last_ids, self.block_ms)
         return out, lost
+
+    def _take_ahead(
+        self, live: list[tuple[str, str, str]]
+    ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]] | None:
+        """The reply of the read sent ahead when it read exactly ``live``; else it is dropped."""
+        if self._ahead is None:
+            return None
+        ahead, sent_for = self._ahead
+        if sent_for != live:
+            self.drop_ahead()
+            return None
+        self._ahead = None
+        return ahead.take()
+
+    def drop_ahead(self) -> None:
+        """Give the read sent ahead up: its streams re-read their pending entries, in id order."""
+        if self._ahead is None:
+            return
+        ahead, _ = self._ahead
+        self._ahead = None
+        for stream, ids in ahead.drop().items():
+            cursor = self.streams.get(stream)
+            if cursor is None:
+                continue  # given up meanwhile: its next owner claims them at takeover
+            cursor.rewind()
+            for entry_id in ids:
+                cursor.unattempted[entry_id] = cursor.unattempted.get(entry_id, 0) + 1
+
+    def close(self) -> None:
+        """Close the connection of a read sent ahead; what it delivered stays pending here."""
+        if self._ahead is not None:
+            self._ahead[0].abandon()
+            self._ahead = None
 
     def _check_tails(self, new: list[Read], last_ids: dict[str, bytes]) -> None:
         """Check the streams' last ids against the checkpoints wherever they are at hand.

@@ -18,6 +18,7 @@ import msgspec
 
 from pspf import codec
 from pspf.app import Handler
+from pspf.codec import StateDecoder
 from pspf.context import Context, Emitted, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError
 from pspf.failures import HandlerTimeout, PoisonEntry
@@ -73,10 +74,11 @@ def state_result(ctx: Context) -> bytes | None:
     if new == ctx._base:
         return UNCHANGED
     if new is not None:
+        decoder = ctx._source.state_decoder
         try:
-            ctx._source.decode_state(ctx.key, new)
+            decoder.check(ctx.key, state, new)
         except StateError:
-            raise StateValueError(codec.unreadable_state(ctx.key, state, ctx._source.decode_state)) from None
+            raise StateValueError(codec.unreadable_state(ctx.key, state, decoder.decode)) from None
     return new
 
 
@@ -165,8 +167,9 @@ class _ChainSource:
             return self.results[key]
         return self.source.base(key)
 
-    def decode_state(self, key: str, raw: bytes) -> dict[str, Any]:
-        return self.source.decode_state(key, raw)
+    @property
+    def state_decoder(self) -> StateDecoder:
+        return self.source.state_decoder
 
     @property
     def emitter(self) -> Emitter:

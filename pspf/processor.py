@@ -175,10 +175,12 @@ class BatchProcessor:
 
     def rewind_all(self) -> None:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
+        self.delivery.close()
         for cursor in self._by_stream.values():
             cursor.rewind()
 
     def close(self) -> None:
+        self.delivery.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None

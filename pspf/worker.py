@@ -159,7 +159,11 @@ class Worker:
         summary = RunSummary()
         self._serve_metrics()
         try:
-            self._start()
+            try:
+                self._start()
+            except BaseException:
+                self.broker.close()  # nothing else is running yet
+                raise
             # What exists now (modules, the app) lives as long as the worker: keep it out of the
             # collector's scans, which otherwise revisit it for every batch's garbage.
             gc.collect()

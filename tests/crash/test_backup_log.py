@@ -15,7 +15,7 @@ import pytest
 
 from pspf import Settings, backup, keys
 from pspf.backup import LogGap, LogReader, locate
-from pspf.broker import Broker
+from pspf.broker import AckRequest, BackupUpdate, Broker
 from pspf.service import Service
 from tests.conftest import pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
@@ -187,3 +187,51 @@ def test_state_export_reads_the_backup_from_any_machine_in_one_consistent_snapsh
         map(decode, local.stdout.splitlines()), key=str
     )
     assert sum(1 for line in run.stdout.splitlines() if b'"namespace":"state"' in line) == 2_000
+
+
+def test_the_transaction_and_the_script_log_an_update_alike(redis_url: str, rclient: Any, names: Any) -> None:
+    """An acknowledgement without DLQ moves runs as MULTI/EXEC, one with them as ``lua/ack.lua``
+    (on a cluster both are scripts): both write the values and one log entry that a reader turns
+    back into the same update."""
+    topic, app = names.topic(), names.app()
+    stream, lease, dlq = keys.stream_key(topic, 0), keys.lease_key(topic, 0, app), keys.dlq_key(topic, 0)
+    rclient.xgroup_create(stream, app, id="0", mkstream=True)
+    ids = [rclient.xadd(stream, {"value": str(i)}) for i in range(3)]
+    rclient.xreadgroup(app, "c", {stream: ">"})
+    rclient.set(lease, "mine")
+    backup_keys = keys.backup_keys(topic, 0, app)
+    first = BackupUpdate(
+        backup_keys, "7-1", {topic: ids[0].decode()}, [b"state\x00a", b"1", b"state\x00b", b"2"], []
+    )
+    second = BackupUpdate(
+        backup_keys, "7-2", {topic: ids[2].decode()}, [b"state\x00c", b"3"], [b"state\x00a"], follows=["7-1"]
+    )
+
+    def calls(command: str) -> int:
+        return int(rclient.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    broker = Broker(Settings.load({"PSPF_BROKER": redis_url}).redis)
+    try:
+        execs, scripts = calls("exec"), calls("evalsha")
+        assert broker.ack([AckRequest(stream, app, lease, "mine", [ids[0]], dlq, backup=first)]) == [(1, 0)]
+        if not broker.cluster:
+            assert (calls("exec") - execs, calls("evalsha") - scripts) == (1, 0)
+        dead = [(ids[2], {b"error": b"boom"})]
+        assert broker.ack([AckRequest(stream, app, lease, "mine", [ids[1]], dlq, dead, second)]) == [(1, 1)]
+        if not broker.cluster:
+            assert calls("evalsha") > scripts
+
+        updates = LogReader(broker, backup_keys.log, b"0-0", "").read()
+        identity = (keys.BACKUP_NAMESPACE, keys.BACKUP_IDENTITY)
+        assert [(u.identity, u.checkpoints, u.updates) for u in updates] == [
+            ("7-1", {topic: ids_(ids[0])}, {identity: b"7-1", ("state", "a"): b"1", ("state", "b"): b"2"}),
+            ("7-2", {topic: ids_(ids[2])}, {identity: b"7-2", ("state", "c"): b"3", ("state", "a"): None}),
+        ]
+        assert rclient.hgetall(backup_keys.values) == {b"state\x00b": b"2", b"state\x00c": b"3"}
+        assert rclient.hget(backup_keys.meta, "identity") == b"7-2"
+    finally:
+        broker.close()
+
+
+def ids_(raw: bytes) -> keys.StreamId:
+    return keys.StreamId.parse(raw)

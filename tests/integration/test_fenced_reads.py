@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
-from pspf.keys import fence_key, lease_key, stream_key
+from pspf.keys import dlq_key, fence_key, lease_key, partition_for, stream_key
 from pspf.service import Service
 
 pytestmark = pytest.mark.integration
@@ -98,3 +99,142 @@ def test_a_zombie_cannot_claim_its_pending_entries_back_by_id_after_its_lease_mo
         assert claimed is not None and [entry_id for entry_id, _ in claimed] == ids
     finally:
         broker.close()
+
+
+def test_the_next_batch_is_read_ahead_while_the_handlers_run(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [("k", {"n": n}) for n in range(1, 31)])
+    stream = stream_key(topic, 0)
+    app = App(names.app())
+    pending_seen: list[int] = []
+
+    @app.handler(topic)
+    def keep(value: dict[str, int], ctx: Context) -> None:
+        if value["n"] % 10 == 1:  # the first entry of each batch: what is delivered by now
+            # (the read ahead goes on another connection: give the server a moment to run it)
+            deadline = time.monotonic() + 0.5
+            while (pending := rclient.xpending(stream, app.name)["pending"]) <= 10:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            pending_seen.append(pending)
+        ctx.state["seen"] = [*ctx.state.get("seen", []), value["n"]]
+
+    settings = make_settings(PSPF_BATCH_SIZE=10)
+    worker = Worker(app, settings)
+    worker._start()
+    worker._lease_round()
+    try:
+        if worker.broker.cluster:
+            pytest.skip("a cluster's reads are not sent ahead")
+        assert [worker.processor.run_once(block=False).read for _ in range(3)] == [10, 10, 10]
+    finally:
+        worker._shutdown()
+    # Each batch ran while the next one was already delivered; the last read ahead found the
+    # last ten entries, and the one after them found nothing.
+    assert pending_seen == [20, 20, 10]
+    assert Service(settings).state_get(app.name, "k") == {"seen": list(range(1, 31))}
+
+
+def test_a_read_ahead_the_next_cycle_cannot_use_is_read_again_in_order(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """Entry 5 fails once: its stream re-reads its pending list, and the batch read ahead
+    (entries 11 to 20) comes after it from there, in order, each applied once and none taken for
+    poison by the deliveries it did not run."""
+    topic = make_topic(1)
+    produce(topic, [("k", {"n": n}) for n in range(1, 31)])
+    app = App(names.app())
+    failed: list[int] = []
+
+    @app.handler(topic)
+    def keep(value: dict[str, int], ctx: Context) -> None:
+        if value["n"] == 5 and not failed:
+            failed.append(5)
+            raise RuntimeError("once")
+        ctx.state["seen"] = [*ctx.state.get("seen", []), value["n"]]
+
+    settings = make_settings(PSPF_BATCH_SIZE=10, PSPF_MAX_DELIVERIES=2)
+    summary = Worker(app, settings).run(until_idle=True)
+    assert failed == [5]
+    assert (summary.handled, summary.failed) == (30, 1)
+    assert Service(settings).state_get(app.name, "k") == {"seen": list(range(1, 31))}
+    assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
+    assert not rclient.exists(dlq_key(topic, 0))
+
+
+def test_a_read_ahead_under_a_lease_that_moved_delivers_nothing(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    topic, group = make_topic(1), names.app()
+    produce(topic, [("k", {"n": 1})] * 10)
+    stream, lease, fence = stream_key(topic, 0), lease_key(topic, 0, group), fence_key(topic, 0, group)
+    broker = Broker(make_settings().redis)
+    try:
+        broker.ensure_group(stream, group, "0")
+        zombie = broker.acquire_lease(lease, fence, "zombie", 10_000)
+        assert zombie is not None
+        rclient.delete(lease)
+        assert broker.acquire_lease(lease, fence, "owner", 10_000) is not None
+
+        ahead = broker.read_ahead(group, "zombie", [(stream, lease, zombie)], 10)
+        assert ahead.take() == ([stream], [], {})
+        assert rclient.xpending(stream, group)["pending"] == 0
+        # A dropped one says what it delivered: here nothing.
+        assert broker.read_ahead(group, "zombie", [(stream, lease, zombie)], 10).drop() == {}
+    finally:
+        broker.close()
+
+
+def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newer(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+) -> None:
+    """Both partitions' next batches are read ahead; partition 1 is given up before the next
+    cycle, so the read ahead is dropped: partition 0 must take entries 11 to 20 back from its
+    pending list before it reads 21 to 30 (read first, they would make 11 to 20 look done)."""
+    topic = make_topic(2)
+    key_of = {partition_for(f"k{i}".encode(), 2): f"k{i}" for i in range(20)}
+    produce(topic, [(key_of[p], {"n": n}) for n in range(1, 31) for p in (0, 1)])
+    app = App(names.app())
+
+    @app.handler(topic)
+    def keep(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["seen"] = [*ctx.state.get("seen", []), value["n"]]
+
+    settings = make_settings(PSPF_BATCH_SIZE=10)
+    worker = Worker(app, settings)
+    worker._start()
+    worker._lease_round()
+    try:
+        if worker.broker.cluster:
+            pytest.skip("a cluster's reads are not sent ahead")
+        assert sorted(worker.processor.owned) == [0, 1]
+        assert worker.processor.run_once(block=False).read == 20
+        worker._drop(1, release=True)
+        reads = [worker.processor.run_once(block=False).read for _ in range(5)]
+    finally:
+        worker._shutdown()
+    # The cycle that dropped it read nothing new; then the pending list, then what came after.
+    assert reads == [0, 10, 10, 0, 0]
+    assert Service(settings).state_get(app.name, key_of[0])["seen"] == list(range(1, 31))
+    summary = Worker(app, settings).run(until_idle=True)  # partition 1, from its pending list
+    assert summary.skipped == 0
+    assert Service(settings).state_get(app.name, key_of[1])["seen"] == list(range(1, 31))

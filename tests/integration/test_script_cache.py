@@ -43,6 +43,16 @@ def test_pipelined_scripts_reload_after_a_script_flush_and_run_once(
         ]
         rclient.script_flush()
         assert broker.ack([AckRequest(stream, "g", lease, value, ids)]) == [(3, 0)]
+
+        # A read sent ahead that found no script delivered nothing: the caller reads again.
+        assert broker.read_ahead("g", "c", [(stream, lease, value)], 10).drop() == {}  # loads the script
+        assert broker.add_chunks([(stream, None, flat)], 60) == [3]
+        rclient.script_flush()
+        assert broker.read_ahead("g", "c", [(stream, lease, value)], 10).take() is None
+        assert rclient.xpending(stream, "g")["pending"] == 0
+        taken = broker.read_ahead("g", "c", [(stream, lease, value)], 10).take()
+        assert taken is not None and [len(entries) for _, entries in taken[1]] == [3]
+        assert broker.ack([AckRequest(stream, "g", lease, value, [i for i, _ in taken[1][0][1]])]) == [(3, 0)]
         assert rclient.xpending(stream, "g")["pending"] == 0
 
         rclient.script_flush()

@@ -656,9 +656,7 @@ class Broker:
         delivers nothing. Not on a cluster, whose partitions' reads go to several nodes.
         """
         if not self._read_loaded:  # else the first read ahead finds no script and is read again
-            with self.translate_errors():
-                self.client.script_load(self._read.script)
-            self._read_loaded = True
+            self.load_read_script()
         pool = self.client.connection_pool
         commands: list[tuple[Any, ...]] = [
             ("EVALSHA", self._read.sha, 2, stream, lease, group, consumer, count, value)
@@ -673,6 +671,12 @@ class Broker:
                 pool.release(connection)
                 raise
         return ReadAhead(self, connection, [s for s, _, _ in streams])
+
+    def load_read_script(self) -> None:
+        """Load ``lua/read.lua`` into the server's script cache (a read sent ahead cannot load it)."""
+        with self.translate_errors():
+            self.client.script_load(self._read.script)
+        self._read_loaded = True
 
     def last_id(self, stream: str) -> bytes | None:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
@@ -1353,8 +1357,7 @@ class ReadAhead:
         """
         replies = self._replies()
         if any(isinstance(reply, NoScriptError) for reply in replies):
-            with self.broker.translate_errors():
-                self.broker.client.script_load(self.broker._read.script)
+            self.broker.load_read_script()
             return None
         return _fenced_reads(self.streams, replies)
 

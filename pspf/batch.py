@@ -22,7 +22,7 @@ from pspf.context import Emitted
 from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
-from pspf.outbox import Emitter, PartitionOutbox, row_writes
+from pspf.outbox import Emitter
 from pspf.ownership import OwnedPartition, StreamCursor
 
 if TYPE_CHECKING:
@@ -114,15 +114,12 @@ class PartitionBatch:
             if o.checkpoint is not None and o.cursor.superseded
         }
         owned = self.owned
-        rows = owned.outbox.rows_for(self.emitted) if self.emitted else []
+        page, page_writes = owned.outbox.page_for(self.emitted) if self.emitted else (None, {})
         started = time.perf_counter()
         with owned.store.transaction() as tx:
             _put(tx, keys.STATE_NAMESPACE, self.overlay)
-            if rows:
-                for row in rows:
-                    for (namespace, key), value in row_writes(row, content=True).items():
-                        tx.set(namespace, key, value)
-                tx.set(keys.OUTBOX_META_NAMESPACE, "next", PartitionOutbox.counters(rows))
+            for (namespace, key), value in page_writes.items():
+                tx.set(namespace, key, value)
             _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
@@ -133,8 +130,8 @@ class PartitionBatch:
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
-        if rows:
-            owned.outbox.committed(rows)
+        if page is not None:
+            owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)
         return took
 

@@ -1251,19 +1251,66 @@ class Broker:
             return list(pipe.execute())
 
     def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
-        """Append a producer's rows (sequence, fields) to a topic partition, each at most once.
+        """Append a producer's rows to a topic partition, each at most once; how many were new.
 
-        Returns how many were new. See ``lua/publish.lua``: rows at or below the producer's last
-        recorded sequence are skipped.
+        Rows are (sequence, fields), the same field names in each; this waits for the reply (see
+        ``lua/publish.lua``).
         """
-        stream = keys.stream_key(topic, partition)
-        args: list[Any] = [producer]
-        for seq, fields in rows:
-            args += [seq, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
-        (reply,) = self._eval_pipelined(
-            self._publish, [([stream, keys.producers_key(topic, partition)], args)]
-        )
+        names = tuple(rows[0][1]) if rows else ()
+        seqs = ",".join(f"{seq}:1" for seq, _ in rows)
+        values = [value for _, fields in rows for value in fields.values()]
+        (reply,) = self.send_publish(
+            producer, [PublishCall((topic, partition), 0, seqs, names, b"", values)]
+        ).replies()
+        if isinstance(reply, BaseException):
+            raise reply
         return int(reply[0])
+
+    def send_publish(self, producer: str, calls: Sequence[PublishCall]) -> SentCalls:
+        """Send publishing calls (``lua/publish.lua``) in one write; their replies are read later.
+
+        The server runs them while this process goes on; ``SentCalls.replies`` reads them. On a
+        cluster the calls run at once, one round trip per node.
+        """
+        scripted = [
+            (
+                [keys.stream_key(*call.target), keys.producers_key(*call.target)],
+                [producer, call.prev, call.seqs, len(call.names), *call.names, call.head, *call.values],
+            )
+            for call in calls
+        ]
+        if self.cluster:
+            try:
+                replies = self._eval_pipelined(self._publish, scripted, raise_on_error=False)
+            except BrokerError as exc:
+                return SentCalls.failed(len(calls), exc)
+            return SentCalls(self, None, scripted, [self._error(r) for r in replies])
+        pool = self.client.connection_pool
+        try:
+            with self.translate_errors():
+                connection = pool.get_connection()
+                try:
+                    packed = [
+                        hiredis.pack_command(("EVALSHA", self._publish.sha, 2, *k, *a)) for k, a in scripted
+                    ]
+                    connection.send_packed_command(packed)
+                except BaseException:
+                    connection.disconnect()
+                    pool.release(connection)
+                    raise
+        except BrokerError as exc:
+            return SentCalls.failed(len(calls), exc)
+        return SentCalls(self, connection, scripted)
+
+    def _error(self, reply: Any) -> Any:
+        """A reply, or the PSPF error of an error reply."""
+        if not isinstance(reply, redis.ResponseError):
+            return reply
+        try:
+            with self.translate_errors():
+                raise reply
+        except BrokerError as exc:
+            return exc
 
     def request_outbox_replay(self, app: str, partition: int, ids: Sequence[int]) -> None:
         """Ask the owner of a partition to replay outbox rows (added to a request still waiting)."""
@@ -1334,6 +1381,89 @@ class Broker:
             for stream, marker, flat in chunks
         ]
         return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+
+
+class PublishCall(NamedTuple):
+    """One publishing call (``lua/publish.lua``): rows of one shape to one target partition."""
+
+    target: tuple[str, int]
+    #: the sequence number the producer's record there must have reached before it runs (0: none)
+    prev: int
+    #: the rows' sequence numbers as runs, "first:count,..."
+    seqs: str
+    names: tuple[bytes, ...]
+    #: the headers' JSON up to the source entry id, the last value of each row (b"": the last
+    #: value is the headers whole)
+    head: bytes
+    #: each row's values, one after another
+    values: list[bytes]
+
+
+class SentCalls:
+    """Publishing calls sent (``Broker.send_publish``); their connection is theirs until read.
+
+    ``replies`` gives one reply per call, or the PSPF error of the call: a call that did not run
+    because the server had lost its scripts is sent again then; calls whose replies cannot be read
+    (a lost connection) are errors, whether or not they ran.
+    """
+
+    def __init__(
+        self,
+        broker: Broker | None,
+        connection: Any,
+        calls: list[tuple[list[Any], list[Any]]],
+        replies: list[Any] | None = None,
+    ) -> None:
+        self.broker = broker
+        self._connection = connection
+        self._calls = calls
+        self._replies = replies
+
+    @classmethod
+    def failed(cls, count: int, error: BrokerError) -> SentCalls:
+        return cls(None, None, [], [error] * count)
+
+    def replies(self) -> list[Any]:
+        if self._replies is not None:
+            return self._replies
+        broker, connection = self.broker, self._connection
+        assert broker is not None and connection is not None
+        self._connection = None
+        replies: list[Any] = []
+        try:
+            with broker.translate_errors():
+                for _ in self._calls:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
+        except BrokerError as exc:
+            connection.disconnect()
+            replies += [exc] * (len(self._calls) - len(replies))
+        finally:
+            broker.client.connection_pool.release(connection)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            try:
+                again = broker._eval_pipelined(
+                    broker._publish, [self._calls[i] for i in missing], raise_on_error=False
+                )
+            except BrokerError as exc:
+                again = [exc] * len(missing)
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        self._replies = [broker._error(reply) for reply in replies]
+        return self._replies
+
+    def abandon(self) -> None:
+        """Close the connection unread (the calls may or may not have run)."""
+        if self._connection is not None and self.broker is not None:
+            self._connection.disconnect()
+            self.broker.client.connection_pool.release(self._connection)
+            self._connection = None
+            self._replies = [BrokerUnavailable("the connection of the publishing calls was closed")] * len(
+                self._calls
+            )
 
 
 class ReadAhead:

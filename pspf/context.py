@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pspf import codec
 
 if TYPE_CHECKING:
-    from pspf.broker import Fields
     from pspf.codec import StateDecoder
     from pspf.outbox import Emitter
 
-#: An emitted entry: (topic, partition, fields).
-Emitted = tuple[str, int, "Fields"]
+#: An emitted entry, as ``pspf.outbox`` stores it: (topic, partition, key or None, value, source
+#: topic, source entry id, headers or None: only when the handler gave some).
+Emitted = tuple[str, int, bytes | None, bytes, str, bytes, bytes | None]
 
 
 class StateSource(Protocol):

@@ -41,12 +41,16 @@ BACKUP_IDENTITY = "identity"
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that
 #: moves the checkpoint to or past them.
 SUPERSEDED_NAMESPACE = "__superseded"
-#: Outbox rows (``ctx.emit``) by zero-padded row id (``outbox.row_key``): what they publish,
-#: written once, and where they stand (``OUTBOX_STATE_NAMESPACE``), rewritten at each transition.
+#: Outbox rows (``ctx.emit``): a batch's rows as one page under its first row's zero-padded id
+#: (``outbox.row_key``), written once; the status records of rows off the common path, by row id;
+#: the counters ("next"), a watermark per target partition and a done mark per page published
+#: whole (see ``pspf.outbox``).
 OUTBOX_NAMESPACE = "__outbox"
 OUTBOX_STATE_NAMESPACE = "__outbox_state"
-#: The outbox's counters: key "next" = "next row id/next sequence number".
 OUTBOX_META_NAMESPACE = "__outbox_meta"
+#: Namespaces whose values are large (a batch's emitted rows in one value): a store may keep them
+#: apart from the many small ones (SQLite does: see ``state_stores.sqlite``).
+LARGE_VALUE_NAMESPACES = frozenset({OUTBOX_NAMESPACE})
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (
     STATE_NAMESPACE,

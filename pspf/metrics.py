@@ -264,11 +264,13 @@ class WorkerMetrics(ProcessorHooks):
     def on_dead_letter(self, record: DeadLetter) -> None:
         self._counters(record.source_topic, record.source_partition).dead_lettered.inc()
 
-    def on_outbox_settled(self, partition: int, published: list[OutboxRow], failed: list[OutboxRow]) -> None:
+    def on_outbox_settled(
+        self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]
+    ) -> None:
         if published:
             self._outbox_published.inc(len(published))
-            for row in published:
-                self._outbox_latency.observe(max(0, (row.published_ms or 0) - row.created_ms) / 1000)
+            for created_ms, published_ms in published:
+                self._outbox_latency.observe(max(0, published_ms - created_ms) / 1000)
         if failed:
             self._outbox_failed.inc(len(failed))
             dead = sum(1 for row in failed if row.state is RowState.DEAD)

@@ -166,6 +166,7 @@ class BatchProcessor:
 
     def remove(self, partition: int) -> OwnedPartition:
         owned = self.owned.pop(partition)
+        self.relay.finish(owned.outbox)
         for cursor in owned.streams.values():
             self._by_stream.pop(cursor.stream, None)
         return owned
@@ -176,11 +177,16 @@ class BatchProcessor:
     def rewind_all(self) -> None:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
         self.delivery.close()
+        for owned in self.owned.values():
+            if owned.outbox.sending is not None:
+                owned.outbox.sending.sent.abandon()
         for cursor in self._by_stream.values():
             cursor.rewind()
 
     def close(self) -> None:
         self.delivery.close()
+        for owned in self.owned.values():
+            self.relay.finish(owned.outbox)
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -224,7 +230,7 @@ class BatchProcessor:
             result.read == 0
             and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
             and not any(parked(f) for owned in self.owned.values() for f in owned.failures.values())
-            and not any(owned.outbox.open for owned in self.owned.values())
+            and not any(owned.outbox.waiting for owned in self.owned.values())
         )
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
             for owned in self.owned.values():
@@ -267,7 +273,7 @@ class BatchProcessor:
     def _publish(self, result: CycleResult) -> None:
         """Publish what the owned partitions emitted (and the backup or the lease confirmed)."""
         for owned in self.owned.values():
-            if owned.outbox.open or owned.outbox.counts[RowState.PUBLISHED]:
+            if owned.outbox.waiting or owned.outbox.counts[RowState.PUBLISHED]:
                 published, failed = self.relay.step(owned.outbox)
                 result.published += published
                 result.publish_failed += failed

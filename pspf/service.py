@@ -44,7 +44,6 @@ from pspf.outbox import (
     SOURCE_TOPIC_HEADER,
     OutboxRow,
     RowState,
-    row_key,
     rows_in_backup,
     rows_in_store,
 )
@@ -990,10 +989,12 @@ class Service:
                 pages = self.broker.backup_values(
                     backups[p].values, match=keys.OUTBOX_NAMESPACE.encode() + b"*"
                 )
-                yield from ((p, row) for row in rows_in_backup(pair for page in pages for pair in page))
+                yield from (
+                    (p, row) for row in rows_in_backup((pair for page in pages for pair in page), app, p)
+                )
                 continue
             with open_store(state.engine, state.dir, app, p, readonly=True) as store:
-                found = rows_in_store(store)
+                found = rows_in_store(store, app, p)
             yield from ((p, row) for row in found)
 
     def outbox_list(
@@ -1085,20 +1086,7 @@ class Service:
 
     def _outbox_row(self, app: str, partition: int, number: int) -> OutboxRow:
         """One row, from the partition's backup, else from its store here."""
-        keys.check_name("app", app)
-        backup = None if self.local_state else self._backup_keys(app, partition)
-        found: list[OutboxRow] = []
-        if backup is not None:
-            names = [
-                field(namespace, row_key(number))
-                for namespace in (keys.OUTBOX_NAMESPACE, keys.OUTBOX_STATE_NAMESPACE)
-            ]
-            values = [self.broker.backup_value(backup.values, name) for name in names]
-            found = rows_in_backup((n, v) for n, v in zip(names, values, strict=True) if v is not None)
-        elif partition in stored_partitions(self.settings.state.engine, self.settings.state.dir, app):
-            state = self.settings.state
-            with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
-                found = rows_in_store(store, [number])
+        found = [row for p, row in self._outbox_rows(app, partition) if row.id == number]
         if not found:
             raise NotFound(f"app {app!r} has no outbox row {partition}:{number}")
         return found[0]

@@ -1,5 +1,10 @@
 """SQLite engine: one WAL database file per (group, partition), one transaction per batch.
 
+Values live in a WITHOUT ROWID table ordered by (namespace, key): small values (a key's state)
+sit in the B-tree's pages themselves. Namespaces of large values (``keys.LARGE_VALUE_NAMESPACES``,
+a batch's outbox rows) have a table of their own with rowids, whose values overflow into pages of
+their own: in the WITHOUT ROWID table each commit of one got slower as the table grew.
+
 ``normal`` durability (WAL, synchronous=NORMAL) survives a killed process: a committed
 transaction is in the WAL file before ``COMMIT`` returns. ``fsync`` (synchronous=FULL) also
 survives power loss. An exclusive lock file keeps a second process out while the store is open.
@@ -16,7 +21,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from pspf.errors import NotFound, StateError, StoreLocked
-from pspf.keys import StreamId
+from pspf.keys import LARGE_VALUE_NAMESPACES, StreamId
 from state_stores.base import Durability, StateStore, apply_checkpoints
 
 _SCHEMA = """
@@ -24,6 +29,9 @@ BEGIN;
 CREATE TABLE IF NOT EXISTS state (
     ns TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ns, key)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS large (
+    ns TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ns, key)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     topic TEXT PRIMARY KEY, ms INTEGER NOT NULL, seq INTEGER NOT NULL
 );
@@ -35,6 +43,7 @@ _ROWS_PER_INSERT = 256
 _MULTI_INSERT = "INSERT OR REPLACE INTO state (ns, key, value) VALUES " + ",".join(
     ["(?, ?, ?)"] * _ROWS_PER_INSERT
 )
+_TABLES = ("state", "large")
 
 
 def _to_row(entry_id: StreamId) -> tuple[int, int]:
@@ -68,6 +77,8 @@ class SQLiteStore(StateStore):
                 self._db.execute(f"PRAGMA synchronous={sync}")
                 self._db.executescript(_SCHEMA)
                 self._remember_identity()
+            #: where large values are: in a store an older version made (read only), with the rest
+            self._large = "large" if self._has_table("large") else "state"
             self._checkpoints = {
                 topic: _from_row(ms, seq)
                 for topic, ms, seq in self._db.execute("SELECT topic, ms, seq FROM checkpoints")
@@ -76,9 +87,15 @@ class SQLiteStore(StateStore):
             self._unlock()
             raise StateError(f"cannot open state store {path}: {exc}") from exc
 
+    def _table(self, namespace: str) -> str:
+        return self._large if namespace in LARGE_VALUE_NAMESPACES else "state"
+
     def _has_schema(self) -> bool:
+        return self._has_table("checkpoints")
+
+    def _has_table(self, name: str) -> bool:
         found = self._db.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'"
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
         ).fetchone()
         return found is not None
 
@@ -93,7 +110,7 @@ class SQLiteStore(StateStore):
     def get(self, namespace: str, key: str) -> bytes | None:
         with self._reading():
             row = self._db.execute(
-                "SELECT value FROM state WHERE ns = ? AND key = ?", (namespace, key)
+                f"SELECT value FROM {self._table(namespace)} WHERE ns = ? AND key = ?", (namespace, key)
             ).fetchone()
         return None if row is None else bytes(row[0])
 
@@ -106,7 +123,7 @@ class SQLiteStore(StateStore):
             with self._reading():
                 found.update(
                     self._db.execute(
-                        f"SELECT key, value FROM state WHERE ns = ? AND key IN ({marks})",
+                        f"SELECT key, value FROM {self._table(namespace)} WHERE ns = ? AND key IN ({marks})",
                         (namespace, *chunk),
                     )
                 )
@@ -114,8 +131,9 @@ class SQLiteStore(StateStore):
 
     def items(self, namespace: str, prefix: str = "") -> Iterator[tuple[str, bytes]]:
         with self._reading():
+            table = self._table(namespace)
             cursor = self._db.execute(
-                "SELECT key, value FROM state WHERE ns = ? AND substr(key, 1, ?) = ? ORDER BY key",
+                f"SELECT key, value FROM {table} WHERE ns = ? AND substr(key, 1, ?) = ? ORDER BY key",
                 (namespace, len(prefix), prefix),
             )
             for key, value in cursor:
@@ -131,10 +149,11 @@ class SQLiteStore(StateStore):
     ) -> None:
         with self._atomic("commit") as db:
             _upsert(db, [(ns, key, value) for (ns, key), value in updates.items() if value is not None])
-            db.executemany(
-                "DELETE FROM state WHERE ns = ? AND key = ?",
-                [nk for nk, value in updates.items() if value is None],
-            )
+            for table in _TABLES:
+                db.executemany(
+                    f"DELETE FROM {table} WHERE ns = ? AND key = ?",
+                    [nk for nk, value in updates.items() if value is None and self._table(nk[0]) == table],
+                )
             db.executemany(
                 "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",
                 [(topic, *_to_row(cid)) for topic, cid in checkpoints.items()],
@@ -148,7 +167,10 @@ class SQLiteStore(StateStore):
         values: Mapping[tuple[str, str], bytes] | None = None,
     ) -> None:
         with self._atomic("rewind") as db:
-            db.executemany("DELETE FROM state WHERE ns = ?", [(ns,) for ns in clear])
+            for table in _TABLES:
+                db.executemany(
+                    f"DELETE FROM {table} WHERE ns = ?", [(ns,) for ns in clear if self._table(ns) == table]
+                )
             _upsert(db, [(ns, key, value) for (ns, key), value in (values or {}).items()])
             gone = [(topic,) for topic, cid in checkpoints.items() if cid is None]
             db.executemany("DELETE FROM checkpoints WHERE topic = ?", gone)
@@ -178,7 +200,16 @@ class SQLiteStore(StateStore):
                     "INSERT INTO staging VALUES (?, ?, ?)",
                     [(ns, key, value) for (ns, key), value in page.items()],
                 )
-            db.execute("INSERT OR REPLACE INTO state SELECT ns, key, value FROM staging ORDER BY ns, key")
+            large = ",".join("?" * len(LARGE_VALUE_NAMESPACES))
+            db.execute(
+                "INSERT OR REPLACE INTO state SELECT ns, key, value FROM staging "
+                f"WHERE ns NOT IN ({large}) ORDER BY ns, key",
+                tuple(LARGE_VALUE_NAMESPACES),
+            )
+            db.execute(
+                f"INSERT OR REPLACE INTO large SELECT ns, key, value FROM staging WHERE ns IN ({large})",
+                tuple(LARGE_VALUE_NAMESPACES),
+            )
             db.execute("DELETE FROM staging")
 
     @contextmanager
@@ -214,7 +245,10 @@ class SQLiteStore(StateStore):
 
         def rows() -> Iterator[tuple[str, str, bytes]]:
             try:
-                for namespace, key, value in db.execute("SELECT ns, key, value FROM state ORDER BY ns, key"):
+                every = "SELECT ns, key, value FROM state"
+                if self._large == "large":
+                    every += " UNION ALL SELECT ns, key, value FROM large"
+                for namespace, key, value in db.execute(f"SELECT * FROM ({every}) ORDER BY ns, key"):
                     yield namespace, key, bytes(value)
             finally:
                 db.execute("COMMIT")
@@ -239,6 +273,9 @@ class SQLiteStore(StateStore):
 
 def _upsert(db: sqlite3.Connection, rows: list[tuple[str, str, bytes]]) -> None:
     """Write rows with multi-row statements: per-statement overhead dominates one-row inserts."""
+    large = [row for row in rows if row[0] in LARGE_VALUE_NAMESPACES]
+    if large:
+        rows = [row for row in rows if row[0] not in LARGE_VALUE_NAMESPACES]
     whole = len(rows) - len(rows) % _ROWS_PER_INSERT
     if whole:
         db.executemany(
@@ -249,6 +286,7 @@ def _upsert(db: sqlite3.Connection, rows: list[tuple[str, str, bytes]]) -> None:
             ],
         )
     db.executemany("INSERT OR REPLACE INTO state (ns, key, value) VALUES (?, ?, ?)", rows[whole:])
+    db.executemany("INSERT OR REPLACE INTO large (ns, key, value) VALUES (?, ?, ?)", large)
 
 
 def _lock(path: Path) -> int:

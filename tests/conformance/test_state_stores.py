@@ -240,6 +240,28 @@ def test_large_batches_write_every_row(store: StateStore) -> None:
     assert all(got[f"k{i:04}"] == str(i).encode() for i in range(2, 1_000, 3))
 
 
+def test_large_values_read_write_clear_and_dump_like_any_other(store: StateStore) -> None:
+    """A namespace of large values (SQLite keeps them in a table of their own) behaves the same."""
+    (large,) = keys.LARGE_VALUE_NAMESPACES
+    page = bytes(range(256)) * 300  # a batch's outbox rows are tens of kilobytes
+    with store.transaction() as tx:
+        tx.set(large, "0001", page)
+        tx.set(large, "0002", b"small")
+        tx.set("ns", "0001", b"not large")
+        tx.set_checkpoint("t", StreamId(1, 0))
+    assert store.get(large, "0001") == page and store.get("ns", "0001") == b"not large"
+    assert store.get_many(large, ["0001", "0003"]) == {"0001": page}
+    assert list(store.items(large)) == [("0001", page), ("0002", b"small")]
+    assert list(store.items(large, "0002")) == [("0002", b"small")]
+    _, rows = store.dump()
+    assert [(ns, key) for ns, key, _ in rows] == sorted([(large, "0001"), (large, "0002"), ("ns", "0001")])
+    with store.transaction() as tx:
+        tx.delete(large, "0001")
+    assert store.get(large, "0001") is None and store.get(large, "0002") == b"small"
+    store.rewind({large}, {"t": StreamId(1, 0)}, {(large, "0009"): page})
+    assert list(store.items(large)) == [("0009", page)] and store.get("ns", "0001") == b"not large"
+
+
 def test_dump_is_the_checkpoints_and_every_value(store: StateStore) -> None:
     with store.transaction() as tx:
         tx.set("state", "b", b"2")

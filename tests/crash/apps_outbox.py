@@ -18,14 +18,19 @@ Configured by environment variables, read when a factory is called:
   file that says it happened; it holds a small JSON report). Steps count the relay steps of this
   process that claimed rows:
 
+  A step claims rows and sends its publishing calls; the partition's next step reads their
+  replies (``on_outbox_sent`` per call) and marks the rows (``on_outbox_settled``) before it
+  claims again. Reports say which rows other partitions' steps have in flight then
+  (``in_flight``: sent, in the target, not marked yet).
+
   - ``claimed:N``: SIGKILL in ``on_outbox_claimed`` of the N-th step: its rows are durably
     CLAIMED in the store, none is published;
   - ``sent-last:N``: SIGKILL in ``on_outbox_sent`` of the last publishing call of the N-th step:
     every row it claimed is in the target, none is marked PUBLISHED;
   - ``sent-first:N``: SIGKILL in ``on_outbox_sent`` of the first publishing call of the N-th step
     that needs several calls (to several target partitions, or more rows than
-    ``pspf.outbox.PUBLISH_CHUNK`` to one): mid-step, some of its rows are in the target, others
-    not;
+    ``pspf.outbox.PUBLISH_CHUNK`` to one): mid-settle, one call's reply read, the others' not
+    (``unread`` rows);
   - ``stop-claimed:N``: no crash: in ``on_outbox_claimed`` of the N-th step the process stops
     itself with SIGSTOP (the marker is written first) and publishes its claimed rows when the
     test sends SIGCONT: a zombie relay;
@@ -77,10 +82,13 @@ class RelayCrashHooks(ProcessorHooks):
         self.events = events
         self.steps = 0  # steps that claimed rows
         self.several = 0  # steps whose rows needed several publishing calls
-        self.claimed = 0  # rows of the step in hand
-        self.sent = 0  # rows of the step in hand sent so far
-        self.calls = 0  # publishing calls of the step in hand
+        #: per partition, its step whose calls are in flight: number, rows claimed, rows and calls read
+        self.pending: dict[int, dict[str, int]] = {}
         self.settled = 0  # steps settled
+
+    def _in_flight(self, partition: int) -> int:
+        """Rows the other partitions' steps sent and have not read the replies of."""
+        return sum(step["claimed"] for p, step in self.pending.items() if p != partition)
 
     def _record(self, **event: Any) -> None:
         if self.events is not None:
@@ -105,38 +113,51 @@ class RelayCrashHooks(ProcessorHooks):
 
     def on_outbox_claimed(self, partition: int, rows: int) -> None:
         self.steps += 1
-        self.claimed, self.sent, self.calls = rows, 0, 0
+        self.pending[partition] = {"step": self.steps, "claimed": rows, "sent": 0, "calls": 0}
         self._record(event="claimed", partition=partition, rows=rows)
         if self.steps != self.nth or not self._armed():
             return
-        report = {"where": self.where, "partition": partition, "rows": rows}
+        report = {
+            "where": self.where,
+            "partition": partition,
+            "rows": rows,
+            "in_flight": self._in_flight(partition),
+        }
         if self.where == "claimed":
             self._die(report)
         if self.where == "stop-claimed":
             self._stop(report)
 
     def on_outbox_sent(self, partition: int, stream: str, rows: int, appended: int) -> None:
-        self.calls += 1
-        self.sent += rows
+        step = self.pending[partition]
+        step["calls"] += 1
+        step["sent"] += rows
         self._record(event="sent", partition=partition, stream=stream, rows=rows, appended=appended)
-        first_of_several = self.calls == 1 and self.sent < self.claimed
+        first_of_several = step["calls"] == 1 and step["sent"] < step["claimed"]
         if first_of_several:
             self.several += 1
         report = {
             "where": self.where,
             "partition": partition,
             "stream": stream,
-            "claimed": self.claimed,
+            "claimed": step["claimed"],
             "rows": rows,
             "appended": appended,
+            "unread": step["claimed"] - step["sent"],
+            "in_flight": self._in_flight(partition),
         }
-        last_of_nth = self.where == "sent-last" and self.steps == self.nth and self.sent == self.claimed
+        last_of_nth = (
+            self.where == "sent-last" and step["step"] == self.nth and step["sent"] == step["claimed"]
+        )
         nth_several = self.where == "sent-first" and first_of_several and self.several == self.nth
         if (last_of_nth or nth_several) and self._armed():
             self._die(report)
 
-    def on_outbox_settled(self, partition: int, published: list[OutboxRow], failed: list[OutboxRow]) -> None:
+    def on_outbox_settled(
+        self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]
+    ) -> None:
         self.settled += 1
+        self.pending.pop(partition, None)
         self._record(event="settled", partition=partition, published=len(published), failed=len(failed))
         if self.where == "stop-settled" and self.settled == self.nth and self._armed():
             self._stop(

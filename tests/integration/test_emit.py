@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from pspf import App, Context, Settings, Worker
-from pspf.broker import Broker
+from pspf.broker import Broker, PublishCall
+from pspf.errors import BrokerError
 from pspf.keys import producers_key, stream_key
 from pspf.outbox import (
     SOURCE_APP_HEADER,
@@ -96,7 +97,7 @@ def rows(settings: Settings, app: str, partitions: int) -> list[Any]:
     found = []
     for p in range(partitions):
         with open_store(settings.state.engine, settings.state.dir, app, p, readonly=True) as store:
-            found += rows_in_store(store)
+            found += rows_in_store(store, app, p)
     return found
 
 
@@ -233,6 +234,34 @@ def test_a_repeated_publish_adds_nothing(
         b"1",
     ]
     assert rclient.hget(producers_key(topic, 0), "app/0") == b"5"
+
+
+def test_a_call_whose_earlier_call_did_not_run_adds_nothing_and_headers_are_made_on_the_server(
+    brokers: Callable[[str], Broker], redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+) -> None:
+    """A step's calls to one target are pipelined: the second names the last row of the first, and
+    runs only if that one did (else the target would take rows 3-4 and refuse 1-2 as seen)."""
+    topic = make_topic(1)
+    broker = brokers(redis_url)
+    head = b'{"src":"'
+    first = PublishCall(
+        (topic, 0), 0, "1:2", (b"key", b"value", b"headers"), head, [b"a", b"1", b"9-1", b"b", b"2", b"9-2"]
+    )
+    second = PublishCall((topic, 0), 2, "3:1,7:1", (b"value", b"headers"), b"", [b"3", b"{}", b"4", b"{}"])
+    (gap,) = broker.send_publish("app/0", [second]).replies()
+    assert isinstance(gap, BrokerError) and "GAP" in str(gap)
+    assert rclient.xlen(stream_key(topic, 0)) == 0 and rclient.hget(producers_key(topic, 0), "app/0") is None
+    assert [reply[0] for reply in broker.send_publish("app/0", [first, second]).replies()] == [2, 2]
+    entries = [fields for _, fields in rclient.xrange(stream_key(topic, 0))]
+    assert entries == [
+        {b"key": b"a", b"value": b"1", b"headers": b'{"src":"9-1"}'},
+        {b"key": b"b", b"value": b"2", b"headers": b'{"src":"9-2"}'},
+        {b"value": b"3", b"headers": b"{}"},
+        {b"value": b"4", b"headers": b"{}"},
+    ]
+    assert rclient.hget(producers_key(topic, 0), "app/0") == b"7"
+    # Sent again (a relay that never read the replies): nothing new.
+    assert [reply[0] for reply in broker.send_publish("app/0", [first, second]).replies()] == [0, 0]
 
 
 def test_a_target_of_the_wrong_type_refuses_before_writing(
@@ -416,20 +445,22 @@ def test_published_rows_are_pruned_after_the_retention_and_metrics_count_the_out
         while address is None:
             address = worker.metrics_address
         host, port = address
-        text = urllib.request.urlopen(f"http://{host}:{port}/metrics").read().decode()
-        assert (
-            "pspf_outbox_published_total" in text
-            and f'pspf_outbox_published_total{{app="{app.name}"}} 40.0' in text
-        )
+
+        def metrics() -> str:
+            return str(urllib.request.urlopen(f"http://{host}:{port}/metrics").read().decode())
+
+        # The rows are marked published once the relay reads its calls' replies: the next cycle.
+        wait_for(lambda: f'pspf_outbox_published_total{{app="{app.name}"}} 40.0' in metrics(), 10)
+        text = metrics()
         assert "pspf_outbox_publish_latency_seconds_count" in text
         # Published rows go once they are older than the retention, from the store and the backup.
         wait_for(lambda: service.outbox_list(app.name) == [], 20)
-        text = urllib.request.urlopen(f"http://{host}:{port}/metrics").read().decode()
+        text = metrics()
         assert f'pspf_outbox_rows{{app="{app.name}",partition="0",state="published"}} 0.0' in text
     finally:
         worker.stop()
         thread.join()
     with open_store(settings.state.engine, settings.state.dir, app.name, 0, readonly=True) as store:
-        assert rows_in_store(store) == []
+        assert rows_in_store(store, app.name, 0) == []
     # One sequence record per producer on each target partition, whatever was published.
     assert {rclient.hlen(producers_key(target, p)) for p in range(2)} == {1}

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import json
+from typing import Any
 
 import msgspec
 import pytest
 
-from pspf.outbox import TRANSITIONS, OutboxRow, PartitionOutbox, RowState, TransitionRefused, move
+from pspf import keys
+from pspf.outbox import (
+    SOURCE_APP_HEADER,
+    SOURCE_ID_HEADER,
+    TRANSITIONS,
+    OutboxRow,
+    PartitionOutbox,
+    RowState,
+    TransitionRefused,
+    move,
+    rows_in_store,
+    watermark_key,
+)
 from state_stores import MemoryStore
 
 ALLOWED = {
@@ -82,22 +96,109 @@ def test_a_replay_needs_a_new_sequence_and_starts_over(before: RowState) -> None
     assert again.published_ms is None and again.available_ms == 400
 
 
-def test_publishable_rows_wait_behind_an_earlier_row_to_the_same_target() -> None:
+def emitted(
+    topic: str, value: bytes, key: bytes | None = None
+) -> tuple[str, int, bytes | None, bytes, str, bytes, None]:
+    """An emitted entry to partition 0 of ``topic``, from entry 1-0 of topic ``in``."""
+    return (topic, 0, key, value, "in", b"1-0", None)
+
+
+def commit(outbox: PartitionOutbox, entries: list[Any]) -> list[int]:
+    """Commit a batch's emitted entries as the batch commit does; the ids of its rows."""
+    page, writes = outbox.page_for(entries)
+    with outbox.store.transaction() as tx:
+        for (namespace, key), value in writes.items():
+            tx.set(namespace, key, value)
+    outbox.committed(page, writes)
+    return [page.first_id + i for i in range(len(entries))]
+
+
+def states(outbox: PartitionOutbox) -> dict[int, RowState]:
+    return {r.id: r.state for r in rows_in_store(outbox.store, "app", 0)}
+
+
+def test_a_batch_is_one_page_of_rows_claimed_by_the_relay_and_waits_for_its_confirmation() -> None:
     outbox = PartitionOutbox(MemoryStore(), "app", 0, "relay-a")
-    rows = outbox.rows_for(
-        [("a", 0, {b"value": b"1"}), ("a", 0, {b"value": b"2"}), ("b", 0, {b"value": b"3"})]
-    )
-    outbox.committed(rows)
+    ids = commit(outbox, [emitted("a", b"1"), emitted("a", b"2"), emitted("b", b"3", key=b"k")])
+    assert ids == [1, 2, 3]
+    assert len(dict(outbox.store.items(keys.OUTBOX_NAMESPACE))) == 1  # one value for the batch
+    assert dict(outbox.store.items(keys.OUTBOX_STATE_NAMESPACE)) == {}  # no record per row
+    rows = rows_in_store(outbox.store, "app", 0)
+    assert [(r.state, r.claimed_by, r.seq) for r in rows] == [
+        (RowState.CLAIMED, "relay-a", s) for s in (1, 2, 3)
+    ]
+    assert rows[2].fields[b"key"] == b"k" and json.loads(rows[2].fields[b"headers"]) == {
+        SOURCE_APP_HEADER: "app",
+        "pspf-source-topic": "in",
+        "pspf-source-partition": "0",
+        SOURCE_ID_HEADER: "1-0",
+    }
     assert outbox.publishable(10**13, 100) == []  # not confirmed yet
     outbox.confirm()
-    assert [r.id for r in outbox.publishable(10**13, 100)] == [1, 2, 3]
-    outbox.open[1] = move(
-        outbox.open[1], RowState.PENDING, 10**13, error="down", retry_in_ms=10**13
-    )  # backing off
-    assert [r.id for r in outbox.publishable(10**13, 100)] == [3]
-    # A new row to the held target waits PENDING behind it; one to another target is claimed at once.
-    later = outbox.rows_for([("a", 0, {b"value": b"4"}), ("c", 0, {b"value": b"5"})])
-    assert [(r.state, r.claimed_by) for r in later] == [
-        (RowState.PENDING, None),
-        (RowState.CLAIMED, "relay-a"),
+    work = outbox.publishable(10**13, 100)
+    assert [(target, [item[1] for item in items]) for target, items in work] == [
+        (("a", 0), [1, 2]),
+        (("b", 0), [3]),
     ]
+    assert outbox.counts[RowState.CLAIMED] == 3 and outbox.waiting == 3
+
+
+def test_rows_wait_behind_a_failed_row_to_the_same_target_and_new_ones_are_created_pending() -> None:
+    outbox = PartitionOutbox(MemoryStore(), "app", 0, "relay-a")
+    commit(outbox, [emitted("a", b"1"), emitted("a", b"2"), emitted("b", b"3")])
+    outbox.confirm()
+    first = rows_in_store(outbox.store, "app", 0)[0]
+    backing_off = move(first, RowState.PENDING, 10**13, error="down", retry_in_ms=10**13)
+    outbox.update([(None, backing_off)])
+    assert [(t, [i[1] for i in items]) for t, items in outbox.publishable(10**13, 100)] == [(("b", 0), [3])]
+    later = commit(outbox, [emitted("a", b"4"), emitted("c", b"5")])
+    assert [states(outbox)[i] for i in later] == [RowState.PENDING, RowState.CLAIMED]
+    assert outbox.counts == {
+        RowState.PENDING: 2,
+        RowState.CLAIMED: 3,
+        RowState.PUBLISHED: 0,
+        RowState.DEAD: 0,
+    }
+
+
+def test_a_watermark_marks_rows_published_and_a_takeover_reaps_the_other_claims() -> None:
+    store = MemoryStore()
+    outbox = PartitionOutbox(store, "app", 0, "relay-a")
+    commit(outbox, [emitted("a", b"1"), emitted("b", b"2"), emitted("a", b"3")])
+    with store.transaction() as tx:  # the relay published rows 1 (a) and 2 (b): seq 1 and 2
+        tx.set(keys.OUTBOX_META_NAMESPACE, watermark_key(("a", 0)), msgspec.msgpack.encode((1, 500)))
+        tx.set(keys.OUTBOX_META_NAMESPACE, watermark_key(("b", 0)), msgspec.msgpack.encode((2, 600)))
+    assert states(outbox) == {1: RowState.PUBLISHED, 2: RowState.PUBLISHED, 3: RowState.CLAIMED}
+    again = PartitionOutbox(store, "app", 0, "relay-b")
+    again.load()
+    rows = {r.id: r for r in rows_in_store(store, "app", 0)}
+    assert (
+        rows[3].state is RowState.PENDING and rows[3].attempts == 1 and "reaped" in (rows[3].last_error or "")
+    )
+    assert (rows[1].published_ms, rows[2].published_ms) == (500, 600)
+    assert again.counts == {RowState.PENDING: 1, RowState.CLAIMED: 0, RowState.PUBLISHED: 2, RowState.DEAD: 0}
+    assert (again.next_id, again.next_seq, again.confirmed) == (4, 4, 3)
+    assert [(t, [i[1] for i in items]) for t, items in again.publishable(10**13, 100)] == [(("a", 0), [3])]
+
+
+def test_a_replay_gives_published_and_dead_rows_new_sequence_numbers_behind_the_rest() -> None:
+    store = MemoryStore()
+    outbox = PartitionOutbox(store, "app", 0, "relay-a")
+    commit(outbox, [emitted("a", b"1"), emitted("a", b"2")])
+    outbox.confirm()
+    dead = move(rows_in_store(store, "app", 0)[1], RowState.DEAD, 10, error="gone")
+    outbox.update(
+        [(None, dead)],
+        {(keys.OUTBOX_META_NAMESPACE, watermark_key(("a", 0))): msgspec.msgpack.encode((1, 5))},
+    )
+    outbox.watermarks[("a", 0)] = (1, 5)
+    outbox.counts[RowState.CLAIMED] -= 1
+    outbox.counts[RowState.PUBLISHED] += 1
+    assert states(outbox) == {1: RowState.PUBLISHED, 2: RowState.DEAD}
+    assert outbox.replay([1, 2, 99]) == [1, 2]
+    rows = rows_in_store(store, "app", 0)
+    assert [(r.state, r.seq, r.attempts) for r in rows] == [
+        (RowState.PENDING, 3, 0),
+        (RowState.PENDING, 4, 0),
+    ]
+    assert outbox.replay([1]) == []  # pending already: left as it is

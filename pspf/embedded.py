@@ -176,8 +176,19 @@ class LocalCluster:
     """
 
     def __init__(
-        self, directory: Path, masters: int = 3, aof: bool = False, binary: str | None = None
+        self,
+        directory: Path,
+        masters: int = 3,
+        aof: bool = False,
+        binary: str | None = None,
+        tls: Sequence[str] = (),
     ) -> None:
+        """Nodes in ``directory``; with ``tls`` (certificate options: ``--tls-cert-file`` ...), TLS nodes.
+
+        TLS nodes also listen on a TLS port, talk to each other over TLS, and ``url`` names their
+        TLS ports; the plain ports stay for the fixture's own use.
+        """
+        self.tls_ports = [free_port(cluster_bus=True) for _ in range(masters)] if tls else []
         self.nodes = [
             LocalRedis(
                 directory / f"node{i}",
@@ -190,11 +201,27 @@ class LocalCluster:
                     str(directory / f"node{i}" / "nodes.conf"),
                     "--cluster-node-timeout",
                     "2000",
+                    *(
+                        [
+                            "--tls-port",
+                            str(self.tls_ports[i]),
+                            "--tls-cluster",
+                            "yes",
+                            "--tls-replication",
+                            "yes",
+                            *tls,
+                        ]
+                        if tls
+                        else []
+                    ),
                 ],
             )
             for i in range(masters)
         ]
-        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        # Nodes meet, and clients find them, on the port of the protocol the cluster speaks.
+        self.ports = self.tls_ports or [node.port for node in self.nodes]
+        scheme = "rediss+cluster" if tls else "redis+cluster"
+        self.url = f"{scheme}://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
 
     @property
     def version(self) -> str:
@@ -212,8 +239,8 @@ class LocalCluster:
                 with node.client() as client:
                     client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per_node, last))
             with self.nodes[0].client() as client:
-                for node in self.nodes[1:]:
-                    client.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+                for port in self.ports[1:]:
+                    client.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
         self.wait_ok()
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from cli import cli
-from pspf.embedded import LocalRedis, free_port, redis_server_binaries
+from pspf.embedded import LocalCluster, LocalRedis, free_port, redis_server_binaries
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -216,3 +216,31 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
     env = {"PSPF_TLS_CERT_FILE": str(certs.client), "PSPF_TLS_KEY_FILE": str(certs.client_key)}
     accepted = pspf("topic", "list", "--broker", tls_server.tls_url, "--tls-ca-file", str(certs.ca), **env)
     assert accepted.exit_code == 0, accepted.output
+
+
+@pytest.fixture
+def tls_cluster(tls_binary: str, certs: Certs, tmp_path: Path) -> Iterator[LocalCluster]:
+    """A 3-master cluster whose nodes serve TLS, ask clients for a certificate (the servers'
+    default), and talk to each other over TLS."""
+    files = ["--tls-cert-file", str(certs.server), "--tls-key-file", str(certs.server_key)]
+    cluster = LocalCluster(
+        tmp_path / "cluster", binary=tls_binary, tls=[*files, "--tls-ca-cert-file", str(certs.ca)]
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_a_cluster_over_mutual_tls_runs_an_app_end_to_end_and_a_wrong_ca_is_one_line(
+    tls_cluster: LocalCluster, certs: Certs, pspf: Pspf, tmp_path: Path
+) -> None:
+    assert tls_cluster.url.startswith("rediss+cluster://")
+    client = ["--tls-cert-file", str(certs.client), "--tls-key-file", str(certs.client_key)]
+    pspf.end_to_end("--broker", tls_cluster.url, "--tls-ca-file", str(certs.ca), *client)
+    other = Certs(tmp_path / "other-ca")
+    other.dir.mkdir()
+    other.make()
+    result = pspf("topic", "list", "--broker", tls_cluster.url, "--tls-ca-file", str(other.ca), *client)
+    assert result.exit_code == 3, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "certificate verify failed" in lines[0], result.output

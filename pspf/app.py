@@ -18,6 +18,7 @@ from pspf.context import Context
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
+from pspf.windows import Aggregation, LatePolicy, TimestampFunc, WindowSpec
 
 if TYPE_CHECKING:
     from pspf.processor import ProcessorHooks
@@ -76,6 +77,8 @@ class App:
         self.retry = (retry or RetryPolicy()).validated()
         self.non_retryable = non_retryable
         self.handlers: dict[str, Handler] = {}
+        #: the window aggregations, by topic (each also has the topic's handler)
+        self.windows: dict[str, Aggregation] = {}
         self.hooks = hooks
 
     def handler(
@@ -104,6 +107,49 @@ class App:
                 decoder=ValueDecoder(_value_type(func)),
                 retry=policy,
                 non_retryable=(*self.non_retryable, *non_retryable),
+            )
+            return func
+
+        return register
+
+    def window(
+        self,
+        topic: str,
+        spec: WindowSpec,
+        timestamp: str | TimestampFunc | None = None,
+        emit_to: str | None = None,
+        late: LatePolicy = "drop",
+        merge: Callable[[Any, Any], Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Callable[[Callable[[Any, Any], Any]], Callable[[Any, Any], Any]]:
+        """Register ``func(accumulator, value) -> accumulator`` over time windows of ``topic``.
+
+        ``spec`` comes from ``pspf.windows`` (tumbling, hopping, sliding, session).
+        ``timestamp``: the value's field holding the event time (epoch milliseconds or an RFC 3339
+        string), or a function of (value, ctx); without it, the time Redis appended the entry.
+        When a window closes, ``{"key", "start", "end", "value"}`` is emitted to ``emit_to``
+        under the entry key, exactly once. ``late``: what happens to an entry whose windows have
+        closed: "drop" (counted in a metric) or "dlq". ``merge(a, b)`` combines two sessions'
+        accumulators (session windows need it). The accumulator type is the annotation of the
+        first parameter, the value type that of the second.
+        """
+        check_name("topic", topic)
+        if emit_to is None:
+            raise ConfigError(f"window of topic {topic!r}: emit_to (the topic of its results) is required")
+        check_name("topic", emit_to)
+
+        def register(func: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+            if topic in self.handlers:
+                raise ConfigError(f"app {self.name!r} already has a handler for topic {topic!r}")
+            aggregation = Aggregation(topic, spec, func, emit_to, timestamp, late, merge)
+            self.windows[topic] = aggregation
+            self.handlers[topic] = Handler(
+                topic=topic,
+                func=aggregation.handler,
+                is_async=False,
+                decoder=ValueDecoder(aggregation.value_type),
+                retry=(retry or RetryPolicy()).validated().over(self.retry),
+                non_retryable=self.non_retryable,
             )
             return func
 

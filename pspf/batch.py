@@ -24,6 +24,7 @@ from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import Emitter
 from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
     from state_stores import StateStore, StoreTransaction
@@ -87,6 +88,12 @@ class PartitionBatch:
             cache[key] = value
         return value
 
+    @property
+    def windows(self) -> PartitionWindows:
+        windows = self.owned.windows
+        assert windows is not None, "a window aggregation runs only where the app declares windows"
+        return windows
+
     def failure(self, name: str) -> Failure | None:
         if name in self.failures:
             return self.failures[name]
@@ -105,7 +112,17 @@ class PartitionBatch:
             for entry_id in o.finished
             if entry_id in o.cursor.foreign
         ]
-        if not (checkpoints or self.overlay or self.failures or self.dead or foreign_done or self.emitted):
+        windows = self.owned.windows
+        window_writes = windows.dirty if windows is not None else {}
+        if not (
+            checkpoints
+            or self.overlay
+            or self.failures
+            or self.dead
+            or foreign_done
+            or self.emitted
+            or window_writes
+        ):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
         superseded_passed = {
@@ -120,6 +137,11 @@ class PartitionBatch:
             _put(tx, keys.STATE_NAMESPACE, self.overlay)
             for (namespace, key), value in page_writes.items():
                 tx.set(namespace, key, value)
+            for (namespace, key), window_value in window_writes.items():
+                if window_value is None:
+                    tx.delete(namespace, key)
+                else:
+                    tx.set(namespace, key, window_value)
             _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
@@ -130,6 +152,8 @@ class PartitionBatch:
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
+        if windows is not None:
+            windows.dirty = {}
         if page is not None:
             owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)

@@ -9,6 +9,7 @@ from pspf import codec
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox import Emitter
+    from pspf.windows import Change, PartitionWindows
 
 #: An emitted entry, as ``pspf.outbox`` stores it: (topic, partition, key or None, value, source
 #: topic, source entry id, headers or None: only when the handler gave some).
@@ -20,6 +21,9 @@ class StateSource(Protocol):
 
     @property
     def emitter(self) -> Emitter: ...
+
+    @property
+    def windows(self) -> PartitionWindows: ...
 
     def base(self, key: str) -> bytes | None: ...
 
@@ -43,6 +47,7 @@ class Context:
         "_id",
         "_source",
         "_state",
+        "_windowed",
         "delivery_count",
         "key",
         "partition",
@@ -69,6 +74,8 @@ class Context:
         self._state: dict[str, Any] | None = None
         self._base: bytes | None = None
         self._emits: list[Emitted] | None = None
+        #: what a window aggregation's entry changes in its windows (``pspf.windows.Change``)
+        self._windowed: Change | None = None
 
     @property
     def id(self) -> str:

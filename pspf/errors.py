@@ -90,3 +90,7 @@ class StateValueError(StateError, NonRetryableError):
     The entry that writes one fails at once, without retries: every later entry of its key would
     fail reading it back. The store itself is sound, so this never stops a worker.
     """
+
+
+class LateEntry(NonRetryableError):
+    """An entry whose windows had all closed, dead-lettered because its app asked (``late="dlq"``)."""

@@ -23,6 +23,7 @@ from pspf.context import Context, Emitted, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.outbox import Emitter
+from pspf.windows import PartitionWindows
 
 #: Marks an attempt that left its key's state untouched.
 UNCHANGED = b"\x00unchanged"
@@ -129,6 +130,8 @@ def run_sync(
             overlay[ctx.key] = new
         if ctx._emits:
             emitted += ctx._emits
+        if ctx._windowed is not None:
+            source.windows.apply(ctx._windowed)
     return len(todo), errors
 
 
@@ -148,6 +151,7 @@ def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_
     if thread.is_alive():
         ctx._state = None  # whatever it still writes or emits is dropped
         ctx._emits = None
+        ctx._windowed = None
         raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms")
     if outcome:
         raise outcome[0]
@@ -174,6 +178,10 @@ class _ChainSource:
     @property
     def emitter(self) -> Emitter:
         return self.source.emitter
+
+    @property
+    def windows(self) -> PartitionWindows:
+        return self.source.windows
 
 
 def run_async(

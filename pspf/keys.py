@@ -51,6 +51,11 @@ OUTBOX_META_NAMESPACE = "__outbox_meta"
 #: Namespaces whose values are large (a batch's emitted rows in one value): a store may keep them
 #: apart from the many small ones (SQLite does: see ``state_stores.sqlite``).
 LARGE_VALUE_NAMESPACES = frozenset({OUTBOX_NAMESPACE})
+#: Open windows of ``@app.window`` aggregations (``window_key``; see ``pspf.windows``) and the
+#: partition's stream time (key ``STREAM_TIME``: the largest event time applied, and its entry).
+WINDOWS_NAMESPACE = "__windows"
+TIME_NAMESPACE = "__time"
+STREAM_TIME = "stream"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (
     STATE_NAMESPACE,
@@ -63,6 +68,8 @@ STORE_NAMESPACES = (
     OUTBOX_NAMESPACE,
     OUTBOX_STATE_NAMESPACE,
     OUTBOX_META_NAMESPACE,
+    WINDOWS_NAMESPACE,
+    TIME_NAMESPACE,
 )
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
@@ -157,6 +164,21 @@ def fence_key(topic: str, partition: int, group: str) -> str:
 def entry_name(topic: str, entry_id: bytes) -> str:
     """The store key of one entry's bookkeeping (failures, dead, foreign): ``topic/id``."""
     return f"{topic}/{entry_id.decode()}"
+
+
+def window_key(topic: str, kind: str, key: str, a: int, b: int | str) -> str:
+    """The store key of a window's state, the entry key last (it may hold any character).
+
+    Kinds: a window's accumulator ("w": start, end), a closed session's marker ("c": start,
+    end), a sliding window's kept entry ("e": event time, entry id).
+    """
+    return f"{topic}/{kind}/{a}/{b}/{key}"
+
+
+def split_window_key(name: str) -> tuple[str, str, str, int, str]:
+    """(topic, kind, key, a, b) of a ``window_key``."""
+    topic, kind, a, b, key = name.split("/", 4)
+    return topic, kind, key, int(a), b
 
 
 def backup_key(topic: str, partition: int, group: str) -> str:

@@ -132,6 +132,12 @@ class WorkerMetrics(ProcessorHooks):
         self._dead_lettered = Counter(
             "pspf_entries_dead_lettered", "Entries moved to the DLQ.", labels, registry=r
         )
+        self._late = Counter(
+            "pspf_window_late_entries",
+            "Entries of a window aggregation that came after all their windows closed: not applied.",
+            labels,
+            registry=r,
+        )
         self._batch_size = Histogram(
             "pspf_batch_size_entries",
             "Entries read per cycle that read any.",
@@ -263,6 +269,9 @@ class WorkerMetrics(ProcessorHooks):
 
     def on_dead_letter(self, record: DeadLetter) -> None:
         self._counters(record.source_topic, record.source_partition).dead_lettered.inc()
+
+    def on_late(self, topic: str, partition: int, entries: int) -> None:
+        self._late.labels(self.app, topic, str(partition)).inc(entries)
 
     def on_outbox_settled(
         self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]

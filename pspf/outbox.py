@@ -514,6 +514,19 @@ class Emitter:
         return (topic, zlib.crc32(key_bytes) % partitions, key_bytes, encoded, ctx.topic, ctx._id, given)
 
 
+    def result(
+        self, topic: str, key: str, value: Any, source: tuple[str, bytes], partition: int
+    ) -> Emitted:
+        """A closed window's result, its source the entry that moved stream time past it."""
+        partitions = self._partitions.get(topic) or self.partitions(topic)
+        encoded = _json_encode(value)
+        source_topic, source_id = source
+        if not key:
+            return (topic, partition % partitions, None, encoded, source_topic, source_id, None)
+        key_bytes = key.encode()
+        return (topic, zlib.crc32(key_bytes) % partitions, key_bytes, encoded, source_topic, source_id, None)
+
+
 _json_encode = codec.json_encoder.encode
 
 

@@ -28,6 +28,7 @@ from pspf.errors import BrokerError, StateError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox import PartitionOutbox
+from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
     from state_stores import StateStore
@@ -199,6 +200,8 @@ class OwnedPartition:
     consumers: set[str] = field(default_factory=set)
     #: the partition's state backup in Redis; None when the backup is off
     backup: PartitionBackup | None = None
+    #: the open windows of the app's window aggregations; None when it has none
+    windows: PartitionWindows | None = None
 
     def load_bookkeeping(self) -> None:
         store = self.store

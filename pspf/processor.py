@@ -52,6 +52,7 @@ from pspf.keys import StreamId, entry_name
 from pspf.outbox import Emitter, Relay, RelayHooks, RowState, call_hook
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.settings import OutboxSettings
+from pspf.windows import PartitionWindows
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class Counts(msgspec.Struct, kw_only=True):
     #: outbox rows published, and publish attempts that failed
     published: int = 0
     publish_failed: int = 0
+    #: entries whose windows had all closed (not applied), and windows closed
+    late: int = 0
+    windows_closed: int = 0
 
     def add(self, other: Counts) -> None:
         for name in Counts.__struct_fields__:
@@ -127,6 +131,9 @@ class ProcessorHooks(RelayHooks):
     def on_dead_letter(self, record: DeadLetter) -> None:
         """An entry was moved to the DLQ."""
 
+    def on_late(self, topic: str, partition: int, entries: int) -> None:
+        """``entries`` of a window aggregation came after all their windows closed: not applied."""
+
 
 class BatchProcessor:
     """Runs the cycle for the partitions in ``owned``; the worker adds and removes them."""
@@ -141,8 +148,10 @@ class BatchProcessor:
         policies: dict[str, RetryPolicy],
         hooks: ProcessorHooks | None = None,
         outbox: OutboxSettings | None = None,
+        idle_close_s: float = 30.0,
     ) -> None:
         self.app = app
+        self.idle_close_s = idle_close_s
         self.broker = broker
         self.consumer = consumer
         self.policies = policies
@@ -160,6 +169,8 @@ class BatchProcessor:
 
     def add(self, owned: OwnedPartition) -> None:
         """Process a partition taken on (``ownership.Partitions.take``) from the next cycle on."""
+        if self.app.windows:
+            owned.windows = PartitionWindows.load(owned.store, self.app.windows)
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
             self._by_stream[cursor.stream] = cursor
@@ -214,6 +225,8 @@ class BatchProcessor:
         for partition, partition_reads in by_partition.items():
             batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
+            if batch.owned.windows is not None:
+                self._close_windows(batch, result)
             self._commit(batch, stream_outcomes)
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
@@ -232,6 +245,8 @@ class BatchProcessor:
             and not any(parked(f) for owned in self.owned.values() for f in owned.failures.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
         )
+        if result.read == 0:
+            self._close_idle_windows(result)
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
             for owned in self.owned.values():
                 if owned.backup is not None:
@@ -267,6 +282,42 @@ class BatchProcessor:
                 len(replayed),
                 len(ids),
             )
+
+    # -- time: windows closed by stream time, or by a partition's idleness ----------------------
+
+    def _close_windows(self, batch: PartitionBatch, result: CycleResult) -> None:
+        """Add the results of the windows stream time closed to the batch (step 5 commits them)."""
+        windows = batch.windows
+        for topic, entries in windows.take_late().items():
+            result.late += entries
+            call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)
+        closed = windows.close(self.emitter, batch.owned.partition)
+        if closed:
+            batch.emitted += closed
+            result.windows_closed += len(closed)
+
+    def _close_idle_windows(self, result: CycleResult) -> None:
+        """Close every window of a partition that got no entry for ``idle_close_s``.
+
+        Committed like a batch with no entries; the backup gets it before its results are
+        published, as after an acknowledgement.
+        """
+        for owned in self.owned.values():
+            windows = owned.windows
+            if windows is None or not windows.idle_close_due(self.idle_close_s):
+                continue
+            windows.advance_to_close_all()
+            batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
+            self._close_windows(batch, result)
+            self._commit(batch, [])
+            if owned.backup is not None:
+                try:
+                    owned.backup.flush()
+                except LeaseLost as exc:
+                    self._lease_lost(owned.backup.stream, str(exc), result)
+                    continue
+            owned.outbox.confirm()
+            log.info("partition=%s idle for %.0fs: open windows closed", owned.partition, self.idle_close_s)
 
     # -- step 7: publish ----------------------------------------------------------------------
 

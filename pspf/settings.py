@@ -120,6 +120,14 @@ class OutboxSettings(msgspec.Struct, frozen=True, kw_only=True):
     retention_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
 
 
+class TimeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Event time: windows, and what moves them when input stops."""
+
+    #: A partition with open windows that gets no entry for this long closes them all (their
+    #: results are emitted; entries for them that come later are late).
+    idle_close_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
+
+
 class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Where a worker serves Prometheus metrics and its health; without a port it serves nothing.
 
@@ -142,6 +150,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     state: StateSettings = msgspec.field(default_factory=StateSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     outbox: OutboxSettings = msgspec.field(default_factory=OutboxSettings)
+    time: TimeSettings = msgspec.field(default_factory=TimeSettings)
 
     @classmethod
     def load(
@@ -204,6 +213,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_OUTBOX_RETRY_MAX_MS": ("outbox", "max_delay_ms"),
     "PSPF_OUTBOX_CLAIM_TIMEOUT_MS": ("outbox", "claim_timeout_ms"),
     "PSPF_OUTBOX_RETENTION_S": ("outbox", "retention_s"),
+    "PSPF_WINDOW_IDLE_CLOSE_MS": ("time", "idle_close_ms"),
     "PSPF_METRICS_PORT": ("metrics", "port"),
     "PSPF_METRICS_HOST": ("metrics", "host"),
     "PSPF_STUCK_AFTER_S": ("metrics", "stuck_after_s"),

@@ -120,6 +120,7 @@ class Worker:
             policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
             hooks=hooks,
             outbox=settings.outbox,
+            idle_close_s=settings.time.idle_close_ms / 1000,
         )
         self._store_factory = store_factory or self._open_store
         self.partitions = Partitions(

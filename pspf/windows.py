@@ -1,0 +1,566 @@
+"""Windowed aggregations on event time: the four window kinds and one partition's open windows.
+
+``@app.window(topic, spec, ...)`` folds each entry into the windows its event time falls in; a
+window closes when the partition's stream time (the largest event time applied there; it never
+goes back) passes its last millisecond plus the grace period. Its result is emitted to
+``emit_to`` and its state deleted in the batch's commit, so a crash can neither lose nor repeat
+a result.
+
+Kinds (the bounds a result carries: ``start`` inclusive; ``end`` as noted):
+
+- ``tumbling(size)``: ``[start, start + size)`` aligned to the epoch, ``end`` exclusive;
+- ``hopping(size, step)``: windows of ``size`` every ``step``, ``end`` exclusive;
+- ``sliding(size)`` (Kafka Streams' meaning): ``[t - size, t]`` for each entry at ``t`` and the
+  window just after it, ``[t + 1, t + 1 + size]``, when some entry falls in it; ``end`` inclusive.
+  An entry joins every open window it falls in; a window that an entry creates starts from the
+  entries already there, folded in arrival order;
+- ``session(gap)``: a key's entries at most ``gap`` apart; an entry that bridges
+  two sessions merges them (``merge=`` combines their accumulators); ``end`` is the last entry's
+  time, inclusive, and the session can grow until stream time passes ``end + gap``.
+
+An entry is late when every window it falls in has closed (or, for a session, when it would
+join a closed one): it is not applied, only counted, or dead-lettered with ``late="dlq"``.
+Closed sessions leave a marker for as long as a later entry could still bridge them.
+
+Store layout (namespace ``__windows``; ``keys.window_key``): a window's accumulator, a closed
+session's marker, and a sliding aggregation's entries (kept while a window could still need
+them); the stream time and the entry that set it in ``__time``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import inspect
+import time
+import typing
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import msgspec
+
+from pspf import keys
+from pspf.codec import ValueDecoder
+from pspf.errors import ConfigError, LateEntry
+from pspf.keys import StreamId
+
+if TYPE_CHECKING:
+    from pspf.context import Context, Emitted
+    from pspf.outbox import Emitter
+    from state_stores import StateStore
+
+Kind = Literal["tumbling", "hopping", "sliding", "session"]
+LatePolicy = Literal["drop", "dlq"]
+#: A window of one key: (key, start ms, end ms).
+WindowId = tuple[str, int, int]
+
+
+class WindowSpec(msgspec.Struct, frozen=True):
+    """A window kind and its sizes in milliseconds (``size_ms`` is a session's gap)."""
+
+    kind: Kind
+    size_ms: int
+    step_ms: int
+    grace_ms: int
+
+    def last_ms(self, start: int, end: int) -> int:
+        """The last event time that can still change the window ``[start, end]``."""
+        if self.kind in ("tumbling", "hopping"):
+            return end - 1
+        if self.kind == "session":
+            return end + self.size_ms
+        return end
+
+    def close_at(self, start: int, end: int) -> int:
+        """The stream time at which the window is closed."""
+        return self.last_ms(start, end) + self.grace_ms + 1
+
+
+def _ms(name: str, value: timedelta, minimum: int = 1) -> int:
+    if not isinstance(value, timedelta):
+        raise ConfigError(f"windows: {name} must be a datetime.timedelta, not {type(value).__name__}")
+    ms = int(value / timedelta(milliseconds=1))
+    if ms < minimum:
+        raise ConfigError(f"windows: {name} must be at least {minimum} ms, got {value}")
+    return ms
+
+
+def tumbling(size: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
+    """Fixed windows of ``size``, one after another (``[start, start + size)``)."""
+    size_ms = _ms("size", size)
+    return WindowSpec("tumbling", size_ms, size_ms, _ms("grace", grace, 0))
+
+
+def hopping(size: timedelta, step: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
+    """Windows of ``size`` starting every ``step`` (overlapping when ``step < size``)."""
+    size_ms, step_ms = _ms("size", size), _ms("step", step)
+    if step_ms > size_ms:
+        raise ConfigError(
+            f"windows.hopping: step {step} is larger than size {size}: entries would fall in no window"
+        )
+    return WindowSpec("hopping", size_ms, step_ms, _ms("grace", grace, 0))
+
+
+def sliding(size: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
+    """Windows of ``size`` that slide with the entries (Kafka Streams' sliding windows)."""
+    return WindowSpec("sliding", _ms("size", size), 0, _ms("grace", grace, 0))
+
+
+def session(gap: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
+    """A key's bursts of activity: entries at most ``gap`` apart share a session."""
+    return WindowSpec("session", _ms("gap", gap), 0, _ms("grace", grace, 0))
+
+
+# -- an aggregation, as the app declares it ---------------------------------------------------------
+
+
+TimestampFunc = Callable[[Any, "Context"], Any]
+
+
+class Aggregation:
+    """One ``@app.window``: how an entry's event time is found and folded into its windows."""
+
+    def __init__(
+        self,
+        topic: str,
+        spec: WindowSpec,
+        func: Callable[[Any, Any], Any],
+        emit_to: str,
+        timestamp: str | TimestampFunc | None,
+        late: LatePolicy,
+        merge: Callable[[Any, Any], Any] | None,
+    ) -> None:
+        if not isinstance(spec, WindowSpec):
+            raise ConfigError(
+                f"window of topic {topic!r}: the spec must come from pspf.windows, got {spec!r}"
+            )
+        if late not in ("drop", "dlq"):
+            raise ConfigError(f"window of topic {topic!r}: late must be 'drop' or 'dlq', got {late!r}")
+        if spec.kind == "session" and merge is None:
+            raise ConfigError(
+                f"window of topic {topic!r}: session windows need merge=(a, b) -> accumulator, "
+                "to combine two sessions an entry bridges"
+            )
+        if inspect.iscoroutinefunction(func):
+            raise ConfigError(f"window function {func.__qualname__} must be a plain def, not async")
+        self.topic = topic
+        self.spec = spec
+        self.func = func
+        self.emit_to = emit_to
+        self.late = late
+        self.merge = merge
+        acc_type, value_type = _types(func)
+        self.value_type = value_type
+        self._acc_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(acc_type)
+        self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
+        self._timestamp = _timestamp_reader(topic, timestamp)
+
+    def event_time(self, value: Any, ctx: Context) -> int:
+        return self._timestamp(value, ctx)
+
+    def fold(self, acc: bytes | None, value: Any) -> bytes:
+        """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
+        current = None if acc is None else self._acc_decoder.decode(acc)
+        return _encode_acc(self.func(current, value))
+
+    def merged(self, accs: list[bytes]) -> bytes:
+        assert self.merge is not None
+        result = self._acc_decoder.decode(accs[0])
+        for acc in accs[1:]:
+            result = self.merge(result, self._acc_decoder.decode(acc))
+        return _encode_acc(result)
+
+    def result(self, acc: bytes) -> Any:
+        return self._acc_decoder.decode(acc)
+
+    def value(self, raw: bytes) -> Any:
+        return self._value_decoder.decode(raw)
+
+    def handler(self, value: Any, ctx: Context) -> None:
+        """The handler the app registers for the topic: it computes the entry's window changes.
+
+        The changes join the partition's windows only if this returns (as ``ctx.state`` writes do).
+        """
+        windows = ctx._source.windows
+        ts = self.event_time(value, ctx)
+        change = windows.change(self, ctx.key, ts, value, ctx._id)
+        if change.late and self.late == "dlq":
+            raise LateEntry(
+                f"late: event time {ts} is behind every open window of key {ctx.key!r} "
+                f"(stream time {windows.stream_ms}, grace {self.spec.grace_ms} ms)"
+            )
+        ctx._windowed = change
+
+
+def _encode_acc(acc: Any) -> bytes:
+    try:
+        return msgspec.msgpack.encode(acc)
+    except (TypeError, msgspec.EncodeError, OverflowError) as exc:
+        raise ConfigError(f"the window's accumulator cannot be encoded: {exc}") from None
+
+
+def _types(func: Callable[..., Any]) -> tuple[Any, Any]:
+    """The accumulator and value types a window function declares (``Any`` when not annotated)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+        hints = typing.get_type_hints(func)
+    except (TypeError, ValueError, NameError) as exc:
+        raise ConfigError(f"cannot inspect window function {func!r}: {exc}") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != 2:
+        raise ConfigError(
+            f"window function {func.__qualname__} must take two positional parameters (accumulator, value)"
+        )
+    acc_type, value_type = (hints.get(p.name, Any) for p in positional)
+    for what, kind in (("accumulator", acc_type), ("value", value_type)):
+        try:
+            msgspec.msgpack.Decoder(kind)
+            if what == "value":
+                ValueDecoder(kind)
+        except TypeError as exc:
+            raise ConfigError(
+                f"window function {func.__qualname__}: msgspec cannot decode its {what}: {exc}"
+            ) from None
+    return acc_type, value_type
+
+
+def _timestamp_reader(topic: str, timestamp: str | TimestampFunc | None) -> Callable[[Any, Context], int]:
+    """The event time of an entry, in epoch milliseconds."""
+    if timestamp is None:
+        return lambda value, ctx: int(ctx._id.split(b"-", 1)[0])
+    if callable(timestamp):
+        return lambda value, ctx: _to_ms(timestamp(value, ctx), "the timestamp function")
+    if not isinstance(timestamp, str) or not timestamp:
+        raise ConfigError(f"window of topic {topic!r}: timestamp must be a field name or a function")
+    name = timestamp
+
+    def field(value: Any, ctx: Context) -> int:
+        found = value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+        if found is None:
+            raise ConfigError(f"the entry has no timestamp field {name!r}")
+        return _to_ms(found, f"the timestamp field {name!r}")
+
+    return field
+
+
+def _to_ms(value: Any, what: str) -> int:
+    """Epoch milliseconds from a number, an RFC 3339 string or a datetime."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} is a bool, not a time")
+    if isinstance(value, int | float):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise ConfigError(
+                f"{what} is neither epoch milliseconds nor an RFC 3339 time: {value!r}"
+            ) from None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ConfigError(f"{what} has no time zone: {value.isoformat()!r}")
+        return int(value.timestamp() * 1000)
+    raise ConfigError(f"{what} is neither epoch milliseconds nor an RFC 3339 time: {value!r}")
+
+
+# -- one partition's open windows -----------------------------------------------------------------
+
+
+class Change(NamedTuple):
+    """What one entry does to its aggregation's windows, applied only if its handler returns."""
+
+    topic: str
+    key: str
+    ts: int
+    entry_id: bytes
+    #: accumulators to set (new or updated windows), as (start, end, encoded)
+    sets: list[tuple[int, int, bytes]]
+    #: sessions merged into another one
+    removes: list[tuple[int, int]]
+    #: a sliding aggregation keeps the entry itself (encoded) for windows created later
+    kept: bytes | None
+    late: bool
+
+
+class _Open:
+    """One aggregation's open windows in one partition, in memory (the store holds the same)."""
+
+    def __init__(self, aggregation: Aggregation) -> None:
+        self.aggregation = aggregation
+        self.accs: dict[WindowId, bytes] = {}
+        #: (close at, key, start, end); stale once a window is gone (closed or merged)
+        self.closing: list[tuple[int, str, int, int]] = []
+        #: sessions: each key's open sessions and its closed ones that an entry could still bridge
+        self.sessions: dict[str, list[tuple[int, int]]] = {}
+        self.closed: dict[str, list[tuple[int, int]]] = {}
+        #: sliding: each key's entries by (event time, entry id), and their encoded values
+        self.entries: dict[str, list[tuple[int, bytes]]] = {}
+        self.values: dict[tuple[str, int, bytes], bytes] = {}
+        #: (forget at, kind, key, a, b): closed-session markers ("c") and kept entries ("e")
+        self.forget: list[tuple[int, str, str, int, Any]] = []
+
+
+class PartitionWindows:
+    """The open windows of every aggregation of one owned partition, and its stream time.
+
+    Changes are applied in memory as entries succeed and written to the store by the batch's
+    commit (``dirty``); a commit that fails stops the worker, which then drops all of this.
+    """
+
+    def __init__(self, aggregations: dict[str, Aggregation]) -> None:
+        self.open = {topic: _Open(a) for topic, a in aggregations.items()}
+        self.stream_ms: int | None = None
+        #: the entry that last moved stream time: results name it as their source
+        self.source: tuple[str, bytes] = ("", b"0-0")
+        #: store writes for the next commit: (namespace, key) -> value, None to delete
+        self.dirty: dict[tuple[str, str], bytes | None] = {}
+        self.late: dict[str, int] = {}
+        self.last_entry_at = time.monotonic()
+
+    # -- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, store: StateStore, aggregations: dict[str, Aggregation]) -> PartitionWindows:
+        windows = cls(aggregations)
+        raw = store.get(keys.TIME_NAMESPACE, keys.STREAM_TIME)
+        if raw is not None:
+            stream_ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
+            windows.stream_ms, windows.source = stream_ms, (topic, entry_id)
+        for name, value in store.items(keys.WINDOWS_NAMESPACE):
+            topic, kind, key, a, b = keys.split_window_key(name)
+            state = windows.open.get(topic)
+            if state is not None:  # an aggregation the app no longer declares is left alone
+                windows._restore(state, kind, key, a, b, value)
+        for state in windows.open.values():
+            heapq.heapify(state.closing)
+            heapq.heapify(state.forget)
+        return windows
+
+    def _restore(self, state: _Open, kind: str, key: str, a: int, b: str, value: bytes) -> None:
+        spec = state.aggregation.spec
+        if kind == "w":
+            end = int(b)
+            state.accs[(key, a, end)] = value
+            state.closing.append((spec.close_at(a, end), key, a, end))
+            if spec.kind == "session":
+                bisect.insort(state.sessions.setdefault(key, []), (a, end))
+        elif kind == "c":
+            bisect.insort(state.closed.setdefault(key, []), (a, int(b)))
+            state.forget.append((_forget_session_at(spec, int(b)), "c", key, a, int(b)))
+        else:
+            entry_id = b.encode()
+            bisect.insort(state.entries.setdefault(key, []), (a, entry_id))
+            state.values[(key, a, entry_id)] = value
+            state.forget.append((_forget_entry_at(spec, a), "e", key, a, entry_id))
+
+    # -- one entry ----------------------------------------------------------------------------
+
+    def change(self, aggregation: Aggregation, key: str, ts: int, value: Any, entry_id: bytes) -> Change:
+        """The windows ``value`` at ``ts`` changes (nothing applied yet: see ``apply``)."""
+        state = self.open[aggregation.topic]
+        now = ts if self.stream_ms is None or ts > self.stream_ms else self.stream_ms
+        kind = aggregation.spec.kind
+        if kind == "session":
+            return self._session(state, key, ts, value, entry_id, now)
+        if kind == "sliding":
+            return self._sliding(state, key, ts, value, entry_id, now)
+        spec = aggregation.spec
+        sets = []
+        start = ts - ts % spec.step_ms
+        while start > ts - spec.size_ms:
+            end = start + spec.size_ms
+            if spec.close_at(start, end) > now:
+                sets.append((start, end, aggregation.fold(state.accs.get((key, start, end)), value)))
+            start -= spec.step_ms
+        return Change(aggregation.topic, key, ts, entry_id, sets, [], None, not sets)
+
+    def _session(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
+        aggregation = state.aggregation
+        gap = aggregation.spec.size_ms
+        touched = [(s, e) for s, e in state.sessions.get(key, ()) if s - gap <= ts <= e + gap]
+        bridged_closed = any(s - gap <= ts <= e + gap for s, e in state.closed.get(key, ()))
+        start = min([ts, *(s for s, _ in touched)])
+        end = max([ts, *(e for _, e in touched)])
+        if bridged_closed or aggregation.spec.close_at(start, end) <= now:
+            return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
+        accs = [state.accs[(key, s, e)] for s, e in touched]
+        base = None if not accs else accs[0] if len(accs) == 1 else aggregation.merged(accs)
+        acc = aggregation.fold(base, value)
+        return Change(aggregation.topic, key, ts, entry_id, [(start, end, acc)], touched, None, False)
+
+    def _sliding(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
+        """Every open window ``value`` falls in, and the windows it creates (see the module)."""
+        aggregation = state.aggregation
+        spec = aggregation.spec
+        size = spec.size_ms
+        entries = state.entries.get(key, [])
+        lo = bisect.bisect_left(entries, (ts - size - 1,))
+        hi = bisect.bisect_left(entries, (ts + size + 2,))
+        near = entries[lo:hi]
+        # Windows holding ts: the left window of each entry at [ts, ts + size], the right window
+        # of each entry at [ts - size - 1, ts - 1], and this entry's own left window.
+        bounds = {(ts - size, ts)}
+        for t, _ in near:
+            if ts <= t <= ts + size:
+                bounds.add((t - size, t))
+            if ts - size - 1 <= t < ts:
+                bounds.add((t + 1, t + 1 + size))
+        sets = []
+        for start, end in sorted(bounds):
+            if spec.close_at(start, end) <= now:
+                continue
+            acc = state.accs.get((key, start, end))
+            if acc is None:
+                acc = self._fold_kept(state, key, near, start, end)
+            sets.append((start, end, aggregation.fold(acc, value)))
+        late = not sets
+        # This entry's right window, created when entries already fall in it.
+        start, end = ts + 1, ts + 1 + size
+        if (key, start, end) not in state.accs and spec.close_at(start, end) > now:
+            inside = [(t, i) for t, i in near if start <= t <= end]
+            if inside:
+                acc = self._fold_kept(state, key, inside, start, end)
+                assert acc is not None
+                sets.append((start, end, acc))
+        kept = None if late else msgspec.msgpack.encode(value)
+        return Change(aggregation.topic, key, ts, entry_id, sets, [], kept, late)
+
+    def _fold_kept(
+        self, state: _Open, key: str, near: list[tuple[int, bytes]], start: int, end: int
+    ) -> bytes | None:
+        """The accumulator of the kept entries in ``[start, end]``, folded in arrival order."""
+        aggregation = state.aggregation
+        acc = None
+        inside = sorted((StreamId.parse(i), t, i) for t, i in near if start <= t <= end)
+        for _, t, entry_id in inside:
+            acc = aggregation.fold(acc, aggregation.value(state.values[(key, t, entry_id)]))
+        return acc
+
+    def apply(self, change: Change) -> None:
+        """Make an entry's change the partition's (its handler returned)."""
+        if change.late:
+            self.late[change.topic] = self.late.get(change.topic, 0) + 1
+            return
+        self.last_entry_at = time.monotonic()
+        state = self.open[change.topic]
+        spec = state.aggregation.spec
+        key, ts = change.key, change.ts
+        if self.stream_ms is None or ts > self.stream_ms:
+            self._set_stream_time(ts, (change.topic, change.entry_id))
+        for start, end in change.removes:
+            self._drop_window(state, key, start, end)
+        for start, end, acc in change.sets:
+            window = (key, start, end)
+            if window not in state.accs:
+                heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
+                if spec.kind == "session":
+                    bisect.insort(state.sessions.setdefault(key, []), (start, end))
+            state.accs[window] = acc
+            self._write(change.topic, "w", key, start, end, acc)
+        if change.kept is not None:
+            entry_id = change.entry_id
+            bisect.insort(state.entries.setdefault(key, []), (ts, entry_id))
+            state.values[(key, ts, entry_id)] = change.kept
+            heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
+            self._write(change.topic, "e", key, ts, entry_id.decode(), change.kept)
+
+    def _write(self, topic: str, kind: str, key: str, a: int, b: int | str, value: bytes | None) -> None:
+        self.dirty[(keys.WINDOWS_NAMESPACE, keys.window_key(topic, kind, key, a, b))] = value
+
+    def _set_stream_time(self, ms: int, source: tuple[str, bytes]) -> None:
+        self.stream_ms, self.source = ms, source
+        self.dirty[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode((ms, *source))
+
+    def _drop_window(self, state: _Open, key: str, start: int, end: int) -> None:
+        del state.accs[(key, start, end)]
+        self._write(state.aggregation.topic, "w", key, start, end, None)
+        if state.aggregation.spec.kind == "session":
+            sessions = state.sessions[key]
+            sessions.remove((start, end))
+            if not sessions:
+                del state.sessions[key]
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self, emitter: Emitter, partition: int) -> list[Emitted]:
+        """Close the windows stream time has passed: their results, in close order, to emit.
+
+        Their state goes in the same commit (``dirty``), with what no open window needs any more.
+        """
+        now = self.stream_ms
+        if now is None:
+            return []
+        results: list[Emitted] = []
+        for topic, state in self.open.items():
+            aggregation = state.aggregation
+            closing = state.closing
+            while closing and closing[0][0] <= now:
+                _, key, start, end = heapq.heappop(closing)
+                acc = state.accs.get((key, start, end))
+                if acc is None:  # merged into another session
+                    continue
+                self._drop_window(state, key, start, end)
+                if aggregation.spec.kind == "session":
+                    bisect.insort(state.closed.setdefault(key, []), (start, end))
+                    forget_at = _forget_session_at(aggregation.spec, end)
+                    heapq.heappush(state.forget, (forget_at, "c", key, start, end))
+                    self._write(topic, "c", key, start, end, b"")
+                value = {"key": key, "start": start, "end": end, "value": aggregation.result(acc)}
+                results.append(emitter.result(aggregation.emit_to, key, value, self.source, partition))
+            self._forget(state, now)
+        return results
+
+    def _forget(self, state: _Open, now: int) -> None:
+        forget = state.forget
+        topic = state.aggregation.topic
+        while forget and forget[0][0] <= now:
+            _, kind, key, a, b = heapq.heappop(forget)
+            if kind == "c":
+                closed = state.closed[key]
+                closed.remove((a, b))
+                if not closed:
+                    del state.closed[key]
+                self._write(topic, "c", key, a, b, None)
+            else:
+                entries = state.entries[key]
+                entries.remove((a, b))
+                if not entries:
+                    del state.entries[key]
+                del state.values[(key, a, b)]
+                self._write(topic, "e", key, a, b.decode(), None)
+
+    def idle_close_due(self, idle_s: float) -> bool:
+        """True when windows are open and no entry came for ``idle_s`` seconds of wall-clock time."""
+        return time.monotonic() - self.last_entry_at >= idle_s and any(s.accs for s in self.open.values())
+
+    def advance_to_close_all(self) -> None:
+        """Move stream time to where every open window is closed (an idle partition)."""
+        ends = [c for s in self.open.values() for c, *_ in s.closing]
+        if not ends:
+            return
+        target = max(ends)
+        if self.stream_ms is None or target > self.stream_ms:
+            self._set_stream_time(target, self.source)
+        self.last_entry_at = time.monotonic()
+
+    def take_late(self) -> dict[str, int]:
+        late, self.late = self.late, {}
+        return late
+
+    def open_windows(self, key: str) -> Iterator[tuple[str, int, int, Any]]:
+        """A key's open windows: (topic, start, end, accumulator)."""
+        for topic, state in self.open.items():
+            for (k, start, end), acc in sorted(state.accs.items()):
+                if k == key:
+                    yield topic, start, end, state.aggregation.result(acc)
+
+
+def _forget_session_at(spec: WindowSpec, end: int) -> int:
+    """When a closed session's marker can go: no entry that could bridge it is on time then."""
+    return end + 2 * spec.size_ms + spec.grace_ms + 1
+
+
+def _forget_entry_at(spec: WindowSpec, ts: int) -> int:
+    """When a sliding entry can go: every window it falls in, or creates, has closed."""
+    return ts + spec.size_ms + spec.grace_ms + 2

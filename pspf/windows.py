@@ -19,8 +19,11 @@ Kinds (the bounds a result carries: ``start`` inclusive; ``end`` as noted):
   time, inclusive, and the session can grow until stream time passes ``end + gap``.
 
 An entry is late when every window it falls in has closed (or, for a session, when it would
-join a closed one): it is not applied, only counted, or dead-lettered with ``late="dlq"``.
-Closed sessions leave a marker for as long as a later entry could still bridge them.
+extend or bridge a closed one): it is not applied, only counted, or dead-lettered with
+``late="dlq"``. Closed sessions leave a marker until stream time passes their end + 2 x gap +
+grace (an entry that could bridge one after that is late by its own session's close anyway).
+Every such test is against stream time, never against what was swept at the end of the last
+batch, so the results do not depend on where batches begin and end.
 
 Store layout (namespace ``__windows``; ``keys.window_key``): a window's accumulator, a closed
 session's marker, and a sliding aggregation's entries (kept while a window could still need
@@ -376,13 +379,30 @@ class PartitionWindows:
         return Change(aggregation.topic, key, ts, entry_id, sets, [], None, not sets)
 
     def _session(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
+        """The session ``value`` joins (merging those it bridges), or late.
+
+        Every test is against ``now``, not against what the last batch's close swept: a session
+        that stream time closed counts as closed before it is swept, so results never depend on
+        where batches begin and end (a replay after a crash batches differently).
+        """
         aggregation = state.aggregation
-        gap = aggregation.spec.size_ms
-        touched = [(s, e) for s, e in state.sessions.get(key, ()) if s - gap <= ts <= e + gap]
-        bridged_closed = any(s - gap <= ts <= e + gap for s, e in state.closed.get(key, ()))
+        spec = aggregation.spec
+        gap = spec.size_ms
+        touched = []
+        late = False
+        for s, e in state.sessions.get(key, ()):
+            if s - gap <= ts <= e + gap:
+                if spec.close_at(s, e) > now:
+                    touched.append((s, e))
+                elif _forget_session_at(spec, e) > now:
+                    late = True
+        late = late or any(
+            s - gap <= ts <= e + gap and _forget_session_at(spec, e) > now
+            for s, e in state.closed.get(key, ())
+        )
         start = min([ts, *(s for s, _ in touched)])
         end = max([ts, *(e for _, e in touched)])
-        if bridged_closed or aggregation.spec.close_at(start, end) <= now:
+        if late or spec.close_at(start, end) <= now:
             return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
         accs = [state.accs[(key, s, e)] for s, e in touched]
         base = None if not accs else accs[0] if len(accs) == 1 else aggregation.merged(accs)
@@ -414,7 +434,8 @@ class PartitionWindows:
             if acc is None:
                 acc = self._fold_kept(state, key, near, start, end)
             sets.append((start, end, aggregation.fold(acc, value)))
-        late = not sets
+        if not sets:  # late: it creates no window either
+            return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
         # This entry's right window, created when entries already fall in it.
         start, end = ts + 1, ts + 1 + size
         if (key, start, end) not in state.accs and spec.close_at(start, end) > now:
@@ -423,8 +444,7 @@ class PartitionWindows:
                 acc = self._fold_kept(state, key, inside, start, end)
                 assert acc is not None
                 sets.append((start, end, acc))
-        kept = None if late else msgspec.msgpack.encode(value)
-        return Change(aggregation.topic, key, ts, entry_id, sets, [], kept, late)
+        return Change(aggregation.topic, key, ts, entry_id, sets, [], msgspec.msgpack.encode(value), False)
 
     def _fold_kept(
         self, state: _Open, key: str, near: list[tuple[int, bytes]], start: int, end: int

@@ -28,10 +28,10 @@ T0 = 1_700_000_040_000 - 1_700_000_040_000 % MINUTE_MS
 
 
 def results(rclient: redis.Redis, topic: str, partitions: int) -> list[dict[str, Any]]:
-    found = []
+    found: list[dict[str, Any]] = []
     for p in range(partitions):
-        for _, fields in rclient.xrange(stream_key(topic, p)):
-            found.append(json.loads(fields[b"value"]))
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = rclient.xrange(stream_key(topic, p))  # type: ignore[assignment]
+        found += (json.loads(fields[b"value"]) for _, fields in entries)
     return found
 
 
@@ -43,7 +43,9 @@ class LateCount(ProcessorHooks):
         self.late[partition] += entries
 
 
-def counting_app(name: str, source: str, target: str, hooks: ProcessorHooks | None = None, **options: Any) -> App:
+def counting_app(
+    name: str, source: str, target: str, hooks: ProcessorHooks | None = None, **options: Any
+) -> App:
     app = App(name, hooks=hooks)
 
     @app.window(
@@ -63,14 +65,18 @@ def clicks(entries: int, keys: int, late: int, seed: int) -> list[tuple[str, dic
     """Event times over 60 minutes in order, each shuffled within 5 s; then ``late`` stragglers."""
     rng = random.Random(seed)
     step = 60 * MINUTE_MS / entries
-    made = [(f"k{rng.randrange(keys)}", {"ts": int(T0 + i * step + rng.uniform(0, 5000))}) for i in range(entries)]
+    made = [
+        (f"k{rng.randrange(keys)}", {"ts": int(T0 + i * step + rng.uniform(0, 5000))}) for i in range(entries)
+    ]
     made.sort(key=lambda kv: kv[1]["ts"] + rng.uniform(-5000, 5000))
     for _ in range(late):  # well behind the newest event time of any partition
         made.append((f"k{rng.randrange(keys)}", {"ts": int(T0 + rng.uniform(0, 50 * MINUTE_MS))}))
     return made
 
 
-def reference(produced: list[tuple[str, dict[str, Any]]], partitions: int) -> tuple[Counter[tuple[str, int]], int]:
+def reference(
+    produced: list[tuple[str, dict[str, Any]]], partitions: int
+) -> tuple[Counter[tuple[str, int]], int]:
     """Counts per (key, window start) of the entries on time in their partition, and the late ones."""
     stream_ms: dict[int, int] = {}
     counts: Counter[tuple[str, int]] = Counter()
@@ -105,7 +111,7 @@ def running() -> Iterator[Callable[[Worker], None]]:
 
 def wait_for(count: Callable[[], int], expected: int, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
-    while (found := count()) < expected and time.monotonic() < deadline:
+    while count() < expected and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)  # anything more than expected would show up now
     return count()

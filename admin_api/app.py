@@ -275,6 +275,16 @@ def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str,
     return _service(state).state_get(app, key)
 
 
+@get(
+    "/apps/{app:str}/state/{key:str}/windows",
+    sync_to_thread=True,
+    responses=_errors(404),
+    summary="The open windows of one key, oldest first",
+)
+def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[dict[str, Any]]:
+    return _service(state).state_windows(app, key)
+
+
 @get("/apps/{app:str}/outbox", sync_to_thread=True, responses=_errors(404), summary="An app's outbox rows")
 def outbox_list(
     state: State,
@@ -408,6 +418,7 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     groups,
     app_lag,
     state_get,
+    state_windows,
     outbox_list,
     outbox_show,
     prometheus_metrics,

@@ -273,6 +273,7 @@ def state() -> None:
 @state.command("get")
 @click.argument("app")
 @click.argument("key")
+@click.option("--window", is_flag=True, help="Show KEY's open windows (of @app.window) instead.")
 @broker_option
 @state_dir_option
 @store_option
@@ -282,13 +283,23 @@ def state_get(
     obj: CliState,
     app: str,
     key: str,
+    window: bool,
     broker: str | None,
     state_dir: Path | None,
     store: str | None,
     as_json: bool,
 ) -> None:
-    """Print the state of KEY in APP."""
-    value = service_for(obj, broker, state_dir, store).state_get(app, key)
+    """Print the state of KEY in APP (with --window, its open windows)."""
+    service = service_for(obj, broker, state_dir, store)
+    if window:
+        windows = service.state_windows(app, key)
+        if as_json:
+            print_json(windows)
+        for w in [] if as_json else windows:
+            shown = msgspec.json.encode(w["value"]).decode()
+            click.echo(f"{w['topic']} [{w['start']}, {w['end']}]: {shown}")
+        return
+    value = service.state_get(app, key)
     if as_json:
         print_json(value)
     else:

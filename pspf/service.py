@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from pspf import codec, keys, retention
-from pspf.backup import field, snapshot
+from pspf.backup import field, snapshot, split_field
 from pspf.broker import Broker
 from pspf.errors import (
     AppRunning,
@@ -880,6 +880,35 @@ class Service:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return _shown_state(key, raw)
 
+    def state_windows(self, app: str, key: str) -> list[dict[str, Any]]:
+        """The open windows of ``key`` in ``app``'s window aggregations, oldest first.
+
+        From the partition's backup in Redis, or without one from its store here, as
+        ``state_get``; each is ``{"topic", "start", "end", "value"}`` (the accumulator so far).
+        """
+        keys.check_name("app", app)
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        found: list[tuple[str, bytes]] = []
+        if backup is not None:
+            pattern = field(keys.WINDOWS_NAMESPACE, "*/" + _glob_escape(key))
+            for page in self.broker.backup_values(backup.values, match=pattern):
+                found += ((split_field(name)[1], raw) for name, raw in page)
+        else:
+            with open_store(
+                self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
+            ) as store:
+                found = list(store.items(keys.WINDOWS_NAMESPACE))
+        windows = []
+        for name, raw in found:
+            topic, kind, window_key, start, end = keys.split_window_key(name)
+            if kind == "w" and window_key == key:
+                value = msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True)
+                windows.append({"topic": topic, "start": start, "end": int(end), "value": value})
+        if not windows:
+            raise NotFound(f"app {app!r} has no open window for key {key!r}")
+        return sorted(windows, key=lambda w: (w["start"], w["end"], w["topic"]))
+
     def state_export(
         self, app: str, partition: int | None = None, warn: Callable[[str], None] | None = None
     ) -> Iterator[bytes]:
@@ -1235,6 +1264,11 @@ def _redriven_from(fields: dict[bytes, bytes], app: str) -> StreamId | None:
         return StreamId.parse(headers.get(ORIGINAL_ID_HEADER, ""))
     except (DecodeError, ConfigError):
         return None  # headers a producer wrote by hand: not a redrive's
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob pattern (HSCAN MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _shown_state(key: str, raw: bytes) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from pspf.errors import (
     ConfigError,
     GroupMissing,
     LeaseLost,
+    NotFound,
     StateError,
     StoreLocked,
 )
@@ -240,6 +241,12 @@ class Worker:
                 f"(their keys share one state per partition): {counts}"
             )
         self._partitions = next(iter(counts.values()))
+        for aggregation in self.app.windows.values():
+            try:
+                self.broker.topic_partitions(aggregation.emit_to)
+            except NotFound as exc:
+                where = f"the window of topic {aggregation.topic!r}"
+                raise NotFound(f"{where} emits to a missing topic: {exc}") from None
         self._check_state_dir()
         # A group is created from --start-from only for a topic the app never read before. One
         # that vanished later is re-created when its partition is taken: at the checkpoint.

@@ -219,6 +219,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/groups"),
         ("GET", "/apps/{app}/lag"),
         ("GET", "/apps/{app}/state/{key}"),
+        ("GET", "/apps/{app}/state/{key}/windows"),
         ("GET", "/metrics"),
         ("POST", "/topics/{topic}/dlq/redrive"),
         ("POST", "/topics/{topic}/dlq/purge"),

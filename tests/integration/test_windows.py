@@ -10,14 +10,22 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
+from click.testing import CliRunner
+from litestar.testing import TestClient
 
+from admin_api import create_app
+from cli import cli
 from pspf import App, Settings, Worker, windows
+from pspf.errors import NotFound
 from pspf.keys import stream_key
 from pspf.processor import ProcessorHooks
+from pspf.service import Service
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -144,3 +152,109 @@ def test_tumbling_counts_equal_the_reference_and_late_entries_are_counted_not_ap
     assert got == expected
     assert all(r["end"] == r["start"] + MINUTE_MS for r in emitted)
     assert sum(hooks.late.values()) == late
+
+
+def test_an_idle_partition_closes_its_window_after_the_timeout_and_later_entries_for_it_are_late(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+    running: Callable[[Worker], None],
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    app, hooks = names.app(), LateCount()
+    produce(source, [("u1", {"ts": T0 + 1000}), ("u1", {"ts": T0 + 2000}), ("u2", {"ts": T0 + 3000})])
+    settings = make_settings(PSPF_WINDOW_IDLE_CLOSE_MS=1500)
+    Worker(counting_app(app, source, target), settings).run(until_idle=True)
+    service = Service(settings)
+    try:
+        assert service.state_windows(app, "u1") == [
+            {"topic": source, "start": T0, "end": T0 + MINUTE_MS, "value": 2}
+        ]
+        with pytest.raises(NotFound, match="no open window"):
+            service.state_windows(app, "u3")
+        with TestClient(create_app(service, token="t")) as api:
+            reply = api.get(f"/apps/{app}/state/u1/windows")
+            assert (reply.status_code, reply.json()) == (200, service.state_windows(app, "u1"))
+            assert api.get(f"/apps/{app}/state/u3/windows").status_code == 404
+    finally:
+        service.close()
+    cli_args = ["state", "get", app, "u1", "--window", "--broker", settings.redis.url]
+    shown = CliRunner().invoke(cli, cli_args)
+    assert (shown.exit_code, shown.output) == (0, f"{source} [{T0}, {T0 + MINUTE_MS}]: 2\n")
+    missing = CliRunner().invoke(cli, [*cli_args[:3], "u3", *cli_args[4:]])
+    assert missing.exit_code == 4 and "no open window for key 'u3'" in missing.output
+    assert rclient.xlen(stream_key(target, 0)) == 0  # stream time alone closes nothing yet
+    started = time.monotonic()
+    running(Worker(counting_app(app, source, target, hooks), settings))
+    assert wait_for(lambda: rclient.xlen(stream_key(target, 0)), 2) == 2
+    assert time.monotonic() - started >= 1.4  # not before the wall-clock timeout
+    got = {(r["key"], r["start"]): r["value"] for r in results(rclient, target, 1)}
+    assert got == {("u1", T0): 2, ("u2", T0): 1}
+    produce(source, [("u1", {"ts": T0 + 4000})])  # its window has closed: late
+    deadline = time.monotonic() + 10
+    while not hooks.late and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hooks.late == {0: 1}
+    assert rclient.xlen(stream_key(target, 0)) == 2
+
+
+def test_late_entries_go_to_the_dlq_when_the_app_asks(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    produce(
+        source, [("u", {"ts": T0 + 5 * MINUTE_MS}), ("u", {"ts": T0}), ("u", {"ts": T0 + 5 * MINUTE_MS + 1})]
+    )
+    Worker(counting_app(names.app(), source, target, late="dlq"), make_settings()).run(until_idle=True)
+    dead: list[tuple[bytes, dict[bytes, bytes]]] = rclient.xrange(f"{stream_key(source, 0)}:dlq")  # type: ignore[assignment]
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert fields[b"error_type"] == b"LateEntry"
+    assert fields[b"message"].decode().startswith(f"late: event time {T0} is behind every open window")
+    assert json.loads(msgspec.msgpack.decode(fields[b"original"])[b"value"]) == {"ts": T0}
+    assert rclient.xlen(stream_key(target, 0)) == 0  # the open window is not closed by the late one
+
+
+def test_a_missing_emit_to_topic_stops_the_worker_at_start_with_a_clear_error(
+    make_settings: Callable[..., Settings], make_topic: Callable[[int], str], names: Names
+) -> None:
+    source = make_topic(1)
+    with pytest.raises(NotFound, match=r"window of topic .* emits to a missing topic: topic 'nowhere'"):
+        Worker(counting_app(names.app(), source, "nowhere"), make_settings()).run(until_idle=True)
+
+
+def test_window_state_follows_its_partition_to_a_worker_with_an_empty_state_dir(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    source, target = make_topic(2), make_topic(2)
+    produced = clicks(4_000, keys=20, late=50, seed=3)
+    app = names.app()
+    half = len(produced) // 2
+    produce(source, produced[:half])
+    first = make_settings(PSPF_STATE_DIR=str(tmp_path / "machine-a"))
+    Worker(counting_app(app, source, target), first).run(until_idle=True)
+    produce(source, produced[half:])
+    second = make_settings(PSPF_STATE_DIR=str(tmp_path / "machine-b"), PSPF_WINDOW_IDLE_CLOSE_MS=200)
+    expected, _ = reference(produced, 2)
+    worker = Worker(counting_app(app, source, target), second)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        found = wait_for(lambda: sum(rclient.xlen(stream_key(target, p)) for p in range(2)), len(expected))
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    emitted = results(rclient, target, 2)
+    assert found == len(expected)
+    assert Counter({(r["key"], r["start"]): r["value"] for r in emitted}) == expected

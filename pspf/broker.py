@@ -24,7 +24,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisClusterException, TryAgainError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from pspf import keys
 from pspf.errors import (
@@ -146,6 +146,34 @@ class GroupPosition(NamedTuple):
 LAG_COUNT_LIMIT = 100_000
 
 
+class _Sentinel(Sentinel):
+    """redis-py's Sentinel client, with a "no master found" error that says why in words.
+
+    redis-py's own names each sentinel that failed by its client's repr (every connection
+    option, certificate paths included) and the failure by its class only
+    ("network:ConnectionError"), so a CA that does not verify or a refused sentinel password reads
+    the same as a sentinel that is down. This one gives each sentinel's address and reason.
+    """
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        reasons = []
+        for number, sentinel in enumerate(self.sentinels):
+            where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
+            try:
+                masters = cast(dict[str, Any], sentinel.sentinel_masters())  # by name: RESP2
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                reasons.append(f"sentinel {where}: {exc}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call]
+                # The sentinel that answered is asked first next time, as redis-py does.
+                self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+        raise MasterNotFoundError(
+            f"No master found for {service_name!r}" + "".join(f"; {r}" for r in reasons)
+        )
+
+
 def _connect(settings: RedisSettings, address: BrokerAddress, socket_timeout_s: float) -> Any:
     """The client of the URL's topology: a server, a cluster (routing by slot) or a Sentinel's master.
 
@@ -189,7 +217,7 @@ def _connect(settings: RedisSettings, address: BrokerAddress, socket_timeout_s: 
             **common,
             **tls,
         )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = _Sentinel(  # type: ignore[no-untyped-call]
         address.hosts,
         sentinel_kwargs={**common, **tls, **sentinel_auth},
         **common,

@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -92,19 +93,63 @@ def free_port(cluster_bus: bool = False) -> int:
             return port
 
 
+def tls_client_args(tls: Sequence[str]) -> dict[str, Any]:
+    """redis-py's options for a client that presents itself as servers with these TLS options do.
+
+    ``tls`` are server options in pairs (``--tls-cert-file PATH`` ...). A server that replicates
+    over TLS, or a sentinel, connects with its ``--tls-client-cert-file`` or else its own
+    certificate, and verifies with its CA: a client doing the same is accepted wherever they are,
+    client certificates required or not.
+    """
+    given = dict(zip(tls[::2], tls[1::2], strict=True))
+    args: dict[str, Any] = {"ssl": True}
+    for option, flags in [
+        ("ssl_ca_certs", ["--tls-ca-cert-file"]),
+        ("ssl_certfile", ["--tls-client-cert-file", "--tls-cert-file"]),
+        ("ssl_keyfile", ["--tls-client-key-file", "--tls-key-file"]),
+    ]:
+        found = [given[flag] for flag in flags if flag in given]
+        if found:
+            args[option] = found[0]
+    return args
+
+
 class LocalRedis:
     """A Valkey or Redis server process on 127.0.0.1; with ``aof`` a restart keeps the streams."""
 
     def __init__(
-        self, directory: Path, aof: bool = False, binary: str | None = None, args: Sequence[str] = ()
+        self,
+        directory: Path,
+        aof: bool = False,
+        binary: str | None = None,
+        args: Sequence[str] = (),
+        tls: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
+        """A server in ``directory``; ``tls`` and ``password`` secure it as LocalSentinel's are.
+
+        With ``tls`` (certificate options: ``--tls-cert-file`` ...) ``port`` is a TLS port and the
+        only one (unlike a TLS port given in ``args``), so replication is over TLS too, and the
+        server's own clients (``client``, the wait at start) connect as :func:`tls_client_args`
+        says. With ``password`` the default user needs it (``requirepass``), and the server gives
+        it to its master (``masterauth``).
+        """
         self.directory = directory
         self.aof = aof
         self.binary = binary or redis_server_binary()
         #: more server options (the TLS tests add a TLS port); the plain port stays on
         self.args = list(args)
+        self.tls = list(tls)
+        self.password = password
         self.port = free_port(cluster_bus="--cluster-enabled" in self.args)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if tls else "redis"
+        login = f":{password}@" if password else ""
+        self.url = f"{scheme}://{login}127.0.0.1:{self.port}/0"
+        #: what the server's own redis-py clients need besides the port
+        self.client_args: dict[str, Any] = {
+            **(tls_client_args(tls) if tls else {}),
+            **({"password": password} if password else {}),
+        }
         #: once started, "valkey" or "redis", and that server's own version ("9.1.2", "7.0.15"):
         #: Valkey also reports a Redis compatibility version (redis_version 7.2.4), not this one
         self.server_name = ""
@@ -114,17 +159,23 @@ class LocalRedis:
     def start(self) -> None:
         """Start the server and return once it answers (and has loaded its AOF)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory)]
+        if self.tls:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-replication", "yes", *self.tls]
+        else:
+            listen = ["--port", str(self.port)]
+        command = [self.binary, *listen, "--bind", "127.0.0.1", "--dir", str(self.directory)]
         command += ["--save", "", "--protected-mode", "no", "--appendonly", "yes" if self.aof else "no"]
         if self.aof:
             command += ["--appendfsync", "everysec"]
+        if self.password:
+            command += ["--requirepass", self.password, "--masterauth", self.password]
         command += self.args
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = self.client()
         deadline = time.monotonic() + 20
         try:
             while True:
@@ -158,7 +209,7 @@ class LocalRedis:
             self.process = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(host="127.0.0.1", port=self.port, **self.client_args)
 
     def __enter__(self) -> LocalRedis:
         self.start()
@@ -288,24 +339,44 @@ class LocalSentinel:
         sentinels: int = 3,
         binary: str | None = None,
         down_after_ms: int = 1000,
+        tls: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
+        """Servers in ``directory``; ``tls`` and ``password`` make it a deployment as secured ones are.
+
+        With ``tls`` (certificate options: ``--tls-cert-file`` ...) every server and sentinel
+        listens on a TLS port only: the replica syncs, and the sentinels watch, announce and talk
+        to each other over TLS, so nothing reaches them in the clear; ``url`` is
+        ``rediss+sentinel://``. With ``password`` the default user of every server and sentinel
+        needs it, and they give it to each other (``masterauth``, ``sentinel auth-pass``); ``url``
+        carries it for both.
+        """
         self.name = name
         self.directory = directory
         self.binary = binary or redis_server_binary()
+        self.tls = list(tls)
+        self.password = password
         # No delay before a replica's first sync (the servers' default waits 5 s for more replicas).
         sync = ["--repl-diskless-sync-delay", "0"]
-        self.master = LocalRedis(directory / "master", aof=True, binary=self.binary, args=sync)
+        self.master = LocalRedis(
+            directory / "master", aof=True, binary=self.binary, args=sync, tls=tls, password=password
+        )
         self.replica = LocalRedis(
             directory / "replica",
             aof=True,
             binary=self.binary,
             args=[*sync, "--replicaof", "127.0.0.1", str(self.master.port)],
+            tls=tls,
+            password=password,
         )
         self.down_after_ms = down_after_ms
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
+        scheme = "rediss+sentinel" if tls else "redis+sentinel"
+        login = f":{password}@" if password else ""
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
-        self.url = f"redis+sentinel://{hosts}/{name}"
+        query = f"?sentinel_password={password}" if password else ""
+        self.url = f"{scheme}://{login}{hosts}/{name}{query}"
 
     def start(self) -> None:
         try:
@@ -328,15 +399,22 @@ class LocalSentinel:
             where.mkdir(parents=True, exist_ok=True)
             config = where / "sentinel.conf"
             config.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {where}\n"
+                f"bind 127.0.0.1\ndir {where}\n"
                 f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 2\n"
                 f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
                 f"sentinel failover-timeout {self.name} 10000\n"
                 f"sentinel parallel-syncs {self.name} 1\n"
+                + (f"sentinel auth-pass {self.name} {self.password}\n" if self.password else "")
             )
+            # A sentinel with requirepass gives it to the other sentinels too.
+            secured = ["--requirepass", self.password] if self.password else []
+            if self.tls:
+                listen = ["--port", "0", "--tls-port", str(port), "--tls-replication", "yes", *self.tls]
+            else:
+                listen = ["--port", str(port)]
             self.sentinels.append(
                 subprocess.Popen(
-                    [self.binary, str(config), "--sentinel"],
+                    [self.binary, str(config), "--sentinel", *listen, *secured],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
@@ -346,7 +424,7 @@ class LocalSentinel:
     def master_port(self) -> int | None:
         """The master's port as the first sentinel that answers says (None when none does)."""
         for port in self.sentinel_ports:
-            with redis.Redis(port=port, socket_timeout=1) as sentinel:
+            with self._sentinel_client(port) as sentinel:
                 try:
                     found = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
                 except redis.RedisError:
@@ -361,7 +439,7 @@ class LocalSentinel:
         while True:
             ready = 0
             for sentinel_port in self.sentinel_ports:
-                with redis.Redis(port=sentinel_port, socket_timeout=1, decode_responses=True) as sentinel:
+                with self._sentinel_client(sentinel_port, decode_responses=True) as sentinel:
                     try:
                         found = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
                         info = sentinel.execute_command("SENTINEL", "MASTER", self.name)
@@ -375,6 +453,12 @@ class LocalSentinel:
             if time.monotonic() > deadline:
                 raise ConfigError(f"the sentinels did not agree on the master {port} within {timeout_s:.0f}s")
             time.sleep(0.1)
+
+    def _sentinel_client(self, port: int, **options: Any) -> redis.Redis:
+        """A client of one sentinel, which connects as the servers do (TLS, password)."""
+        return redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=1, **self.master.client_args, **options
+        )
 
     def stop(self) -> None:
         for process in self.sentinels:

@@ -9,21 +9,25 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pspf.codec import StateDecoder, ValueDecoder
-from pspf.context import Context
+from pspf.context import Context, TimerContext
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
+from pspf.timers import Timer, check_callback, ms_of
 from pspf.windows import Aggregation, LatePolicy, TimestampFunc, WindowSpec
 
 if TYPE_CHECKING:
     from pspf.processor import ProcessorHooks
 
 HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
+TimerFunc = Callable[[TimerContext], None]
+ScheduleFunc = Callable[[Any, Context], None]
 
 
 class Handler(msgspec.Struct, frozen=True):
@@ -35,6 +39,15 @@ class Handler(msgspec.Struct, frozen=True):
     decoder: ValueDecoder
     retry: RetryPolicy
     non_retryable: tuple[type[BaseException], ...]
+    #: the state this handler writes expires after this long without a write; None: never
+    state_ttl_ms: int | None = None
+
+
+class Callback(msgspec.Struct, frozen=True):
+    """An ``@app.on_schedule`` function and the decoder of its payload."""
+
+    func: Callable[[Any, Context], None]
+    payload: msgspec.msgpack.Decoder[Any]
 
 
 class App:
@@ -55,6 +68,7 @@ class App:
         non_retryable: tuple[type[BaseException], ...] = (),
         state_type: Any = Any,
         hooks: ProcessorHooks | None = None,
+        state_ttl: timedelta | None = None,
     ) -> None:
         """Declare an app.
 
@@ -66,6 +80,8 @@ class App:
                 msgspec handles); stored values are decoded into it.
             hooks: called at the steps of each batch (metrics, audit, tracing) by every worker
                 that runs the app, ``pspf run`` included.
+            state_ttl: a key's state not written for this long (wall-clock time) is deleted, in
+                the store and its backup; a handler may set its own.
         """
         self.name = check_name("app", name)
         try:
@@ -79,6 +95,9 @@ class App:
         self.handlers: dict[str, Handler] = {}
         #: the window aggregations, by topic (each also has the topic's handler)
         self.windows: dict[str, Aggregation] = {}
+        self.timers: list[Timer] = []
+        self.callbacks: dict[str, Callback] = {}
+        self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
         self.hooks = hooks
 
     def handler(
@@ -86,16 +105,19 @@ class App:
         topic: str,
         retry: RetryPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
+        state_ttl: timedelta | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register ``func(value, ctx)`` for the entries of ``topic``.
 
         The annotation of the first parameter, when present, is the value type: entries are
         decoded into it (a msgspec Struct, dict, list, ...). ``async def`` handlers are awaited.
         ``retry`` overrides the app's policy for this handler (``mode="deferred"``,
-        ``timeout_ms``, ...); ``non_retryable`` adds to the app's list.
+        ``timeout_ms``, ...); ``non_retryable`` adds to the app's list; ``state_ttl`` to the
+        app's for the keys this handler writes.
         """
         check_name("topic", topic)
         policy = (retry or RetryPolicy()).validated().over(self.retry)
+        ttl_ms = self.state_ttl_ms if state_ttl is None else ms_of("state_ttl", state_ttl)
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if topic in self.handlers:
@@ -107,7 +129,49 @@ class App:
                 decoder=ValueDecoder(_value_type(func)),
                 retry=policy,
                 non_retryable=(*self.non_retryable, *non_retryable),
+                state_ttl_ms=ttl_ms,
             )
+            return func
+
+        return register
+
+    def timer(self, every: timedelta) -> Callable[[TimerFunc], TimerFunc]:
+        """Register ``func(ctx: TimerContext)`` to run every ``every`` of wall-clock time.
+
+        It runs in the worker that owns each partition, once per partition and period, its state
+        writes and emits committed like a batch; no period runs twice (one missed while no worker
+        owned the partition is skipped).
+        """
+        every_ms = ms_of("every", every)
+
+        def register(func: TimerFunc) -> TimerFunc:
+            check_callback("timer", func)
+            name = func.__name__
+            if any(t.name == name for t in self.timers):
+                raise ConfigError(f"app {self.name!r} already has a timer named {name!r}")
+            check_name("timer", name.replace("_", "-"))
+            self.timers.append(Timer(name, every_ms, func))
+            return func
+
+        return register
+
+    def on_schedule(self, name: str) -> Callable[[ScheduleFunc], ScheduleFunc]:
+        """Register ``func(payload, ctx)`` for what handlers schedule with ``ctx.schedule(at, name)``.
+
+        ``ctx`` is a ``Context`` for the key that scheduled it (``ctx.state``, ``ctx.emit``,
+        ``ctx.schedule`` again). The payload is decoded into the first parameter's annotation.
+        """
+        check_name("schedule", name)
+
+        def register(func: ScheduleFunc) -> ScheduleFunc:
+            check_callback("schedule callback", func)
+            if name in self.callbacks:
+                raise ConfigError(f"app {self.name!r} already has a callback for {name!r}")
+            try:
+                decoder = msgspec.msgpack.Decoder(_value_type(func))
+            except TypeError as exc:
+                raise ConfigError(f"schedule callback {func.__qualname__}: {exc}") from None
+            self.callbacks[name] = Callback(func, decoder)
             return func
 
         return register

@@ -24,6 +24,7 @@ from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import Emitter
 from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
@@ -56,7 +57,17 @@ class StreamOutcome(NamedTuple):
 class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
-    __slots__ = ("broken", "dead", "emitted", "emitter", "failures", "overlay", "owned", "state_decoder")
+    __slots__ = (
+        "broken",
+        "dead",
+        "emitted",
+        "emitter",
+        "failures",
+        "overlay",
+        "owned",
+        "state_decoder",
+        "ttl_ms",
+    )
 
     def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder, emitter: Emitter) -> None:
         self.owned = owned
@@ -70,6 +81,8 @@ class PartitionBatch:
         #: A store read that failed under a handler: it stops the worker, whatever the handler
         #: did with the exception, and is never an entry's failure.
         self.broken: StateError | None = None
+        #: keys written by a handler whose state_ttl differs from the app's: that handler's
+        self.ttl_ms: dict[str, int | None] = {}
 
     def base(self, key: str) -> bytes | None:
         """The value of ``key`` as the next entry must see it."""
@@ -94,6 +107,10 @@ class PartitionBatch:
         assert windows is not None, "a window aggregation runs only where the app declares windows"
         return windows
 
+    @property
+    def timers(self) -> PartitionTimers | None:
+        return self.owned.timers
+
     def failure(self, name: str) -> Failure | None:
         if name in self.failures:
             return self.failures[name]
@@ -112,8 +129,7 @@ class PartitionBatch:
             for entry_id in o.finished
             if entry_id in o.cursor.foreign
         ]
-        windows = self.owned.windows
-        window_writes = windows.dirty if windows is not None else {}
+        time_writes = self._time_writes()
         if not (
             checkpoints
             or self.overlay
@@ -121,7 +137,7 @@ class PartitionBatch:
             or self.dead
             or foreign_done
             or self.emitted
-            or window_writes
+            or time_writes
         ):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
@@ -137,11 +153,11 @@ class PartitionBatch:
             _put(tx, keys.STATE_NAMESPACE, self.overlay)
             for (namespace, key), value in page_writes.items():
                 tx.set(namespace, key, value)
-            for (namespace, key), window_value in window_writes.items():
-                if window_value is None:
+            for (namespace, key), time_value in time_writes.items():
+                if time_value is None:
                     tx.delete(namespace, key)
                 else:
-                    tx.set(namespace, key, window_value)
+                    tx.set(namespace, key, time_value)
             _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
@@ -152,12 +168,21 @@ class PartitionBatch:
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
-        if windows is not None:
-            windows.dirty = {}
+        for keeper in (owned.windows, owned.timers):
+            if keeper is not None:
+                keeper.dirty = {}
         if page is not None:
             owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)
         return took
+
+    def _time_writes(self) -> dict[tuple[str, str], bytes | None]:
+        """What windows, schedules, timers and expiry wrote since the last commit."""
+        windows, timers = self.owned.windows, self.owned.timers
+        writes = windows.dirty if windows is not None else {}
+        if timers is not None and timers.dirty:
+            writes = {**writes, **timers.dirty}
+        return writes
 
     def _adopt(
         self, outcomes: list[StreamOutcome], superseded_passed: dict[StreamCursor, list[bytes]]

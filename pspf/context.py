@@ -1,14 +1,20 @@
-"""The ``Context`` a handler receives with each entry."""
+"""The ``Context`` a handler receives with each entry, and the one a timer receives."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pspf import codec
+import msgspec
+
+from pspf import codec, keys
+from pspf.errors import ConfigError
+from pspf.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox import Emitter
+    from pspf.timers import PartitionTimers
     from pspf.windows import Change, PartitionWindows
 
 #: An emitted entry, as ``pspf.outbox`` stores it: (topic, partition, key or None, value, source
@@ -24,6 +30,9 @@ class StateSource(Protocol):
 
     @property
     def windows(self) -> PartitionWindows: ...
+
+    @property
+    def timers(self) -> PartitionTimers | None: ...
 
     def base(self, key: str) -> bytes | None: ...
 
@@ -45,8 +54,10 @@ class Context:
         "_emits",
         "_headers",
         "_id",
+        "_schedules",
         "_source",
         "_state",
+        "_time_ms",
         "_windowed",
         "delivery_count",
         "key",
@@ -76,6 +87,9 @@ class Context:
         self._emits: list[Emitted] | None = None
         #: what a window aggregation's entry changes in its windows (``pspf.windows.Change``)
         self._windowed: Change | None = None
+        self._schedules: list[ScheduledCall] | None = None
+        #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
+        self._time_ms: int | None = None
 
     @property
     def id(self) -> str:
@@ -115,5 +129,72 @@ class Context:
         else:
             self._emits.append(entry)
 
+    def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
+        """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.
+
+        ``at``: epoch milliseconds, an aware datetime, or a timedelta after this entry's time.
+        One schedule per key and name: a new one replaces it. Written with this entry's batch, so
+        dropped if the handler raises; run once, after the batch in which stream time reaches
+        it (stream time: the largest entry time the partition has seen).
+        """
+        timers = self._source.timers
+        if timers is None or name not in timers.callbacks:
+            raise ConfigError(f"ctx.schedule: the app has no @app.on_schedule({name!r})")
+        try:
+            encoded = msgspec.msgpack.encode(payload)
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise ConfigError(f"ctx.schedule: the payload cannot be encoded: {exc}") from None
+        entry_ms = self._time_ms if self._time_ms is not None else int(self._id.split(b"-", 1)[0])
+        call = ScheduledCall(at_ms(at, entry_ms), name, self.key, encoded, (self.topic, self._id))
+        if self._schedules is None:
+            self._schedules = [call]
+        else:
+            self._schedules.append(call)
+
     def __repr__(self) -> str:
         return f"Context(topic={self.topic!r}, partition={self.partition}, id={self.id!r}, key={self.key!r})"
+
+
+class TimerContext:
+    """What an ``@app.timer`` function gets: its partition, its period, and that partition's state.
+
+    ``state(key)`` is the state of any key of this partition, changed the way ``ctx.state`` is;
+    ``emit`` as in a handler. What it writes and emits commits only if the function returns.
+    """
+
+    def __init__(self, name: str, partition: int, time_ms: int, partitions: int, source: StateSource) -> None:
+        self.name = name
+        self.partition = partition
+        #: the start of the period it runs for (epoch milliseconds, wall-clock time)
+        self.time_ms = time_ms
+        self._partitions = partitions
+        self._source = source
+        self._contexts: dict[str, Context] = {}
+        self._emitting = self._context("")
+        self._emits: list[Emitted] = []
+
+    def _context(self, key: str) -> Context:
+        entry_id = f"timer:{self.name}:{self.time_ms}".encode()
+        return Context("", self.partition, entry_id, key, 1, None, self._source)
+
+    def state(self, key: str) -> dict[str, Any]:
+        """The state of ``key``, which must be one of this partition's keys."""
+        context = self._contexts.get(key)
+        if context is None:
+            owner = keys.partition_for(codec.encode_text("key", key), self._partitions)
+            if owner != self.partition:
+                raise ConfigError(
+                    f"timer {self.name}: key {key!r} is in partition {owner}, "
+                    f"not in this run's {self.partition}"
+                )
+            context = self._contexts[key] = self._context(key)
+        return context.state
+
+    def emit(
+        self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        """Emit an entry as ``ctx.emit`` does (its source id is ``timer:NAME:TIME_MS``)."""
+        self._emits.append(self._source.emitter.entry(self._emitting, topic, value, key, headers))
+
+    def __repr__(self) -> str:
+        return f"TimerContext(name={self.name!r}, partition={self.partition}, time_ms={self.time_ms})"

@@ -23,6 +23,7 @@ from pspf.context import Context, Emitted, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.outbox import Emitter
+from pspf.timers import PartitionTimers, ScheduledCall
 from pspf.windows import PartitionWindows
 
 #: Marks an attempt that left its key's state untouched.
@@ -43,6 +44,9 @@ class EntryMeta(NamedTuple):
     #: the handler's deadline from its whole policy (code, flags, variables); None: no deadline
     timeout_ms: int | None = None
 
+
+#: What an async handler's attempt that returned did: (key, new state or UNCHANGED, emits, schedules).
+AsyncResult = tuple[str, bytes | None, list[Emitted] | None, list[ScheduledCall] | None]
 
 #: Called with an entry's index and error; True stops the run (the rest of the stream waits).
 StopRule = Callable[[int, BaseException], bool]
@@ -103,11 +107,13 @@ def run_sync(
     emitted: list[Emitted],
     source: StateSource,
     stop: StopRule,
+    passed: Callable[[bytes], None] | None = None,
 ) -> tuple[int, dict[int, BaseException]]:
     """Run entries in id order; successful writes go into ``overlay``, emits into ``emitted``.
 
-    Returns how many entries ran (up to and including one whose failure stops the run) and the
-    errors by entry index.
+    ``passed(id)`` is called after each entry that does not stop the run (scheduled callbacks
+    run there, between entries, as stream time passes them). Returns how many entries ran (up
+    to and including one whose failure stops the run) and the errors by entry index.
     """
     errors: dict[int, BaseException] = {}
     decode, func = handler.decoder.decode, handler.func
@@ -125,6 +131,8 @@ def run_sync(
             errors[index] = exc
             if stop(index, exc):
                 return index + 1, errors
+            if passed is not None:
+                passed(id_b)
             continue
         if new is not UNCHANGED:
             overlay[ctx.key] = new
@@ -132,6 +140,10 @@ def run_sync(
             emitted += ctx._emits
         if ctx._windowed is not None:
             source.windows.apply(ctx._windowed)
+        if ctx._schedules and (timers := source.timers) is not None:
+            timers.schedule(ctx._schedules)
+        if passed is not None:
+            passed(id_b)
     return len(todo), errors
 
 
@@ -152,6 +164,7 @@ def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_
         ctx._state = None  # whatever it still writes or emits is dropped
         ctx._emits = None
         ctx._windowed = None
+        ctx._schedules = None
         raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms")
     if outcome:
         raise outcome[0]
@@ -183,6 +196,10 @@ class _ChainSource:
     def windows(self) -> PartitionWindows:
         return self.source.windows
 
+    @property
+    def timers(self) -> PartitionTimers | None:
+        return self.source.timers
+
 
 def run_async(
     loop: asyncio.AbstractEventLoop,
@@ -191,7 +208,7 @@ def run_async(
     todo: list[Entry],
     source: StateSource,
     stop: StopRule,
-) -> tuple[int, dict[int, BaseException], dict[int, tuple[str, bytes | None, list[Emitted] | None]]]:
+) -> tuple[int, dict[int, BaseException], dict[int, AsyncResult]]:
     """Run one chain per key concurrently, in id order within a key.
 
     Returns how many entries count (those before the first whose failure stops the stream, and
@@ -205,7 +222,7 @@ def run_async(
             key = ""
         chains.setdefault(key, []).append(index)
     errors: dict[int, BaseException] = {}
-    states: dict[int, tuple[str, bytes | None, list[Emitted] | None]] = {}
+    states: dict[int, AsyncResult] = {}
     cutoff = len(todo)
     timeout_ms = meta.timeout_ms
     timeout_s = None if timeout_ms is None else timeout_ms / 1000
@@ -235,7 +252,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new, ctx._emits)
+            states[index] = (key, new, ctx._emits, ctx._schedules)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

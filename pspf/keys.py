@@ -56,6 +56,12 @@ LARGE_VALUE_NAMESPACES = frozenset({OUTBOX_NAMESPACE})
 WINDOWS_NAMESPACE = "__windows"
 TIME_NAMESPACE = "__time"
 STREAM_TIME = "stream"
+#: In ``TIME_NAMESPACE``: "timer/NAME", the start of the last period an ``@app.timer`` ran in.
+TIMER_PREFIX = "timer/"
+#: Callbacks handlers scheduled (``ctx.schedule``), by "name/key"; when each key's state expires
+#: (``state_ttl``), by key (see ``pspf.timers``).
+SCHEDULES_NAMESPACE = "__schedules"
+EXPIRY_NAMESPACE = "__expiry"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (
     STATE_NAMESPACE,
@@ -70,6 +76,8 @@ STORE_NAMESPACES = (
     OUTBOX_META_NAMESPACE,
     WINDOWS_NAMESPACE,
     TIME_NAMESPACE,
+    SCHEDULES_NAMESPACE,
+    EXPIRY_NAMESPACE,
 )
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.

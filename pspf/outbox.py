@@ -513,10 +513,7 @@ class Emitter:
             return (topic, ctx.partition % partitions, None, encoded, ctx.topic, ctx._id, given)
         return (topic, zlib.crc32(key_bytes) % partitions, key_bytes, encoded, ctx.topic, ctx._id, given)
 
-
-    def result(
-        self, topic: str, key: str, value: Any, source: tuple[str, bytes], partition: int
-    ) -> Emitted:
+    def result(self, topic: str, key: str, value: Any, source: tuple[str, bytes], partition: int) -> Emitted:
         """A closed window's result, its source the entry that moved stream time past it."""
         partitions = self._partitions.get(topic) or self.partitions(topic)
         encoded = _json_encode(value)

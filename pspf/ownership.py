@@ -28,6 +28,7 @@ from pspf.errors import BrokerError, StateError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox import PartitionOutbox
+from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
@@ -200,8 +201,10 @@ class OwnedPartition:
     consumers: set[str] = field(default_factory=set)
     #: the partition's state backup in Redis; None when the backup is off
     backup: PartitionBackup | None = None
-    #: the open windows of the app's window aggregations; None when it has none
+    #: the stream time and open windows (apps with windows or schedules; else None)
     windows: PartitionWindows | None = None
+    #: schedules, timer periods and state expiry (apps with any of them; else None)
+    timers: PartitionTimers | None = None
 
     def load_bookkeeping(self) -> None:
         store = self.store

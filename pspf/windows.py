@@ -492,6 +492,12 @@ class PartitionWindows:
         self.stream_ms, self.source = ms, source
         self.dirty[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode((ms, *source))
 
+    def advance(self, ms: int, source: tuple[str, bytes]) -> None:
+        """Entries of a plain handler, up to ``source`` at ``ms``, were applied."""
+        self.last_entry_at = time.monotonic()
+        if self.stream_ms is None or ms > self.stream_ms:
+            self._set_stream_time(ms, source)
+
     def _drop_window(self, state: _Open, key: str, start: int, end: int) -> None:
         del state.accs[(key, start, end)]
         self._write(state.aggregation.topic, "w", key, start, end, None)

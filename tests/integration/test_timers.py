@@ -1,0 +1,250 @@
+"""Scheduled callbacks, timers and state expiry against a real server."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+
+from pspf import App, Context, Settings, Worker
+from pspf.backup import field
+from pspf.codec import entry_fields
+from pspf.context import TimerContext
+from pspf.errors import NotFound
+from pspf.keys import STATE_NAMESPACE, backup_keys, stream_key
+from pspf.service import Service
+from tests.conftest import Names
+
+pytestmark = pytest.mark.integration
+
+
+def reminder_app(name: str, source: str, target: str) -> App:
+    """Each entry counts and asks to be reminded ``delay`` ms after it; a reminder of the same
+    key replaces the one before. The reminder notes the count it was made at, and emits it."""
+    app = App(name)
+
+    @app.handler(source)
+    def count(value: dict[str, Any], ctx: Context) -> None:
+        n = ctx.state["n"] = ctx.state.get("n", 0) + 1
+        ctx.schedule(timedelta(milliseconds=value["delay"]), "remind", {"n": n})
+
+    @app.on_schedule("remind")
+    def remind(payload: dict[str, int], ctx: Context) -> None:
+        ctx.state["reminded"] = [*ctx.state.get("reminded", []), [payload["n"], ctx.state["n"]]]
+        ctx.emit(target, {"key": ctx.key, "n": payload["n"]}, key=ctx.key)
+
+    return app
+
+
+def reference(entries: list[tuple[int, str, int]], partitions: int) -> dict[str, dict[str, Any]]:
+    """The states the reminder app must reach: entries (ms, key, delay) in id order per partition;
+    after each, the reminders stream time reached run, in (time, key) order."""
+    states: dict[str, dict[str, Any]] = defaultdict(dict)
+    by_partition: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
+    for ms, key, delay in entries:
+        by_partition[zlib.crc32(key.encode()) % partitions].append((ms, key, delay))
+    for todo in by_partition.values():
+        pending: dict[str, tuple[int, int]] = {}  # key -> (at, n)
+        for ms, key, delay in todo:
+            state = states[key]
+            state["n"] = state.get("n", 0) + 1
+            pending[key] = (ms + delay, state["n"])
+            for _, due_key in sorted((at, k) for k, (at, _) in pending.items() if at <= ms):
+                n = pending.pop(due_key)[1]
+                due = states[due_key]
+                due["reminded"] = [*due.get("reminded", []), [n, due["n"]]]
+    return dict(states)
+
+
+def test_scheduled_callbacks_run_between_entries_as_stream_time_passes_them_whatever_the_batches(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source, target = make_topic(2), make_topic(1)
+    rng = random.Random(5)
+    entries = []
+    ms = 1_000_000
+    for _ in range(600):
+        ms += rng.randint(1, 30)
+        entries.append((ms, f"k{rng.randrange(6)}", rng.randint(0, 120)))
+    for ms, key, delay in entries:
+        partition = zlib.crc32(key.encode()) % 2
+        fields = entry_fields(json.dumps({"delay": delay}).encode(), key)
+        rclient.xadd(stream_key(source, partition), fields, id=f"{ms}-0")  # type: ignore[arg-type]
+    app = names.app()
+    settings = make_settings(PSPF_BATCH_SIZE=7)
+    Worker(reminder_app(app, source, target), settings).run(until_idle=True)
+    expected = reference(entries, 2)
+    service = Service(settings)
+    try:
+        found = {key: service.state_get(app, key) for key in expected}
+    finally:
+        service.close()
+    assert found == expected
+    reminders = sum(len(s.get("reminded", [])) for s in expected.values())
+    assert reminders > 100  # the test means many reminders to run, and many to be replaced
+    assert sum(1 for *_, delay in entries) - reminders > 100
+    emitted = rclient.xrange(stream_key(target, 0))
+    assert len(emitted) == reminders  # type: ignore[arg-type]
+
+
+def test_a_callback_that_raises_is_dropped_alone_and_a_schedule_of_an_unknown_name_fails_its_entry(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    source = make_topic(1)
+    app = App(names.app())
+
+    @app.handler(source)
+    def plan(value: dict[str, Any], ctx: Context) -> None:
+        ctx.state["seen"] = ctx.state.get("seen", 0) + 1
+        ctx.schedule(0, value["callback"], value.get("payload"))
+
+    @app.on_schedule("boom")
+    def boom(payload: Any, ctx: Context) -> None:
+        ctx.state["boomed"] = True
+        raise RuntimeError("callback broke")
+
+    @app.on_schedule("fine")
+    def fine(payload: int, ctx: Context) -> None:
+        ctx.state["fine"] = payload
+
+    produce(
+        source,
+        [
+            ("a", {"callback": "boom"}),
+            ("b", {"callback": "nosuch"}),
+            ("c", {"callback": "fine", "payload": 7}),
+        ],
+    )
+    settings = make_settings(PSPF_MAX_RETRIES=1, PSPF_RETRY_BASE_MS=1)
+    summary = Worker(app, settings).run(until_idle=True)
+    service = Service(settings)
+    try:
+        assert service.state_get(app.name, "a") == {"seen": 1}  # the callback's writes dropped
+        assert service.state_get(app.name, "c") == {"seen": 1, "fine": 7}
+        with pytest.raises(NotFound):
+            service.state_get(app.name, "b")  # its entry failed: no state, to the DLQ
+    finally:
+        service.close()
+    assert summary.dead_lettered == 1
+    dead: list[tuple[bytes, dict[bytes, bytes]]] = rclient.xrange(f"{stream_key(source, 0)}:dlq")  # type: ignore[assignment]
+    assert b"no @app.on_schedule('nosuch')" in dead[0][1][b"message"]
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[[Worker], None]]:
+    started: list[tuple[Worker, threading.Thread]] = []
+
+    def start(worker: Worker) -> None:
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        started.append((worker, thread))
+
+    yield start
+    for worker, thread in started:
+        worker.stop()
+        thread.join(timeout=30)
+
+
+def test_a_timer_runs_once_per_period_per_partition_with_state_and_emits(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    names: Names,
+    rclient: redis.Redis,
+    running: Callable[[Worker], None],
+) -> None:
+    source, target = make_topic(2), make_topic(1)
+    app = App(names.app())
+    keys = {0: "", 1: ""}
+    for i in range(50):  # a key of each partition
+        keys[zlib.crc32(f"k{i}".encode()) % 2] = keys[zlib.crc32(f"k{i}".encode()) % 2] or f"k{i}"
+
+    @app.handler(source)
+    def nothing(value: Any, ctx: Context) -> None:
+        """The timer's app needs a topic."""
+
+    @app.timer(every=timedelta(milliseconds=100))
+    def tick(ctx: TimerContext) -> None:
+        state = ctx.state(keys[ctx.partition])
+        state["ticks"] = [*state.get("ticks", []), ctx.time_ms]
+        ctx.emit(target, {"partition": ctx.partition, "at": ctx.time_ms})
+
+    settings = make_settings()
+    running(Worker(app, settings))
+    time.sleep(1.5)
+    service = Service(settings)
+    try:
+        for partition, key in keys.items():
+            ticks = service.state_get(app.name, key)["ticks"]
+            assert len(ticks) >= 5, f"partition {partition} ticked {len(ticks)} times in 1.5 s"
+            assert ticks == sorted(set(ticks)) and all(t % 100 == 0 for t in ticks)
+        with pytest.raises(NotFound):
+            service.state_get(app.name, "elsewhere")
+    finally:
+        service.close()
+    emitted = rclient.xrange(stream_key(target, 0))
+    assert len(emitted) >= 10  # type: ignore[arg-type]
+
+
+def test_state_not_written_for_its_ttl_is_deleted_from_the_store_and_the_backup(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+    running: Callable[[Worker], None],
+) -> None:
+    source, other = make_topic(1), make_topic(1)
+    app = App(names.app(), state_ttl=timedelta(milliseconds=600))
+
+    @app.handler(source)
+    def count(value: Any, ctx: Context) -> None:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+
+    @app.handler(other, state_ttl=timedelta(days=1))
+    def keep(value: Any, ctx: Context) -> None:
+        ctx.state["kept"] = True
+
+    settings = make_settings()
+    running(Worker(app, settings))
+    produce(source, [("gone", 1), ("fresh", 1)])
+    produce(other, [("kept", 1)])
+    service = Service(settings)
+    values_key = backup_keys(source, 0, app.name).values
+    try:
+        deadline = time.monotonic() + 10
+        while not rclient.hget(values_key, field(STATE_NAMESPACE, "gone")):
+            assert time.monotonic() < deadline, "the worker did not apply the first entries"
+            time.sleep(0.02)
+        written = time.monotonic()
+        while time.monotonic() < deadline:
+            produce(source, [("fresh", 1)])  # written again and again: it stays
+            try:
+                service.state_get(app.name, "gone")
+            except NotFound:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the state of 'gone' did not expire")
+        assert time.monotonic() - written >= 0.5  # not before its TTL
+        assert rclient.hget(values_key, field(STATE_NAMESPACE, "gone")) is None
+        assert service.state_get(app.name, "fresh")["n"] > 3
+        assert service.state_get(app.name, "kept") == {"kept": True}
+        assert rclient.hget(values_key, field(STATE_NAMESPACE, "kept")) is not None
+    finally:
+        service.close()

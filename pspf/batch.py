@@ -170,7 +170,7 @@ class PartitionBatch:
         took = time.perf_counter() - started
         for keeper in (owned.windows, owned.timers):
             if keeper is not None:
-                keeper.dirty = {}
+                keeper.committed()
         if page is not None:
             owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)
@@ -179,9 +179,9 @@ class PartitionBatch:
     def _time_writes(self) -> dict[tuple[str, str], bytes | None]:
         """What windows, schedules, timers and expiry wrote since the last commit."""
         windows, timers = self.owned.windows, self.owned.timers
-        writes = windows.dirty if windows is not None else {}
+        writes = windows.writes() if windows is not None else {}
         if timers is not None and timers.dirty:
-            writes = {**writes, **timers.dirty}
+            writes.update(timers.writes())
         return writes
 
     def _adopt(

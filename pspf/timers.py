@@ -88,7 +88,7 @@ _call_decoder = msgspec.msgpack.Decoder(tuple[int, bytes, str, bytes])
 class PartitionTimers:
     """One owned partition's schedules, timer periods and state expiry, in memory and in its store.
 
-    Changes are applied in memory at once and written by the next commit (``dirty``), like
+    Changes are applied in memory at once and written by the next commit (``writes``), like
     ``PartitionWindows``; a commit that fails stops the worker, which drops all of this.
     """
 
@@ -123,6 +123,13 @@ class PartitionTimers:
                 timers.expiry.append((int(raw), key))
             heapq.heapify(timers.expiry)
         return timers
+
+    def writes(self) -> dict[tuple[str, str], bytes | None]:
+        """The store writes since the last commit: (namespace, key) -> value, None to delete."""
+        return self.dirty
+
+    def committed(self) -> None:
+        self.dirty = {}
 
     # -- schedules ----------------------------------------------------------------------------
 

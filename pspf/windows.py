@@ -239,7 +239,9 @@ def _timestamp_reader(topic: str, timestamp: str | TimestampFunc | None) -> Call
     name = timestamp
 
     def field(value: Any, ctx: Context) -> int:
-        found = value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+        found = value.get(name) if type(value) is dict else getattr(value, name, None)
+        if type(found) is int:  # the common case, first
+            return found
         if found is None:
             raise ConfigError(f"the entry has no timestamp field {name!r}")
         return _to_ms(found, f"the timestamp field {name!r}")
@@ -308,7 +310,7 @@ class PartitionWindows:
     """The open windows of every aggregation of one owned partition, and its stream time.
 
     Changes are applied in memory as entries succeed and written to the store by the batch's
-    commit (``dirty``); a commit that fails stops the worker, which then drops all of this.
+    commit (``writes``); a commit that fails stops the worker, which then drops all of this.
     """
 
     def __init__(self, aggregations: dict[str, Aggregation]) -> None:
@@ -317,7 +319,9 @@ class PartitionWindows:
         #: the entry that last moved stream time: results name it as their source
         self.source: tuple[str, bytes] = ("", b"0-0")
         #: store writes for the next commit: (namespace, key) -> value, None to delete
-        self.dirty: dict[tuple[str, str], bytes | None] = {}
+        #: window state to write at the next commit: (topic, kind, key, a, b) -> value, None to delete
+        self._dirty: dict[tuple[str, str, str, int, int | str], bytes | None] = {}
+        self._time_moved = False
         self.late: dict[str, int] = {}
         self.last_entry_at = time.monotonic()
 
@@ -369,13 +373,14 @@ class PartitionWindows:
         if kind == "sliding":
             return self._sliding(state, key, ts, value, entry_id, now)
         spec = aggregation.spec
+        size, step, grace = spec.size_ms, spec.step_ms, spec.grace_ms
         sets = []
-        start = ts - ts % spec.step_ms
-        while start > ts - spec.size_ms:
-            end = start + spec.size_ms
-            if spec.close_at(start, end) > now:
+        start = ts - ts % step
+        while start > ts - size:
+            end = start + size
+            if end + grace > now:  # close_at of [start, end)
                 sets.append((start, end, aggregation.fold(state.accs.get((key, start, end)), value)))
-            start -= spec.step_ms
+            start -= step
         return Change(aggregation.topic, key, ts, entry_id, sets, [], None, not sets)
 
     def _session(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
@@ -486,11 +491,27 @@ class PartitionWindows:
             self._write(change.topic, "e", key, ts, entry_id.decode(), change.kept)
 
     def _write(self, topic: str, kind: str, key: str, a: int, b: int | str, value: bytes | None) -> None:
-        self.dirty[(keys.WINDOWS_NAMESPACE, keys.window_key(topic, kind, key, a, b))] = value
+        self._dirty[(topic, kind, key, a, b)] = value
 
     def _set_stream_time(self, ms: int, source: tuple[str, bytes]) -> None:
         self.stream_ms, self.source = ms, source
-        self.dirty[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode((ms, *source))
+        self._time_moved = True
+
+    def writes(self) -> dict[tuple[str, str], bytes | None]:
+        """The store writes since the last commit: (namespace, key) -> value, None to delete."""
+        found: dict[tuple[str, str], bytes | None] = {
+            (keys.WINDOWS_NAMESPACE, keys.window_key(topic, kind, key, a, b)): value
+            for (topic, kind, key, a, b), value in self._dirty.items()
+        }
+        if self._time_moved:
+            found[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode(
+                (self.stream_ms, *self.source)
+            )
+        return found
+
+    def committed(self) -> None:
+        self._dirty = {}
+        self._time_moved = False
 
     def advance(self, ms: int, source: tuple[str, bytes]) -> None:
         """Entries of a plain handler, up to ``source`` at ``ms``, were applied."""
@@ -512,7 +533,7 @@ class PartitionWindows:
     def close(self, emitter: Emitter, partition: int) -> list[Emitted]:
         """Close the windows stream time has passed: their results, in close order, to emit.
 
-        Their state goes in the same commit (``dirty``), with what no open window needs any more.
+        Their state goes in the same commit (``writes``), with what no open window needs any more.
         """
         now = self.stream_ms
         if now is None:

@@ -64,13 +64,13 @@ def run(spec: WindowSpec, events: list[Event], seed: int) -> tuple[list[Result],
         i += len(batch)
         state.close(out, 0)  # type: ignore[arg-type]
         late += sum(state.take_late().values())
-        store.write(state.dirty, {})
-        state.dirty = {}
+        store.write(state.writes(), {})
+        state.committed()
         if rng.random() < 0.2:
             state = PartitionWindows.load(store, {"clicks": agg})
     state.advance_to_close_all()
     state.close(out, 0)  # type: ignore[arg-type]
-    store.write(state.dirty, {})
+    store.write(state.writes(), {})
     left = [k for ns, k in store._values if ns == "__windows" and k.split("/")[1] == "w"]
     assert not left, "window state left after every window closed"
     return out.found, late

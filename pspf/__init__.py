@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pspf.app import App
-    from pspf.context import Context
+    from pspf.context import Context, TimerContext
     from pspf.errors import (
         BrokerError,
         ConfigError,
         DecodeError,
+        LateEntry,
         NonRetryableError,
         NotFound,
         PSPFError,
@@ -35,6 +36,7 @@ _WHERE = {
     "ConfigError": "pspf.errors",
     "Context": "pspf.context",
     "DecodeError": "pspf.errors",
+    "LateEntry": "pspf.errors",
     "NonRetryableError": "pspf.errors",
     "NotFound": "pspf.errors",
     "PSPFError": "pspf.errors",
@@ -43,6 +45,7 @@ _WHERE = {
     "RetryPolicy": "pspf.failures",
     "Settings": "pspf.settings",
     "StateError": "pspf.errors",
+    "TimerContext": "pspf.context",
     "Worker": "pspf.worker",
 }
 
@@ -52,6 +55,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "DecodeError",
+    "LateEntry",
     "NonRetryableError",
     "NotFound",
     "PSPFError",
@@ -60,6 +64,7 @@ __all__ = [
     "RetryPolicy",
     "Settings",
     "StateError",
+    "TimerContext",
     "Worker",
     "__version__",
 ]

@@ -16,13 +16,17 @@ the module that holds it:
    stream waits), parked (deferred mode: the stream goes on) or dead-lettered (``failures``);
 5. commit (``batch``): ONE store transaction per partition holds the state writes, the new
    checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
-   (attempts, parked entries, dead-letter decisions);
+   (attempts, parked entries, dead-letter decisions), and what time did in the batch
+   (``timekeeping``: windows stream time closed, scheduled callbacks, expired state);
 6. acknowledge (here, through ``Broker.ack``): ONE atomic call acknowledges every stream's batch,
    updates the partitions' state backups and moves dead entries to the DLQ, under the leases
    (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that checks its lease token);
    it happens only after step 5 returned;
 7. publish (``outbox``): the relay publishes the rows whose acknowledgement succeeded, each at
    most once on its target; acknowledging never waits for it.
+
+After the cycle, ``timekeeping`` runs what the clock calls for (timers, windows of idle
+partitions, expiry), each partition's committed and backed up like a batch of no entries.
 
 Invariants kept here: nothing is acknowledged before the commit that holds its effects; a stream
 is applied in id order by one owner, and an owner works through its own pending entries before it
@@ -37,25 +41,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 
-from pspf import codec, keys
+from pspf import keys
 from pspf.app import App
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest, Broker, Fields
-from pspf.context import Context, TimerContext
 from pspf.delivery import Delivery, Read, parked
-from pspf.errors import ConfigError, LeaseLost
-from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync, state_result
+from pspf.errors import LeaseLost
+from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import Emitter, Relay, RelayHooks, RowState, call_hook
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.settings import OutboxSettings
-from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
-from pspf.windows import PartitionWindows
+from pspf.timekeeping import TimeKeeping
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,6 @@ class BatchProcessor:
         idle_close_s: float = 30.0,
     ) -> None:
         self.app = app
-        self.idle_close_s = idle_close_s
         self.broker = broker
         self.consumer = consumer
         self.policies = policies
@@ -173,18 +173,14 @@ class BatchProcessor:
         self.delivery = Delivery(
             broker, app.name, consumer, batch_size, block_ms, policies, self.owned, self._by_stream
         )
-        self._ttl = app.state_ttl_ms is not None or any(h.state_ttl_ms for h in app.handlers.values())
+        self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s, self._commit, self._lease_lost)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- ownership bookkeeping (called by the worker) -----------------------------------------
 
     def add(self, owned: OwnedPartition) -> None:
         """Process a partition taken on (``ownership.Partitions.take``) from the next cycle on."""
-        app = self.app
-        if app.windows or app.callbacks:
-            owned.windows = PartitionWindows.load(owned.store, app.windows)
-        if app.callbacks or app.timers or self._ttl:
-            owned.timers = PartitionTimers.load(owned.store, frozenset(app.callbacks), self._ttl)
+        self.time.load(owned)
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
             self._by_stream[cursor.stream] = cursor
@@ -240,7 +236,7 @@ class BatchProcessor:
             batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
             if batch.owned.windows is not None or batch.owned.timers is not None:
-                self._advance_time(batch, result)
+                self.time.advance(batch, result)
             self._commit(batch, stream_outcomes)
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
@@ -259,7 +255,7 @@ class BatchProcessor:
             and not any(parked(f) for owned in self.owned.values() for f in owned.failures.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
         )
-        self._time_passes(result, by_partition)
+        self.time.passes(list(self.owned.values()), set(by_partition), result)
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
             for owned in self.owned.values():
                 if owned.backup is not None:
@@ -295,138 +291,6 @@ class BatchProcessor:
                 len(replayed),
                 len(ids),
             )
-
-    # -- time: windows and callbacks on stream time; timers, idle windows, expiry on the clock -----
-
-    def _advance_time(self, batch: PartitionBatch, result: CycleResult) -> None:
-        """Add to the batch (step 5 commits it) what its stream time and the clock now call for.
-
-        The results of the windows stream time closed, the callbacks it made due, and the state
-        that expired.
-        """
-        windows, timers = batch.owned.windows, batch.owned.timers
-        if windows is not None:
-            for topic, entries in windows.take_late().items():
-                result.late += entries
-                call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)
-            closed = windows.close(self.emitter, batch.owned.partition)
-            if closed:
-                batch.emitted += closed
-                result.windows_closed += len(closed)
-        if timers is not None:
-            if timers.calls and windows is not None:
-                self._run_callbacks(batch, timers, windows.stream_ms, result)
-            if timers.ttl:
-                self._expire(batch, timers)
-
-    def _run_callbacks(
-        self, batch: PartitionBatch, timers: PartitionTimers, stream_ms: int | None, result: CycleResult
-    ) -> None:
-        """Run the scheduled callbacks due at ``stream_ms``: each joins the batch, or fails alone.
-
-        A callback that raises is logged and dropped with its writes (it is not tried again).
-        """
-        for _ in range(CALLBACK_STEP):
-            call = timers.take_due(stream_ms)
-            if call is None:
-                return
-            callback = self.app.callbacks.get(call.name)
-            topic, entry_id = call.source
-            ctx = Context(topic, batch.owned.partition, entry_id, call.key, 1, None, batch)
-            ctx._time_ms = call.at_ms
-            try:
-                if callback is None:
-                    raise ConfigError(f"the app has no @app.on_schedule({call.name!r}) any more")
-                callback.func(callback.payload.decode(call.payload), ctx)
-                new = state_result(ctx)
-            except Exception as exc:
-                if batch.broken is not None:
-                    raise batch.broken from exc
-                result.callbacks_failed += 1
-                log.error(
-                    "scheduled callback %s for key %r failed, dropped: %s: %s",
-                    call.name,
-                    call.key,
-                    type(exc).__name__,
-                    exc,
-                    exc_info=exc,
-                )
-                continue
-            result.callbacks_run += 1
-            if new is not UNCHANGED:
-                batch.overlay[call.key] = new
-            if ctx._emits:
-                batch.emitted += ctx._emits
-            if ctx._schedules:
-                timers.schedule(ctx._schedules)
-
-    def _expire(self, batch: PartitionBatch, timers: PartitionTimers) -> None:
-        """Keep the expiry of the keys this batch wrote, and delete a step of expired state."""
-        now_ms = int(time.time() * 1000)
-        for key, value in batch.overlay.items():
-            ttl_ms = batch.ttl_ms.get(key, self.app.state_ttl_ms)
-            timers.written(key, None if value is None or ttl_ms is None else now_ms + ttl_ms)
-        for key in timers.expired(now_ms):
-            batch.overlay[key] = None
-
-    def _time_passes(self, result: CycleResult, handled: dict[int, list[Read]]) -> None:
-        """What wall-clock time calls for in the owned partitions, each committed like a batch.
-
-        Timers whose period came; on an idle cycle, the windows of partitions idle for
-        ``idle_close_s`` and expired state of partitions without a batch. The backup gets each
-        commit before its results are published, as after an acknowledgement.
-        """
-        if not (self.app.timers or self.app.windows or self._ttl):
-            return
-        now_ms = int(time.time() * 1000)
-        for owned in list(self.owned.values()):
-            windows, timers = owned.windows, owned.timers
-            batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
-            if timers is not None:
-                for timer in self.app.timers:
-                    period = timers.period_due(timer, now_ms)
-                    if period is not None:
-                        self._run_timer(batch, timer, period, result)
-                if timers.ttl and owned.partition not in handled and timers.expiry_due(now_ms):
-                    for key in timers.expired(now_ms):
-                        batch.overlay[key] = None
-            if result.read == 0 and windows is not None and windows.idle_close_due(self.idle_close_s):
-                windows.advance_to_close_all()
-                log.info("partition=%s idle: open windows closed", owned.partition)
-                self._advance_time(batch, result)
-            self._commit_alone(batch, result)
-
-    def _run_timer(self, batch: PartitionBatch, timer: Timer, period: int, result: CycleResult) -> None:
-        owned = batch.owned
-        assert owned.timers is not None
-        partitions = self.emitter.partitions(self.app.topics[0])
-        ctx = TimerContext(timer.name, owned.partition, period, partitions, batch)
-        try:
-            timer.func(ctx)
-            states = {key: state_result(context) for key, context in ctx._contexts.items()}
-        except Exception as exc:
-            if batch.broken is not None:
-                raise batch.broken from exc
-            result.timers_failed += 1
-            log.error("timer %s partition=%s failed: %r", timer.name, owned.partition, exc, exc_info=exc)
-        else:
-            result.timers_run += 1
-            batch.overlay.update((key, new) for key, new in states.items() if new is not UNCHANGED)
-            batch.emitted += ctx._emits
-        owned.timers.ran(timer, period)
-
-    def _commit_alone(self, batch: PartitionBatch, result: CycleResult) -> None:
-        """Commit a batch of no entries and send it to the backup before publishing its emits."""
-        owned = batch.owned
-        if self._commit(batch, []) is None:
-            return
-        if owned.backup is not None:
-            try:
-                owned.backup.flush()
-            except LeaseLost as exc:  # the local store is ahead: reconciled by the next owner
-                self._lease_lost(owned.backup.stream, str(exc), result)
-                return
-        owned.outbox.confirm()
 
     # -- step 7: publish ----------------------------------------------------------------------
 
@@ -467,50 +331,13 @@ class BatchProcessor:
             )
         for id_b, _ in todo[ran:]:  # delivered, not attempted: it did not crash us
             cursor.unattempted[id_b] = cursor.unattempted.get(id_b, 0) + 1
-        if owned.windows is not None or self._ttl:
-            self._entries_done(batch, cursor.topic, todo[:ran], last_done)
+        if owned.windows is not None or self.time.ttl:
+            self.time.entries_done(batch, cursor.topic, todo[:ran], last_done)
         result.handled += handled
         checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
         if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
             checkpoint = None  # only entries taken from other consumers, below the checkpoint
         return StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, screened.skipped)
-
-    def _clock(self, batch: PartitionBatch, topic: str, result: CycleResult) -> Callable[[bytes], None]:
-        """What runs after each entry of a sync handler: the callbacks stream time made due.
-
-        So an entry after a callback's time sees what the callback did, however the entries are
-        batched. (Async handlers run concurrently: their callbacks run after the batch's entries.)
-        """
-        windows, timers = batch.owned.windows, batch.owned.timers
-        assert windows is not None and timers is not None
-        plain = topic not in self.app.windows
-
-        def passed(entry_id: bytes) -> None:
-            if plain:
-                windows.advance(int(entry_id.split(b"-", 1)[0]), (topic, entry_id))
-            due = timers.due
-            if due and windows.stream_ms is not None and due[0][0] <= windows.stream_ms:
-                self._run_callbacks(batch, timers, windows.stream_ms, result)
-
-        return passed
-
-    def _entries_done(
-        self, batch: PartitionBatch, topic: str, ran: list[Entry], last_done: bytes | None
-    ) -> None:
-        """Move stream time past a plain handler's entries; note its ``state_ttl`` for its keys.
-
-        A plain handler's entry counts at the time Redis appended it; its keys expire after its
-        own ``state_ttl`` where that is not the app's.
-        """
-        windows = batch.owned.windows
-        if windows is not None and last_done is not None and topic not in self.app.windows:
-            windows.advance(StreamId.parse(last_done).ms, (topic, last_done))
-        ttl_ms = self.app.handlers[topic].state_ttl_ms
-        if self._ttl and ttl_ms != self.app.state_ttl_ms:
-            for _, fields in ran:
-                key = fields.get(codec.KEY, b"").decode(errors="replace")
-                if key in batch.overlay:
-                    batch.ttl_ms[key] = ttl_ms
 
     def _run(
         self,
@@ -569,7 +396,7 @@ class BatchProcessor:
                     if schedules and batch.timers is not None:
                         batch.timers.schedule(schedules)
         else:
-            passed = self._clock(batch, cursor.topic, result) if self.app.callbacks else None
+            passed = self.time.clock(batch, cursor.topic, result)
             ran, errors = run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)
         if batch.broken is not None:
             raise batch.broken

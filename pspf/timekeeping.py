@@ -1,0 +1,236 @@
+"""The batch cycle's work with time: windows, callbacks, timers and state expiry.
+
+Stream-time work joins the batch in hand: after each entry of a sync handler the callbacks stream
+time made due run (``clock``), and before the commit the windows it closed give their results and
+expired state goes (``advance``), so all of it commits with the batch (step 5). Clock work
+(``passes``) runs after each cycle, each partition's committed like a batch of no entries and sent
+to the backup before anything it emitted is published, as after an acknowledgement.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pspf import codec
+from pspf.batch import PartitionBatch, StreamOutcome
+from pspf.context import Context, TimerContext
+from pspf.errors import ConfigError, LeaseLost
+from pspf.execution import UNCHANGED, Entry, state_result
+from pspf.keys import StreamId
+from pspf.outbox import Emitter, call_hook
+from pspf.ownership import OwnedPartition
+from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
+from pspf.windows import PartitionWindows
+
+if TYPE_CHECKING:
+    from pspf.app import App
+    from pspf.processor import CycleResult, ProcessorHooks
+
+log = logging.getLogger(__name__)
+
+Commit = Callable[[PartitionBatch, list[StreamOutcome]], "float | None"]
+LeaseLostCall = Callable[[str, str, "CycleResult"], None]
+
+
+class TimeKeeping:
+    """Windows, scheduled callbacks, timers and state expiry of the app's owned partitions."""
+
+    def __init__(
+        self,
+        app: App,
+        emitter: Emitter,
+        hooks: ProcessorHooks,
+        idle_close_s: float,
+        commit: Commit,
+        lease_lost: LeaseLostCall,
+    ) -> None:
+        self.app = app
+        self.emitter = emitter
+        self.hooks = hooks
+        self.idle_close_s = idle_close_s
+        self._commit = commit
+        self._lease_lost = lease_lost
+        self.ttl = app.state_ttl_ms is not None or any(h.state_ttl_ms for h in app.handlers.values())
+        self.active = bool(app.windows or app.callbacks or app.timers or self.ttl)
+
+    def load(self, owned: OwnedPartition) -> None:
+        """Load a partition's windows, schedules, timer periods and expiry from its store."""
+        app = self.app
+        if app.windows or app.callbacks:
+            owned.windows = PartitionWindows.load(owned.store, app.windows)
+        if app.callbacks or app.timers or self.ttl:
+            owned.timers = PartitionTimers.load(owned.store, frozenset(app.callbacks), self.ttl)
+
+    # -- stream time, within a batch ------------------------------------------------------------
+
+    def clock(self, batch: PartitionBatch, topic: str, result: CycleResult) -> Callable[[bytes], None] | None:
+        """What runs after each entry of a sync handler: the callbacks stream time made due.
+
+        So an entry after a callback's time sees what the callback did, however the entries are
+        batched. (Async handlers run concurrently: their callbacks run after the batch's entries.)
+        """
+        windows, timers = batch.owned.windows, batch.owned.timers
+        if not self.app.callbacks or windows is None or timers is None:
+            return None
+        plain = topic not in self.app.windows
+
+        def passed(entry_id: bytes) -> None:
+            if plain:
+                windows.advance(int(entry_id.split(b"-", 1)[0]), (topic, entry_id))
+            due = timers.due
+            if due and windows.stream_ms is not None and due[0][0] <= windows.stream_ms:
+                self._run_callbacks(batch, timers, windows.stream_ms, result)
+
+        return passed
+
+    def entries_done(
+        self, batch: PartitionBatch, topic: str, ran: list[Entry], last_done: bytes | None
+    ) -> None:
+        """Move stream time past a plain handler's entries; note its ``state_ttl`` for its keys.
+
+        A plain handler's entry counts at the time Redis appended it; its keys expire after its
+        own ``state_ttl`` where that is not the app's.
+        """
+        windows = batch.owned.windows
+        if windows is not None and last_done is not None and topic not in self.app.windows:
+            windows.advance(StreamId.parse(last_done).ms, (topic, last_done))
+        ttl_ms = self.app.handlers[topic].state_ttl_ms
+        if self.ttl and ttl_ms != self.app.state_ttl_ms:
+            for _, fields in ran:
+                key = fields.get(codec.KEY, b"").decode(errors="replace")
+                if key in batch.overlay:
+                    batch.ttl_ms[key] = ttl_ms
+
+    def advance(self, batch: PartitionBatch, result: CycleResult) -> None:
+        """Add to the batch (step 5 commits it) what its stream time and the clock now call for.
+
+        The results of the windows stream time closed, the callbacks it made due, and the state
+        that expired.
+        """
+        windows, timers = batch.owned.windows, batch.owned.timers
+        if windows is not None:
+            for topic, entries in windows.take_late().items():
+                result.late += entries
+                call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)
+            closed = windows.close(self.emitter, batch.owned.partition)
+            if closed:
+                batch.emitted += closed
+                result.windows_closed += len(closed)
+        if timers is not None:
+            if timers.calls and windows is not None:
+                self._run_callbacks(batch, timers, windows.stream_ms, result)
+            if timers.ttl:
+                self._expire(batch, timers)
+
+    def _run_callbacks(
+        self, batch: PartitionBatch, timers: PartitionTimers, stream_ms: int | None, result: CycleResult
+    ) -> None:
+        """Run the scheduled callbacks due at ``stream_ms``: each joins the batch, or fails alone.
+
+        A callback that raises is logged and dropped with its writes (it is not tried again).
+        """
+        for _ in range(CALLBACK_STEP):
+            call = timers.take_due(stream_ms)
+            if call is None:
+                return
+            callback = self.app.callbacks.get(call.name)
+            topic, entry_id = call.source
+            ctx = Context(topic, batch.owned.partition, entry_id, call.key, 1, None, batch)
+            ctx._time_ms = call.at_ms
+            try:
+                if callback is None:
+                    raise ConfigError(f"the app has no @app.on_schedule({call.name!r}) any more")
+                callback.func(callback.payload.decode(call.payload), ctx)
+                new = state_result(ctx)
+            except Exception as exc:
+                if batch.broken is not None:
+                    raise batch.broken from exc
+                result.callbacks_failed += 1
+                log.error(
+                    "scheduled callback %s for key %r failed, dropped: %r",
+                    call.name,
+                    call.key,
+                    exc,
+                    exc_info=exc,
+                )
+                continue
+            result.callbacks_run += 1
+            if new is not UNCHANGED:
+                batch.overlay[call.key] = new
+            if ctx._emits:
+                batch.emitted += ctx._emits
+            if ctx._schedules:
+                timers.schedule(ctx._schedules)
+
+    def _expire(self, batch: PartitionBatch, timers: PartitionTimers) -> None:
+        """Keep the expiry of the keys this batch wrote, and delete a step of expired state."""
+        now_ms = int(time.time() * 1000)
+        for key, value in batch.overlay.items():
+            ttl_ms = batch.ttl_ms.get(key, self.app.state_ttl_ms)
+            timers.written(key, None if value is None or ttl_ms is None else now_ms + ttl_ms)
+        for key in timers.expired(now_ms):
+            batch.overlay[key] = None
+
+    # -- the clock, after a cycle -----------------------------------------------------------------
+
+    def passes(self, owned_partitions: list[OwnedPartition], handled: set[int], result: CycleResult) -> None:
+        """What wall-clock time calls for in the owned partitions, each committed like a batch.
+
+        Timers whose period came; on an idle cycle, the windows of partitions idle for
+        ``idle_close_s``; expired state of partitions without a batch (``handled``) this cycle.
+        """
+        if not (self.app.timers or self.app.windows or self.ttl):
+            return
+        now_ms = int(time.time() * 1000)
+        for owned in owned_partitions:
+            windows, timers = owned.windows, owned.timers
+            batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
+            if timers is not None:
+                for timer in self.app.timers:
+                    period = timers.period_due(timer, now_ms)
+                    if period is not None:
+                        self._run_timer(batch, timers, timer, period, result)
+                if timers.ttl and owned.partition not in handled and timers.expiry_due(now_ms):
+                    for key in timers.expired(now_ms):
+                        batch.overlay[key] = None
+            if result.read == 0 and windows is not None and windows.idle_close_due(self.idle_close_s):
+                windows.advance_to_close_all()
+                log.info("partition=%s idle: open windows closed", owned.partition)
+                self.advance(batch, result)
+            self._commit_alone(batch, result)
+
+    def _run_timer(
+        self, batch: PartitionBatch, timers: PartitionTimers, timer: Timer, period: int, result: CycleResult
+    ) -> None:
+        """One period of a timer: its writes and emits join the batch if it returns; ran either way."""
+        partition = batch.owned.partition
+        ctx = TimerContext(timer.name, partition, period, self.emitter.partitions(self.app.topics[0]), batch)
+        try:
+            timer.func(ctx)
+            states = {key: state_result(context) for key, context in ctx._contexts.items()}
+        except Exception as exc:
+            if batch.broken is not None:
+                raise batch.broken from exc
+            result.timers_failed += 1
+            log.error("timer %s partition=%s failed: %r", timer.name, partition, exc, exc_info=exc)
+        else:
+            result.timers_run += 1
+            batch.overlay.update((key, new) for key, new in states.items() if new is not UNCHANGED)
+            batch.emitted += ctx._emits
+        timers.ran(timer, period)
+
+    def _commit_alone(self, batch: PartitionBatch, result: CycleResult) -> None:
+        """Commit a batch of no entries and send it to the backup before publishing its emits."""
+        owned = batch.owned
+        if self._commit(batch, []) is None:
+            return
+        if owned.backup is not None:
+            try:
+                owned.backup.flush()
+            except LeaseLost as exc:  # the local store is ahead: reconciled by the next owner
+                self._lease_lost(owned.backup.stream, str(exc), result)
+                return
+        owned.outbox.confirm()

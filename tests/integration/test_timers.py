@@ -22,6 +22,7 @@ from pspf.context import TimerContext
 from pspf.errors import NotFound
 from pspf.keys import STATE_NAMESPACE, backup_keys, stream_key
 from pspf.service import Service
+from state_stores import open_store
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -243,6 +244,9 @@ def test_state_not_written_for_its_ttl_is_deleted_from_the_store_and_the_backup(
             pytest.fail("the state of 'gone' did not expire")
         assert time.monotonic() - written >= 0.5  # not before its TTL
         assert rclient.hget(values_key, field(STATE_NAMESPACE, "gone")) is None
+        with open_store(settings.state.engine, settings.state.dir, app.name, 0, readonly=True) as store:
+            assert store.get(STATE_NAMESPACE, "gone") is None
+            assert store.get(STATE_NAMESPACE, "kept") is not None
         assert service.state_get(app.name, "fresh")["n"] > 3
         assert service.state_get(app.name, "kept") == {"kept": True}
         assert rclient.hget(values_key, field(STATE_NAMESPACE, "kept")) is not None

@@ -27,6 +27,8 @@ from pspf.keys import stream_key
 from pspf.processor import ProcessorHooks
 from pspf.service import Service
 from tests.conftest import Names
+from tests.unit.test_windows import REFERENCES
+from tests.unit.test_windows import events as unit_events
 
 pytestmark = pytest.mark.integration
 
@@ -258,3 +260,45 @@ def test_window_state_follows_its_partition_to_a_worker_with_an_empty_state_dir(
     emitted = results(rclient, target, 2)
     assert found == len(expected)
     assert Counter({(r["key"], r["start"]): r["value"] for r in emitted}) == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        windows.hopping(
+            timedelta(milliseconds=100), timedelta(milliseconds=30), grace=timedelta(milliseconds=20)
+        ),
+        windows.sliding(timedelta(milliseconds=50), grace=timedelta(milliseconds=30)),
+        windows.session(timedelta(milliseconds=40), grace=timedelta(milliseconds=25)),
+    ],
+    ids=lambda s: s.kind,
+)
+def test_hopping_sliding_and_session_results_through_a_worker_equal_the_reference(
+    spec: windows.WindowSpec,
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    rclient: redis.Redis,
+    running: Callable[[Worker], None],
+) -> None:
+    """The unit tests' references, on entries that go through a real worker and the outbox."""
+    made = unit_events(11, count=400, keys=5, spread_ms=3_000, disorder_ms=60)
+    source, target = make_topic(1), make_topic(1)
+    produce(source, [(key, {"ts": ts, "i": i}) for i, (key, ts) in enumerate(made)])
+    app = App(names.app())
+
+    def collect(acc: list[int] | None, value: dict[str, int]) -> list[int]:
+        return [*(acc or []), value["i"]]
+
+    def merge(a: list[int], b: list[int]) -> list[int]:
+        return sorted(a + b)
+
+    app.window(source, spec, timestamp="ts", emit_to=target, merge=merge if spec.kind == "session" else None)(
+        collect
+    )
+    expected, _ = REFERENCES[spec.kind](spec, made)
+    running(Worker(app, make_settings(PSPF_BATCH_SIZE=13, PSPF_WINDOW_IDLE_CLOSE_MS=300)))
+    assert wait_for(lambda: rclient.xlen(stream_key(target, 0)), len(expected)) == len(expected)
+    found = sorted((r["key"], r["start"], r["end"], r["value"]) for r in results(rclient, target, 1))
+    assert found == sorted((k, s, e, list(v)) for k, s, e, v in expected)

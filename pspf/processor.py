@@ -168,7 +168,7 @@ class BatchProcessor:
         self.relay = Relay(broker, consumer, outbox or OutboxSettings(), self.hooks)
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}
-        if app.timers:  # a read never waits past the next period of a timer
+        if app.timers:  # a read waits no longer than a timer period (one it overruns runs late)
             block_ms = max(1, min([block_ms, *(t.every_ms for t in app.timers)]))
         self.delivery = Delivery(
             broker, app.name, consumer, batch_size, block_ms, policies, self.owned, self._by_stream

@@ -190,8 +190,7 @@ class TimeKeeping:
             batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
             if timers is not None:
                 for timer in self.app.timers:
-                    period = timers.period_due(timer, now_ms)
-                    if period is not None:
+                    for period in timers.periods_due(timer, now_ms):
                         self._run_timer(batch, timers, timer, period, result)
                 if timers.ttl and owned.partition not in handled and timers.expiry_due(now_ms):
                     for key in timers.expired(now_ms):

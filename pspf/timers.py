@@ -7,7 +7,11 @@
   one batch: exactly once, across crashes and partition moves (it is in the store and backup).
 - ``@app.timer(every=...)`` runs on wall-clock time in the worker that owns each partition, once
   per period (a period missed while no worker owned the partition is skipped, not caught up).
-  The last period run is committed with the timer's writes, so no period runs twice.
+  The last period run is committed with the timer's writes, so no period runs twice. A period
+  whose start passed while the worker was busy or waiting runs late (a blocked read ends on the
+  server's clock tick, 100 ms apart by default, and a batch can take longer than a period): the
+  periods since the last one run, or since the worker took the partition, run in order, each
+  once, up to ``CATCH_UP`` of them (the latest) per cycle.
 - ``state_ttl`` expires a key's state that was not written for that long (wall-clock time): up
   to ``EXPIRE_STEP`` keys per batch, in the batch's transaction, so expiry never pauses a worker.
 
@@ -36,6 +40,9 @@ if TYPE_CHECKING:
 EXPIRE_STEP = 1_000
 #: Scheduled callbacks run per batch at most; the rest wait for the next one.
 CALLBACK_STEP = 10_000
+#: Periods of one timer a cycle runs at most: a worker further behind (a long stall) skips the
+#: older ones, as if it had not owned the partition then.
+CATCH_UP = 100
 
 
 def ms_of(name: str, value: timedelta) -> int:
@@ -99,6 +106,8 @@ class PartitionTimers:
         #: (at, name, key); stale once its call ran or was replaced
         self.due: list[tuple[int, str, str]] = []
         self.ticks: dict[str, int] = {}
+        #: when this worker took the partition (wall-clock ms): no period before it runs here
+        self.since_ms = int(time.time() * 1000)
         self.ttl = ttl
         self.expires: dict[str, int] = {}
         #: (expires at, key); stale once the key was written again or deleted
@@ -159,10 +168,19 @@ class PartitionTimers:
 
     # -- timers -------------------------------------------------------------------------------
 
-    def period_due(self, timer: Timer, now_ms: int) -> int | None:
-        """The start of ``timer``'s current period if it has not run in it yet."""
-        period = now_ms - now_ms % timer.every_ms
-        return period if period > self.ticks.get(timer.name, -1) else None
+    def periods_due(self, timer: Timer, now_ms: int) -> range:
+        """The starts of ``timer``'s periods to run at ``now_ms``, oldest first.
+
+        Each period after the last one run (and not before the one this worker took the
+        partition in) up to the current one; at most ``CATCH_UP``, the latest.
+        """
+        every = timer.every_ms
+        current = now_ms - now_ms % every
+        first = max(self.since_ms - self.since_ms % every, current - (CATCH_UP - 1) * every)
+        last = self.ticks.get(timer.name)
+        if last is not None:
+            first = max(first, last - last % every + every)
+        return range(first, current + 1, every)
 
     def ran(self, timer: Timer, period: int) -> None:
         self.ticks[timer.name] = period

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import subprocess_env
-from tests.crash.support import WorkerProcess
+from tests.crash.support import APP_TARGET, WorkerProcess
 
 
 @pytest.hookimpl(wrapper=True)
@@ -39,8 +39,10 @@ class Spawner:
         *args: str,
         env: dict[str, str] | None = None,
         cli_settings: bool = True,
+        target: str = APP_TARGET,
     ) -> WorkerProcess:
-        """Start a worker; broker and state dir are given as options unless ``cli_settings`` is off."""
+        """Start a worker of ``target``; broker and state dir are given as options unless
+        ``cli_settings`` is off."""
         extra = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app, **(env or {})}
         options = ["--broker", self.redis_url, "--state-dir", str(self.state_dir)] if cli_settings else []
         worker = WorkerProcess(
@@ -48,6 +50,7 @@ class Spawner:
             [*options, *args],
             subprocess_env(**extra),
             cwd=self.tmp_path,
+            target=target,
         )
         self.workers.append(worker)
         return worker

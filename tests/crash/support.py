@@ -65,14 +65,17 @@ def expected_state(records: Records) -> dict[str, tuple[int, int]]:
 
 
 class WorkerProcess:
-    """One ``pspf run`` subprocess; its stdout and stderr go to a log file."""
+    """One ``pspf run`` subprocess of ``target`` (the crash app unless told); its stdout and stderr
+    go to a log file."""
 
-    def __init__(self, log: Path, args: list[str], env: dict[str, str], cwd: Path) -> None:
+    def __init__(
+        self, log: Path, args: list[str], env: dict[str, str], cwd: Path, target: str = APP_TARGET
+    ) -> None:
         self.log = log
         self.started = time.monotonic()
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                pspf_command("run", APP_TARGET, *args),
+                pspf_command("run", target, *args),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
 import time
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -24,46 +24,9 @@ from pspf.keys import STATE_NAMESPACE, backup_keys, stream_key
 from pspf.service import Service
 from state_stores import open_store
 from tests.conftest import Names
+from tests.reminders import reference, reminder_app
 
 pytestmark = pytest.mark.integration
-
-
-def reminder_app(name: str, source: str, target: str) -> App:
-    """Each entry counts and asks to be reminded ``delay`` ms after it; a reminder of the same
-    key replaces the one before. The reminder notes the count it was made at, and emits it."""
-    app = App(name)
-
-    @app.handler(source)
-    def count(value: dict[str, Any], ctx: Context) -> None:
-        n = ctx.state["n"] = ctx.state.get("n", 0) + 1
-        ctx.schedule(timedelta(milliseconds=value["delay"]), "remind", {"n": n})
-
-    @app.on_schedule("remind")
-    def remind(payload: dict[str, int], ctx: Context) -> None:
-        ctx.state["reminded"] = [*ctx.state.get("reminded", []), [payload["n"], ctx.state["n"]]]
-        ctx.emit(target, {"key": ctx.key, "n": payload["n"]}, key=ctx.key)
-
-    return app
-
-
-def reference(entries: list[tuple[int, str, int]], partitions: int) -> dict[str, dict[str, Any]]:
-    """The states the reminder app must reach: entries (ms, key, delay) in id order per partition;
-    after each, the reminders stream time reached run, in (time, key) order."""
-    states: dict[str, dict[str, Any]] = defaultdict(dict)
-    by_partition: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
-    for ms, key, delay in entries:
-        by_partition[zlib.crc32(key.encode()) % partitions].append((ms, key, delay))
-    for todo in by_partition.values():
-        pending: dict[str, tuple[int, int]] = {}  # key -> (at, n)
-        for ms, key, delay in todo:
-            state = states[key]
-            state["n"] = state.get("n", 0) + 1
-            pending[key] = (ms + delay, state["n"])
-            for _, due_key in sorted((at, k) for k, (at, _) in pending.items() if at <= ms):
-                n = pending.pop(due_key)[1]
-                due = states[due_key]
-                due["reminded"] = [*due.get("reminded", []), [n, due["n"]]]
-    return dict(states)
 
 
 def test_scheduled_callbacks_run_between_entries_as_stream_time_passes_them_whatever_the_batches(
@@ -194,6 +157,8 @@ def test_a_timer_runs_once_per_period_per_partition_with_state_and_emits(
             ticks = service.state_get(app.name, key)["ticks"]
             assert len(ticks) >= 5, f"partition {partition} ticked {len(ticks)} times in 1.5 s"
             assert ticks == sorted(set(ticks)) and all(t % 100 == 0 for t in ticks)
+            # none skipped, though a blocked read ends on the server's 100 ms tick, not sooner
+            assert all(b - a == 100 for a, b in itertools.pairwise(ticks)), ticks
         with pytest.raises(NotFound):
             service.state_get(app.name, "elsewhere")
     finally:

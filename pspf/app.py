@@ -139,8 +139,8 @@ class App:
         """Register ``func(ctx: TimerContext)`` to run every ``every`` of wall-clock time.
 
         It runs in the worker that owns each partition, once per partition and period, its state
-        writes and emits committed like a batch; no period runs twice (one missed while no worker
-        owned the partition is skipped).
+        writes and emits committed like a batch; no period runs twice. A period that passed while
+        the worker was busy runs late; one missed while no worker owned the partition is skipped.
         """
         every_ms = ms_of("every", every)
 

@@ -6,6 +6,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from pspf import Producer, Settings
+from pspf import Producer, Settings, Worker
 from pspf.broker import Broker
 from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary
 from pspf.errors import ConfigError
@@ -189,3 +190,19 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[[Worker], None]]:
+    """Run workers in threads until the test ends (for work that needs wall-clock time to pass)."""
+    started: list[tuple[Worker, threading.Thread]] = []
+
+    def start(worker: Worker) -> None:
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        started.append((worker, thread))
+
+    yield start
+    for worker, thread in started:
+        worker.stop()
+        thread.join(timeout=30)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -108,21 +107,6 @@ def test_a_callback_that_raises_is_dropped_alone_and_a_schedule_of_an_unknown_na
     assert summary.dead_lettered == 1
     dead: list[tuple[bytes, dict[bytes, bytes]]] = rclient.xrange(f"{stream_key(source, 0)}:dlq")  # type: ignore[assignment]
     assert b"no @app.on_schedule('nosuch')" in dead[0][1][b"message"]
-
-
-@pytest.fixture
-def running() -> Iterator[Callable[[Worker], None]]:
-    started: list[tuple[Worker, threading.Thread]] = []
-
-    def start(worker: Worker) -> None:
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        started.append((worker, thread))
-
-    yield start
-    for worker, thread in started:
-        worker.stop()
-        thread.join(timeout=30)
 
 
 def test_a_timer_runs_once_per_period_per_partition_with_state_and_emits(

@@ -8,7 +8,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -101,22 +101,6 @@ def reference(
         else:
             counts[(key, start)] += 1
     return counts, late
-
-
-@pytest.fixture
-def running() -> Iterator[Callable[[Worker], None]]:
-    """Run workers in threads until the test ends (results of idle partitions need wall time)."""
-    started: list[tuple[Worker, threading.Thread]] = []
-
-    def start(worker: Worker) -> None:
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        started.append((worker, thread))
-
-    yield start
-    for worker, thread in started:
-        worker.stop()
-        thread.join(timeout=30)
 
 
 def wait_for(count: Callable[[], int], expected: int, timeout_s: float = 60) -> int:

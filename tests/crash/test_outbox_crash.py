@@ -226,11 +226,14 @@ def outbox_rows(
     backups: bool = False,
     row_state: RowState | None = None,
     limit: int | None = None,
+    engine: str = "sqlite",
 ) -> list[OutboxRowInfo]:
     """An app's outbox rows as ``pspf outbox list`` gives them, from the stores under ``state_dir``
-    (read-only: also while a worker runs) or, with ``backups``, from the state backups in Redis
-    (give an empty ``state_dir`` then: a partition without a backup would be read from there)."""
-    settings = Settings.load({"PSPF_BROKER": redis_url, "PSPF_STATE_DIR": str(state_dir)}, environ={})
+    (read-only: also while a worker runs; ``engine``: the workers' ``--store``) or, with
+    ``backups``, from the state backups in Redis (give an empty ``state_dir`` then: a partition
+    without a backup would be read from there)."""
+    values = {"PSPF_BROKER": redis_url, "PSPF_STATE_DIR": str(state_dir), "PSPF_STORE": engine}
+    settings = Settings.load(values, environ={})
     service = Service(settings, local_state=not backups)
     try:
         return service.outbox_list(app, None if row_state is None else str(row_state), limit=limit)

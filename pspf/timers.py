@@ -113,7 +113,6 @@ class PartitionTimers:
         #: (expires at, key); stale once the key was written again or deleted
         self.expiry: list[tuple[int, str]] = []
         self.dirty: dict[tuple[str, str], bytes | None] = {}
-        self.last_expiry = 0.0
 
     @classmethod
     def load(cls, store: StateStore, callbacks: frozenset[str], ttl: bool) -> PartitionTimers:
@@ -163,9 +162,6 @@ class PartitionTimers:
             return call
         return None
 
-    def scheduled(self, key: str) -> list[ScheduledCall]:
-        return sorted(call for (_, k), call in self.calls.items() if k == key)
-
     # -- timers -------------------------------------------------------------------------------
 
     def periods_due(self, timer: Timer, now_ms: int) -> range:
@@ -200,7 +196,6 @@ class PartitionTimers:
 
     def expired(self, now_ms: int, step: int = EXPIRE_STEP) -> list[str]:
         """Up to ``step`` keys whose state expired by ``now_ms``: forgotten here, to delete."""
-        self.last_expiry = time.monotonic()
         found: list[str] = []
         expiry = self.expiry
         while expiry and expiry[0][0] <= now_ms and len(found) < step:

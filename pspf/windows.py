@@ -37,7 +37,7 @@ import heapq
 import inspect
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -318,7 +318,6 @@ class PartitionWindows:
         self.stream_ms: int | None = None
         #: the entry that last moved stream time: results name it as their source
         self.source: tuple[str, bytes] = ("", b"0-0")
-        #: store writes for the next commit: (namespace, key) -> value, None to delete
         #: window state to write at the next commit: (topic, kind, key, a, b) -> value, None to delete
         self._dirty: dict[tuple[str, str, str, int, int | str], bytes | None] = {}
         self._time_moved = False
@@ -594,13 +593,6 @@ class PartitionWindows:
     def take_late(self) -> dict[str, int]:
         late, self.late = self.late, {}
         return late
-
-    def open_windows(self, key: str) -> Iterator[tuple[str, int, int, Any]]:
-        """A key's open windows: (topic, start, end, accumulator)."""
-        for topic, state in self.open.items():
-            for (k, start, end), acc in sorted(state.accs.items()):
-                if k == key:
-                    yield topic, start, end, state.aggregation.result(acc)
 
 
 def _forget_session_at(spec: WindowSpec, end: int) -> int:

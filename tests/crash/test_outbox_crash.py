@@ -769,10 +769,14 @@ def test_rows_waiting_for_a_broken_target_move_with_the_partition_and_are_publis
     outs = chain.once_per_input()
     assert sum(out.partition == broken for out in outs) == len(waiting)
     chain.all_published(host_b, inputs_)
-    moved = [row for row in chain.rows(host_b) if row.partition == broken]
-    assert all(row.attempts >= 2 and "WRONGTYPE" in (row.last_error or "") for row in moved), (
-        "the rows b published are not the ones that failed on host a"
-    )
+    moved = {row.row_id: row for row in chain.rows(host_b) if row.partition == broken}
+    assert set(moved) == {row.row_id for row in waiting}, "b published other rows than those waiting on a"
+    # Each kept its failed attempts. A row a held claimed when it was killed was reaped by b at the
+    # takeover: one attempt more, and the reap is its last error (the seed's CLAIMED -> PENDING).
+    for row in waiting:
+        last_error = moved[row.row_id].last_error or ""
+        assert moved[row.row_id].attempts >= row.attempts, (row, moved[row.row_id])
+        assert "WRONGTYPE" in last_error or "claim of a reaped at takeover" in last_error, moved[row.row_id]
     b_sent, b_appended = chain.sent(b.pid)
     assert b_appended == len(waiting), (b_sent, b_appended, len(waiting))
     print(f"moved with {len(waiting)} rows waiting: {time.monotonic() - started:.1f}s")

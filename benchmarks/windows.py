@@ -135,10 +135,13 @@ def closed_counts(orders: list[tuple[str, bytes]]) -> Counter[tuple[str, int]]:
     return Counter({w: n for w, n in counts.items() if w[1] + MINUTE_MS + 10_000 <= now})
 
 
-def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+def run_both(
+    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], copy: str | None
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The order-totals and the windowed worker over the same entries; their reports, and the
+    windowed app's output topic (``copy``: a plain stream that gets the entries too)."""
     run = uuid.uuid4().hex[:8]
     totals_topic, window_topic, out = f"bench-{run}-a", f"bench-{run}-b", f"bench-{run}-out"
-    copy = f"bench-{run}-copy"
     preload(url, totals_topic, copy, orders)
     preload(url, window_topic, None, orders)
     service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
@@ -147,7 +150,13 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
     with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
         totals = run_child(args, url, f"app-{run}-a", totals_topic, "", state_dir)
         windowed = run_child(args, url, f"app-{run}-b", window_topic, out, state_dir)
-    plain = run_plain(url, copy, f"plain-{run}", args.batch_size, raw=True)
+    return totals, windowed, out
+
+
+def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+    copy = f"bench-{uuid.uuid4().hex[:8]}-copy"
+    totals, windowed, out = run_both(url, args, orders, copy)
+    plain = run_plain(url, copy, f"plain-{copy}", args.batch_size, raw=True)
     client = redis.Redis.from_url(url)
     results = Counter(
         {
@@ -169,16 +178,7 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
 def open_windows_rss(url: str, args: argparse.Namespace) -> tuple[float, float]:
     """Peak RSS (MiB) of the windowed worker holding ``args.open`` open windows, and of order totals."""
     orders = make_timed_orders(args.open, args.open, span_ms=1)  # one minute, N keys: N open windows
-    run = uuid.uuid4().hex[:8]
-    totals_topic, window_topic, out = f"rss-{run}-a", f"rss-{run}-b", f"rss-{run}-out"
-    preload(url, totals_topic, None, orders)
-    preload(url, window_topic, None, orders)
-    service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
-    service.create_topic(out, 1)
-    service.close()
-    with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
-        totals = run_child(args, url, f"app-{run}-a", totals_topic, "", state_dir)
-        windowed = run_child(args, url, f"app-{run}-b", window_topic, out, state_dir)
+    totals, windowed, _ = run_both(url, args, orders, None)
     return windowed["rss_mb"], totals["rss_mb"]
 
 

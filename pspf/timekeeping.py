@@ -112,6 +112,7 @@ class TimeKeeping:
         """
         windows, timers = batch.owned.windows, batch.owned.timers
         if windows is not None:
+            windows.last_entry_at = time.monotonic()  # once per batch, not per entry
             for topic, entries in windows.take_late().items():
                 result.late += entries
                 call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)

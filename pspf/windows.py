@@ -299,9 +299,8 @@ class _Open:
         #: sessions: each key's open sessions and its closed ones that an entry could still bridge
         self.sessions: dict[str, list[tuple[int, int]]] = {}
         self.closed: dict[str, list[tuple[int, int]]] = {}
-        #: sliding: each key's entries by (event time, entry id), and their encoded values
-        self.entries: dict[str, list[tuple[int, bytes]]] = {}
-        self.values: dict[tuple[str, int, bytes], bytes] = {}
+        #: sliding: each key's kept entries, (event time, entry id, encoded value) in that order
+        self.entries: dict[str, list[tuple[int, bytes, bytes]]] = {}
         #: (forget at, kind, key, a, b): closed-session markers ("c") and kept entries ("e")
         self.forget: list[tuple[int, str, str, int, Any]] = []
 
@@ -322,6 +321,7 @@ class PartitionWindows:
         self._dirty: dict[tuple[str, str, str, int, int | str], bytes | None] = {}
         self._time_moved = False
         self.late: dict[str, int] = {}
+        #: when the partition last had a batch of entries (``TimeKeeping.advance`` sets it)
         self.last_entry_at = time.monotonic()
 
     # -- loading ----------------------------------------------------------------------------
@@ -356,8 +356,7 @@ class PartitionWindows:
             state.forget.append((_forget_session_at(spec, int(b)), "c", key, a, int(b)))
         else:
             entry_id = b.encode()
-            bisect.insort(state.entries.setdefault(key, []), (a, entry_id))
-            state.values[(key, a, entry_id)] = value
+            bisect.insort(state.entries.setdefault(key, []), (a, entry_id, value))
             state.forget.append((_forget_entry_at(spec, a), "e", key, a, entry_id))
 
     # -- one entry ----------------------------------------------------------------------------
@@ -425,7 +424,7 @@ class PartitionWindows:
         # Windows holding ts: the left window of each entry at [ts, ts + size], the right window
         # of each entry at [ts - size - 1, ts - 1], and this entry's own left window.
         bounds = {(ts - size, ts)}
-        for t, _ in near:
+        for t, *_ in near:
             if ts <= t <= ts + size:
                 bounds.add((t - size, t))
             if ts - size - 1 <= t < ts:
@@ -436,29 +435,29 @@ class PartitionWindows:
                 continue
             acc = state.accs.get((key, start, end))
             if acc is None:
-                acc = self._fold_kept(state, key, near, start, end)
+                acc = self._fold_kept(state, near, start, end)
             sets.append((start, end, aggregation.fold(acc, value)))
         if not sets:  # late: it creates no window either
             return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
         # This entry's right window, created when entries already fall in it.
         start, end = ts + 1, ts + 1 + size
         if (key, start, end) not in state.accs and spec.close_at(start, end) > now:
-            inside = [(t, i) for t, i in near if start <= t <= end]
+            inside = [kept for kept in near if start <= kept[0] <= end]
             if inside:
-                acc = self._fold_kept(state, key, inside, start, end)
+                acc = self._fold_kept(state, inside, start, end)
                 assert acc is not None
                 sets.append((start, end, acc))
         return Change(aggregation.topic, key, ts, entry_id, sets, [], msgspec.msgpack.encode(value), False)
 
     def _fold_kept(
-        self, state: _Open, key: str, near: list[tuple[int, bytes]], start: int, end: int
+        self, state: _Open, near: list[tuple[int, bytes, bytes]], start: int, end: int
     ) -> bytes | None:
         """The accumulator of the kept entries in ``[start, end]``, folded in arrival order."""
         aggregation = state.aggregation
         acc = None
-        inside = sorted((StreamId.parse(i), t, i) for t, i in near if start <= t <= end)
-        for _, t, entry_id in inside:
-            acc = aggregation.fold(acc, aggregation.value(state.values[(key, t, entry_id)]))
+        inside = sorted((StreamId.parse(i), value) for t, i, value in near if start <= t <= end)
+        for _, value in inside:
+            acc = aggregation.fold(acc, aggregation.value(value))
         return acc
 
     def apply(self, change: Change) -> None:
@@ -466,7 +465,6 @@ class PartitionWindows:
         if change.late:
             self.late[change.topic] = self.late.get(change.topic, 0) + 1
             return
-        self.last_entry_at = time.monotonic()
         state = self.open[change.topic]
         spec = state.aggregation.spec
         key, ts = change.key, change.ts
@@ -484,8 +482,7 @@ class PartitionWindows:
             self._write(change.topic, "w", key, start, end, acc)
         if change.kept is not None:
             entry_id = change.entry_id
-            bisect.insort(state.entries.setdefault(key, []), (ts, entry_id))
-            state.values[(key, ts, entry_id)] = change.kept
+            bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))
             heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
             self._write(change.topic, "e", key, ts, entry_id.decode(), change.kept)
 
@@ -514,7 +511,6 @@ class PartitionWindows:
 
     def advance(self, ms: int, source: tuple[str, bytes]) -> None:
         """Entries of a plain handler, up to ``source`` at ``ms``, were applied."""
-        self.last_entry_at = time.monotonic()
         if self.stream_ms is None or ms > self.stream_ms:
             self._set_stream_time(ms, source)
 
@@ -570,10 +566,9 @@ class PartitionWindows:
                 self._write(topic, "c", key, a, b, None)
             else:
                 entries = state.entries[key]
-                entries.remove((a, b))
+                del entries[bisect.bisect_left(entries, (a, b))]
                 if not entries:
                     del state.entries[key]
-                del state.values[(key, a, b)]
                 self._write(topic, "e", key, a, b.decode(), None)
 
     def idle_close_due(self, idle_s: float) -> bool:
@@ -588,7 +583,6 @@ class PartitionWindows:
         target = max(ends)
         if self.stream_ms is None or target > self.stream_ms:
             self._set_stream_time(target, self.source)
-        self.last_entry_at = time.monotonic()
 
     def take_late(self) -> dict[str, int]:
         late, self.late = self.late, {}

@@ -27,6 +27,7 @@ from pspf.keys import stream_key
 from pspf.processor import ProcessorHooks
 from pspf.service import Service
 from tests.conftest import Names
+from tests.integration.test_emit import outputs
 from tests.unit.test_windows import REFERENCES
 from tests.unit.test_windows import events as unit_events
 
@@ -38,11 +39,8 @@ T0 = 1_700_000_040_000 - 1_700_000_040_000 % MINUTE_MS
 
 
 def results(rclient: redis.Redis, topic: str, partitions: int) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = []
-    for p in range(partitions):
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = rclient.xrange(stream_key(topic, p))  # type: ignore[assignment]
-        found += (json.loads(fields[b"value"]) for _, fields in entries)
-    return found
+    """The window results in a topic's partitions."""
+    return [output["value"] for output in outputs(rclient, topic, partitions)]
 
 
 class LateCount(ProcessorHooks):

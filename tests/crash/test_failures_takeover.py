@@ -83,7 +83,9 @@ def test_takeover_of_5000_pending_entries_with_some_deleted_while_pending(
             first.kill()
             first.wait(10)
     pending = rclient.xpending_range(stream, app_name, "-", "+", 2 * BATCH)
-    assert len(pending) == BATCH and {row["consumer"] for row in pending} == {b"a"}
+    # A batch in hand, and with the read ahead (sent after a full batch) maybe the next one too.
+    held = len(pending)
+    assert held in (BATCH, 2 * BATCH) and {row["consumer"] for row in pending} == {b"a"}
     assert leases(rclient, topic, app_name, 1)[0] is not None, "A's lease outlives it"
 
     # One partition: the stream holds the records in order.
@@ -111,7 +113,7 @@ def test_takeover_of_5000_pending_entries_with_some_deleted_while_pending(
     assert len(seen) == len(set(seen)) == ENTRIES - DELETED
     messages = [r.getMessage() for r in caplog.records]
     assert any(
-        re.match(rf"claimed {BATCH - DELETED} pending entries of earlier consumers", m) for m in messages
+        re.match(rf"claimed {held - DELETED} pending entries of earlier consumers", m) for m in messages
     ), [m for m in messages if "claimed" in m]
     # Reported: by the takeover's XAUTOCLAIM (a list of ids) or by the processor (one id a line).
     reported: list[str] = []

@@ -3,6 +3,6 @@
 ``create_app(service, token)`` builds the Litestar application; ``pspf admin serve`` runs it.
 """
 
-from admin_api.app import create_app
+from pspf.admin_api.app import create_app
 
 __all__ = ["create_app"]

@@ -25,8 +25,8 @@ from litestar.params import FromPath, JSONBody, PathParameter, QueryParameter
 from litestar.types import ControllerRouterHandler
 from prometheus_client import CollectorRegistry
 
-from admin_api import metrics
-from admin_api.security import AUDIT_OPTION, audit, audit_logger, bearer_guard, remember_params
+from pspf.admin_api import metrics
+from pspf.admin_api.security import AUDIT_OPTION, audit, audit_logger, bearer_guard, remember_params
 from pspf.errors import (
     AppRunning,
     BrokerError,

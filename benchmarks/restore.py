@@ -195,7 +195,7 @@ def fill_worker(url: str, topic: str, app: str, n_keys: int, value_bytes: int) -
 
 def restore_child(args: argparse.Namespace) -> None:
     """Reconcile an empty store with the backup, check it, print one JSON line."""
-    from state_stores import open_store
+    from pspf.state_stores import open_store
 
     rss_ready = max_rss_mb()
     settings = Settings.load({"PSPF_BROKER": args.broker}, environ={})
@@ -244,7 +244,7 @@ def restore_child(args: argparse.Namespace) -> None:
 
 def verify(args: argparse.Namespace, broker: Broker) -> dict[str, Any]:
     """Count the restored keys, compare sampled values, identity and checkpoint with the backup."""
-    from state_stores import open_store
+    from pspf.state_stores import open_store
 
     meta = broker.backup_meta(keys.backup_meta_key(args.topic, 0, args.app))
     rng = random.Random(args.seed)

@@ -325,7 +325,7 @@ def watch(
 def read_state(state_dir: Path, app: str, engine: str) -> dict[str, int]:
     """Keys, sum of totals and of counts over every partition's store in the state dir."""
     from pspf.batch import iter_state
-    from state_stores import open_store
+    from pspf.state_stores import open_store
 
     keys = total = count = 0
     for p in range(PARTITIONS):

@@ -221,7 +221,7 @@ def caught_up(client: redis.Redis, bench: Bench) -> bool:
 
 
 def count_keys(bench: Bench, state_dir: Path) -> int:
-    from state_stores import open_store
+    from pspf.state_stores import open_store
 
     with open_store(bench.args.store, state_dir, bench.app, 0, readonly=True) as store:
         return sum(1 for _ in store.items(STATE_NAMESPACE))

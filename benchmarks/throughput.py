@@ -254,7 +254,7 @@ def pspf_child(args: argparse.Namespace) -> None:
     rss_peak = max_rss_mb()
 
     from pspf.batch import iter_state
-    from state_stores import open_store
+    from pspf.state_stores import open_store
 
     keys = total = count = 0
     with open_store(args.store, args.state_dir, args.app, 0, readonly=True) as store:

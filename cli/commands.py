@@ -10,7 +10,7 @@ from typing import Any
 import click
 import msgspec
 
-from cli.main import (
+from pspf.cli.main import (
     CliState,
     broker_option,
     cli,

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import click
 
-from cli.supervisor import Supervisor
 from pspf.app import App
+from pspf.cli.supervisor import Supervisor
 from pspf.errors import ConfigError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings

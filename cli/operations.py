@@ -8,8 +8,16 @@ from pathlib import Path
 import click
 import msgspec
 
-from cli.commands import print_json, print_table
-from cli.main import CliState, broker_option, cli, json_option, service_for, state_dir_option, store_option
+from pspf.cli.commands import print_json, print_table
+from pspf.cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    json_option,
+    service_for,
+    state_dir_option,
+    store_option,
+)
 from pspf.errors import ConfigError
 from pspf.service import AppLag, parse_position
 
@@ -362,7 +370,7 @@ def admin_serve(
     try:
         import uvicorn
 
-        from admin_api import create_app
+        from pspf.admin_api import create_app
     except ImportError as exc:
         raise ConfigError(f"the admin API needs {exc.name}: pip install 'pspf[admin]'") from None
     service = service_for(obj, broker, state_dir, store)

@@ -95,7 +95,7 @@ def child_program(supervisor_pid: int) -> list[str]:
     Independent of PATH and of how the supervisor itself was started (console script,
     ``python -c``, a test runner).
     """
-    return [sys.executable, "-c", f"from cli.supervisor import child_main; child_main({supervisor_pid})"]
+    return [sys.executable, "-c", f"from pspf.cli.supervisor import child_main; child_main({supervisor_pid})"]
 
 
 def child_main(supervisor_pid: int) -> None:
@@ -111,7 +111,7 @@ def child_main(supervisor_pid: int) -> None:
 
     main = threading.get_ident()
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
-    from cli import cli
+    from pspf.cli import cli
 
     cli(prog_name="pspf")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cli import cli  # noqa: E402
 from pspf import Producer, Settings  # noqa: E402
+from pspf.cli import cli  # noqa: E402
 from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
 

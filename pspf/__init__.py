@@ -1,7 +1,7 @@
 """PSPF: stateful stream processing with exactly-once state on Redis and Valkey Streams.
 
 The names below are loaded on first use, so importing a small part of PSPF (``pspf.errors``, or
-``state_stores``, which uses it) does not load the worker and everything it needs.
+``pspf.state_stores``, which uses it) does not load the worker and everything it needs.
 """
 
 from __future__ import annotations

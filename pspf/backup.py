@@ -49,10 +49,10 @@ from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
 from pspf.errors import BrokerError, LeaseLost
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, ZERO_ID, BackupKeys, StreamId
-from state_stores.base import Journal
+from pspf.state_stores.base import Journal
 
 if TYPE_CHECKING:
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
-    from state_stores import StateStore, StoreTransaction
+    from pspf.state_stores import StateStore, StoreTransaction
 
 #: Committed values kept in memory per partition; the store is ours alone while we own it.
 CACHE_LIMIT = 100_000

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from pspf.broker import Broker, Fields, SentCalls
     from pspf.context import Context, Emitted
     from pspf.settings import OutboxSettings
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

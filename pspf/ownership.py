@@ -32,7 +32,7 @@ from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from pspf.outbox import (
 from pspf.producer import Producer
 from pspf.retention import PartitionTrim, Retention
 from pspf.settings import Settings
-from state_stores import StateStore, StoreTransaction, open_store, stored_partitions
+from pspf.state_stores import StateStore, StoreTransaction, open_store, stored_partitions
 
 _json_any = msgspec.json.Decoder()
 

@@ -26,7 +26,7 @@ from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE
 
 if TYPE_CHECKING:
     from pspf.ownership import StoreFactory
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pspf import keys
 from pspf.errors import ConfigError
 
 if TYPE_CHECKING:
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 #: Keys whose state expires per batch (and per idle round) at most.
 EXPIRE_STEP = 1_000

@@ -51,7 +51,7 @@ from pspf.keys import StreamId
 if TYPE_CHECKING:
     from pspf.context import Context, Emitted
     from pspf.outbox import Emitter
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 Kind = Literal["tumbling", "hopping", "sliding", "session"]
 LatePolicy = Literal["drop", "dlq"]

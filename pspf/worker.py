@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-import state_stores
-from pspf import keys, retention
+from pspf import keys, retention, state_stores
 from pspf.app import App
 from pspf.broker import Broker
 from pspf.errors import (
@@ -49,7 +48,7 @@ from pspf.settings import Settings
 from pspf.standby import Standby
 
 if TYPE_CHECKING:
-    from state_stores import StateStore
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 

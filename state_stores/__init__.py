@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pspf.errors import ConfigError, NotFound
-from state_stores.base import Durability, StateStore, StoreTransaction, TxStatus
-from state_stores.memory import MemoryStore
-from state_stores.sqlite import SQLiteStore
+from pspf.state_stores.base import Durability, StateStore, StoreTransaction, TxStatus
+from pspf.state_stores.memory import MemoryStore
+from pspf.state_stores.sqlite import SQLiteStore
 
 __all__ = [
     "Durability",
@@ -50,7 +50,7 @@ def open_store(
         raise NotFound(f"no state for app {group!r} partition {partition} under {directory}")
     if engine == "rocksdb":
         try:
-            from state_stores.rocksdb import RocksDBStore
+            from pspf.state_stores.rocksdb import RocksDBStore
         except ImportError:
             raise ConfigError("the rocksdb store needs rocksdict: pip install 'pspf[rocksdb]'") from None
         return RocksDBStore(path, durability=durability, readonly=readonly)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from pspf.keys import StreamId
-from state_stores.base import StateStore, apply_checkpoints
+from pspf.state_stores.base import StateStore, apply_checkpoints
 
 
 class MemoryStore(StateStore):

@@ -16,7 +16,7 @@ from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import StreamId
-from state_stores.base import Durability, StateStore, apply_checkpoints
+from pspf.state_stores.base import Durability, StateStore, apply_checkpoints
 
 _READONLY_OPEN_ATTEMPTS = 5
 _STATE = b"s"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pspf.errors import NotFound, StateError, StoreLocked
 from pspf.keys import LARGE_VALUE_NAMESPACES, StreamId
-from state_stores.base import Durability, StateStore, apply_checkpoints
+from pspf.state_stores.base import Durability, StateStore, apply_checkpoints
 
 _SCHEMA = """
 BEGIN;

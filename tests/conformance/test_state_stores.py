@@ -17,8 +17,8 @@ from pspf.broker import Broker
 from pspf.codec import StateDecoder
 from pspf.errors import CheckpointRegression, StateError, StoreLocked
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, STORE_NAMESPACES, StreamId
-from state_stores import MemoryStore, StateStore, TxStatus, open_store
-from state_stores.base import Journal
+from pspf.state_stores import MemoryStore, StateStore, TxStatus, open_store
+from pspf.state_stores.base import Journal
 
 ENGINES = ["memory", "sqlite", "rocksdb"]
 FILE_ENGINES = ["sqlite", "rocksdb"]

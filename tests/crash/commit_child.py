@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 from pspf.keys import StreamId
-from state_stores import open_store
+from pspf.state_stores import open_store
 
 GROUP = "g"
 TOPIC = "t"

@@ -31,7 +31,7 @@ from pspf.keys import (
     lease_key,
     stream_key,
 )
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import pspf_command
 
 APP_TARGET = "tests.crash.apps:main"
@@ -386,7 +386,7 @@ def state_get_from_backup(redis_url: str, app: str, keys: list[str], cwd: Path) 
     """
     from click.testing import CliRunner
 
-    from cli import cli
+    from pspf.cli import cli
 
     runner = CliRunner()
     unset: dict[str, str | None] = {name: None for name in os.environ if name.startswith("PSPF_")}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import ROOT, subprocess_env
 from tests.crash.commit_child import GROUP, NAMESPACE, PROBE, TOPIC, Model, read_probe
 from tests.crash.support import ENGINES

@@ -14,7 +14,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.broker import AckRequest, Broker
 from pspf.errors import LeaseLost
 from pspf.keys import StreamId, fence_key, lease_key, stream_key
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.crash.support import (
     assert_exact,
     backup_checkpoint,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, backup_meta_key
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.crash.conftest import Spawner
 from tests.crash.support import assert_exact, held_by, order_records, wait_until
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pspf.errors import NotFound, StateError
-from state_stores import open_store
+from pspf.state_stores import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

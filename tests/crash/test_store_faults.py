@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pspf.keys import dlq_key, stream_key
-from state_stores import open_store, store_path
+from pspf.state_stores import open_store, store_path
 from tests.crash.conftest import Spawner
 from tests.crash.support import ENGINES, held_by, leases, order_records, read_store, wait_until
 

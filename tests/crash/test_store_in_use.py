@@ -18,8 +18,8 @@ import pytest
 
 from pspf.errors import StoreLocked
 from pspf.keys import StreamId, stream_key
-from state_stores import open_store
-from state_stores import store_path as store_location
+from pspf.state_stores import open_store
+from pspf.state_stores import store_path as store_location
 from tests.conftest import pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import ENGINES, expected_state, held_by, order_records, read_store, wait_until

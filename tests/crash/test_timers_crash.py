@@ -29,7 +29,7 @@ import pytest
 
 from pspf import codec
 from pspf.keys import SCHEDULES_NAMESPACE, stream_key
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.crash.apps_timers import TICK_MS, tick_keys
 from tests.crash.conftest import Spawner
 from tests.crash.support import WorkerProcess, backup_state, held_by, read_store, wait_until

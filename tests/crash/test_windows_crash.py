@@ -44,7 +44,7 @@ import pytest
 
 from pspf.keys import WINDOWS_NAMESPACE, StreamId, backup_key, partition_for, stream_key
 from pspf.outbox import RowState
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     ENGINES,

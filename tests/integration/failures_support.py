@@ -12,8 +12,8 @@ from pspf import App, Context, Settings, Worker
 from pspf.batch import iter_state
 from pspf.failures import DeadLetter
 from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
+from pspf.state_stores import open_store
 from pspf.worker import RunSummary
-from state_stores import open_store
 
 Fields = dict[bytes, bytes]
 #: Entries of a topic by (partition, id): ids repeat across partitions.

@@ -17,9 +17,9 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from cli import cli
 from pspf import Producer, Settings, Worker, keys
 from pspf.broker import Broker
+from pspf.cli import cli
 from pspf.embedded import LocalCluster
 from pspf.errors import BrokerError
 from pspf.retention import Retention

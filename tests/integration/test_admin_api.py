@@ -22,13 +22,13 @@ from litestar.testing import TestClient
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin_api import create_app
-from cli import cli
 from pspf import App, Context, NonRetryableError, Settings, Worker
+from pspf.admin_api import create_app
+from pspf.cli import cli
 from pspf.embedded import free_port
 from pspf.keys import dlq_key, stream_key, topic_key
 from pspf.service import Service
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import Names, RedisServer
 
 pytestmark = pytest.mark.integration

@@ -26,8 +26,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from admin_api import create_app
 from pspf import App, Context, NonRetryableError, Settings, Worker, windows
+from pspf.admin_api import create_app
 from pspf.service import Service
 from tests.conftest import Names
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from cli import cli
+from pspf.cli import cli
 from pspf.embedded import free_port
 from pspf.keys import stream_key
 from tests.conftest import Names

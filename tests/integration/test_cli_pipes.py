@@ -20,7 +20,7 @@ import redis
 
 from pspf.failures import DeadLetter
 from pspf.keys import STATE_NAMESPACE, StreamId, dlq_key
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import ROOT, Names, pspf_command, subprocess_env
 
 pytestmark = pytest.mark.integration

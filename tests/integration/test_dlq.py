@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from cli import cli
 from pspf import App, Context, Settings, Worker
+from pspf.cli import cli
 from pspf.failures import DeadLetter
 from pspf.keys import dlq_key, stream_key
 from pspf.service import Service

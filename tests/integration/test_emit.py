@@ -28,7 +28,7 @@ from pspf.outbox import (
     rows_in_store,
 )
 from pspf.service import Service
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import Names, pspf_command, subprocess_env
 
 pytestmark = pytest.mark.integration
@@ -393,7 +393,7 @@ def test_the_admin_api_lists_shows_and_replays_outbox_rows(
 ) -> None:
     from litestar.testing import TestClient
 
-    from admin_api import create_app
+    from pspf.admin_api import create_app
 
     source, target = make_topic(2), make_topic(1)
     app = forwarding_app(names.app(), source, target)

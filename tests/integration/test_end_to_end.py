@@ -14,7 +14,7 @@ import pytest
 from pspf import App, Context, Settings, Worker
 from pspf.keys import STATE_NAMESPACE, StreamId, stream_key
 from pspf.service import Service
-from state_stores import open_store, stored_partitions
+from pspf.state_stores import open_store, stored_partitions
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.failures import Failure
 from pspf.keys import FAILURES_NAMESPACE, stream_key
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.integration.failures_support import (
     WorkerThread,
     assert_drained,

@@ -11,7 +11,7 @@ import pytest
 
 from pspf import App, Context, Settings, Worker, backup
 from pspf.service import Service
-from state_stores.sqlite import SQLiteStore
+from pspf.state_stores.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.integration
 

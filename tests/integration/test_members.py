@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cli import cli
 from pspf import App, Context, Settings, Worker
+from pspf.cli import cli
 from pspf.service import Service
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from cli import cli
 from pspf import keys
 from pspf.broker import Broker
+from pspf.cli import cli
 from pspf.keys import StreamId, stream_key
 from pspf.settings import Settings
 from tests.conftest import Names

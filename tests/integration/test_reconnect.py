@@ -17,8 +17,8 @@ from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound
 from pspf.keys import StreamId, stream_key
 from pspf.service import Service
+from pspf.state_stores import open_store
 from pspf.worker import RunSummary
-from state_stores import open_store
 from tests.conftest import RedisServer
 from tests.integration.failures_support import WorkerThread, read_state, wait_until
 

@@ -18,8 +18,8 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from cli import cli
 from pspf import App, Context, NonRetryableError
+from pspf.cli import cli
 from pspf.keys import SUPERSEDED_NAMESPACE, StreamId, stream_key
 from tests.conftest import Names
 

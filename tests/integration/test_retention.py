@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from cli import cli
 from pspf import Settings, Worker, worker
+from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.keys import stream_key
 from pspf.retention import Retention

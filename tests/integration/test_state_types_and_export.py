@@ -13,12 +13,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from cli import cli
 from pspf import App, Context, Settings, Worker
+from pspf.cli import cli
 from pspf.errors import StateError
 from pspf.keys import stream_key
 from pspf.service import Service
-from state_stores import open_store
+from pspf.state_stores import open_store
 
 pytestmark = pytest.mark.integration
 

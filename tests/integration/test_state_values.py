@@ -16,7 +16,7 @@ import pytest
 from pspf import App, Context, NonRetryableError, Settings, Worker, errors
 from pspf.keys import STATE_NAMESPACE, partition_for
 from pspf.service import Service
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import pspf_command, subprocess_env
 from tests.integration.failures_support import dead_letters
 

@@ -21,7 +21,7 @@ from pspf.context import TimerContext
 from pspf.errors import NotFound
 from pspf.keys import STATE_NAMESPACE, backup_keys, stream_key
 from pspf.service import Service
-from state_stores import open_store
+from pspf.state_stores import open_store
 from tests.conftest import Names
 from tests.reminders import reference, reminder_app
 

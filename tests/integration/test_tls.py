@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from cli import cli
+from pspf.cli import cli
 from pspf.embedded import LocalCluster, LocalRedis, free_port, redis_server_binaries
 from tests.conftest import Names
 

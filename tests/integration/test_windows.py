@@ -19,9 +19,9 @@ import redis
 from click.testing import CliRunner
 from litestar.testing import TestClient
 
-from admin_api import create_app
-from cli import cli
 from pspf import App, Settings, Worker, windows
+from pspf.admin_api import create_app
+from pspf.cli import cli
 from pspf.errors import NotFound
 from pspf.keys import stream_key
 from pspf.processor import ProcessorHooks

@@ -22,7 +22,7 @@ from pspf.outbox import (
     rows_in_store,
     watermark_key,
 )
-from state_stores import MemoryStore
+from pspf.state_stores import MemoryStore
 
 ALLOWED = {
     (RowState.PENDING, RowState.CLAIMED),

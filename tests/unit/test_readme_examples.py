@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from cli.main import load_app
 from pspf import App
+from pspf.cli.main import load_app
 from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text()

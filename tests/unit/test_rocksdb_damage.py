@@ -26,7 +26,7 @@ import pytest
 
 from pspf.errors import StateError
 from pspf.keys import StreamId
-from state_stores import open_store, store_path
+from pspf.state_stores import open_store, store_path
 
 pytest.importorskip("rocksdict")
 

@@ -16,7 +16,7 @@ from pspf.keys import StreamId
 from pspf.outbox import Emitter, PartitionOutbox
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.settings import Settings
-from state_stores import MemoryStore
+from pspf.state_stores import MemoryStore
 
 TOPIC = "orders"
 VALUE = {b"value": b"{}"}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.supervisor import Backoff, Supervisor, child_args
+from pspf.cli.supervisor import Backoff, Supervisor, child_args
 from pspf.errors import ConfigError
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from pspf import App, windows
 from pspf.errors import ConfigError
+from pspf.state_stores.memory import MemoryStore
 from pspf.windows import Aggregation, PartitionWindows, WindowSpec
-from state_stores.memory import MemoryStore
 
 Event = tuple[str, int]  # (key, event time); the value is the entry's index
 Result = tuple[str, int, int, Any]  # (key, start, end, value)

@@ -207,7 +207,7 @@ def supervisor_available() -> bool:
 
 
 def pspf_command() -> list[str]:
-    return [sys.executable, "-c", "from cli import cli; cli(prog_name='pspf')"]
+    return [sys.executable, "-c", "from pspf.cli import cli; cli(prog_name='pspf')"]
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

@@ -166,7 +166,7 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PSPF_")}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
         env.update({"BENCH_TOPIC": bench.topic, "BENCH_APP": bench.app, "BENCH_MARKER": str(self.marker)})
-        command = [sys.executable, "-c", "from cli import cli; cli(prog_name='pspf')", "run", APP_TARGET]
+        command = [sys.executable, "-c", "from pspf.cli import cli; cli(prog_name='pspf')", "run", APP_TARGET]
         command += ["--broker", bench.url, "--state-dir", str(state_dir), "--store", bench.args.store]
         command += ["--lease-ttl-ms", str(bench.args.lease_ttl_ms), "--block-ms", str(bench.args.block_ms)]
         command += ["--consumer", self.consumer, *(["--standby"] if follow else [])]

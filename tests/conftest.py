@@ -182,7 +182,7 @@ def produce(redis_url: str) -> Callable[..., int]:
 
 def pspf_command(*args: str) -> list[str]:
     """The ``pspf`` CLI as a subprocess command line, independent of PATH."""
-    return [sys.executable, "-c", "from cli import cli; cli(prog_name='pspf')", *args]
+    return [sys.executable, "-c", "from pspf.cli import cli; cli(prog_name='pspf')", *args]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

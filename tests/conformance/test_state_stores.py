@@ -188,7 +188,7 @@ def test_second_process_fails_fast_with_a_clear_error(engine: str, tmp_path: Pat
     with open_store(engine, tmp_path, "g", 0):
         code = (
             "import sys\n"
-            "from state_stores import open_store\n"
+            "from pspf.state_stores import open_store\n"
             "from pspf.errors import StoreLocked\n"
             "try:\n"
             f"    open_store({engine!r}, {str(tmp_path)!r}, 'g', 0)\n"
@@ -316,7 +316,7 @@ def test_rocksdb_missing_names_the_extra(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "sys.modules['rocksdict'] = None\n"
-        "from state_stores import open_store\n"
+        "from pspf.state_stores import open_store\n"
         "from pspf.errors import ConfigError\n"
         "try:\n"
         f"    open_store('rocksdb', {str(tmp_path)!r}, 'g', 0)\n"

@@ -35,6 +35,16 @@ Commit = Callable[[PartitionBatch, list[StreamOutcome]], "float | None"]
 LeaseLostCall = Callable[[str, str, "CycleResult"], None]
 
 
+class Clock:
+    """The time timers, expiry and idle windows go by; ``pspf.testing`` moves its own by hand."""
+
+    def wall_ms(self) -> int:
+        return int(time.time() * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
 class TimeKeeping:
     """Windows, scheduled callbacks, timers and state expiry of the app's owned partitions."""
 
@@ -46,8 +56,10 @@ class TimeKeeping:
         idle_close_s: float,
         commit: Commit,
         lease_lost: LeaseLostCall,
+        clock: Clock | None = None,
     ) -> None:
         self.app = app
+        self._clock = clock or Clock()
         self.emitter = emitter
         self.hooks = hooks
         self.idle_close_s = idle_close_s
@@ -61,8 +73,10 @@ class TimeKeeping:
         app = self.app
         if app.windows or app.callbacks:
             owned.windows = PartitionWindows.load(owned.store, app.windows)
+            owned.windows.last_entry_at = self._clock.monotonic()
         if app.callbacks or app.timers or self.ttl:
             owned.timers = PartitionTimers.load(owned.store, frozenset(app.callbacks), self.ttl)
+            owned.timers.since_ms = self._clock.wall_ms()
 
     # -- stream time, within a batch ------------------------------------------------------------
 
@@ -112,7 +126,7 @@ class TimeKeeping:
         """
         windows, timers = batch.owned.windows, batch.owned.timers
         if windows is not None:
-            windows.last_entry_at = time.monotonic()  # once per batch, not per entry
+            windows.last_entry_at = self._clock.monotonic()  # once per batch, not per entry
             for topic, entries in windows.take_late().items():
                 result.late += entries
                 call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)
@@ -168,7 +182,7 @@ class TimeKeeping:
 
     def _expire(self, batch: PartitionBatch, timers: PartitionTimers) -> None:
         """Keep the expiry of the keys this batch wrote, and delete a step of expired state."""
-        now_ms = int(time.time() * 1000)
+        now_ms = self._clock.wall_ms()
         for key, value in batch.overlay.items():
             ttl_ms = batch.ttl_ms.get(key, self.app.state_ttl_ms)
             timers.written(key, None if value is None or ttl_ms is None else now_ms + ttl_ms)
@@ -185,7 +199,7 @@ class TimeKeeping:
         """
         if not (self.app.timers or self.app.windows or self.ttl):
             return
-        now_ms = int(time.time() * 1000)
+        now_ms, now = self._clock.wall_ms(), self._clock.monotonic()
         for owned in owned_partitions:
             windows, timers = owned.windows, owned.timers
             batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
@@ -196,7 +210,7 @@ class TimeKeeping:
                 if timers.ttl and owned.partition not in handled and timers.expiry_due(now_ms):
                     for key in timers.expired(now_ms):
                         batch.overlay[key] = None
-            if result.read == 0 and windows is not None and windows.idle_close_due(self.idle_close_s):
+            if result.read == 0 and windows is not None and windows.idle_close_due(self.idle_close_s, now):
                 windows.advance_to_close_all()
                 log.info("partition=%s idle: open windows closed", owned.partition)
                 self.advance(batch, result)

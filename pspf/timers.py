@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import inspect
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -106,8 +105,9 @@ class PartitionTimers:
         #: (at, name, key); stale once its call ran or was replaced
         self.due: list[tuple[int, str, str]] = []
         self.ticks: dict[str, int] = {}
-        #: when this worker took the partition (wall-clock ms): no period before it runs here
-        self.since_ms = int(time.time() * 1000)
+        #: when this worker took the partition (wall-clock ms, ``TimeKeeping.load`` sets it): no
+        #: period before it runs here
+        self.since_ms = 0
         self.ttl = ttl
         self.expires: dict[str, int] = {}
         #: (expires at, key); stale once the key was written again or deleted

@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import inspect
-import time
 import typing
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -321,8 +320,8 @@ class PartitionWindows:
         self._dirty: dict[tuple[str, str, str, int, int | str], bytes | None] = {}
         self._time_moved = False
         self.late: dict[str, int] = {}
-        #: when the partition last had a batch of entries (``TimeKeeping.advance`` sets it)
-        self.last_entry_at = time.monotonic()
+        #: when the partition last had a batch of entries, monotonic (``TimeKeeping`` sets it)
+        self.last_entry_at = 0.0
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -571,9 +570,9 @@ class PartitionWindows:
                     del state.entries[key]
                 self._write(topic, "e", key, a, b.decode(), None)
 
-    def idle_close_due(self, idle_s: float) -> bool:
-        """True when windows are open and no entry came for ``idle_s`` seconds of wall-clock time."""
-        return time.monotonic() - self.last_entry_at >= idle_s and any(s.accs for s in self.open.values())
+    def idle_close_due(self, idle_s: float, now: float) -> bool:
+        """True when windows are open and no entry came for ``idle_s`` seconds before ``now`` (monotonic)."""
+        return now - self.last_entry_at >= idle_s and any(s.accs for s in self.open.values())
 
     def advance_to_close_all(self) -> None:
         """Move stream time to where every open window is closed (an idle partition)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -25,6 +25,9 @@ from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.outbox import Emitter
 from pspf.timers import PartitionTimers, ScheduledCall
 from pspf.windows import PartitionWindows
+
+if TYPE_CHECKING:
+    from pspf.batch import PartitionBatch
 
 #: Marks an attempt that left its key's state untouched.
 UNCHANGED = b"\x00unchanged"
@@ -259,3 +262,25 @@ def run_async(
 
     loop.run_until_complete(run_all())
     return min(cutoff + 1, len(todo)), errors, states
+
+
+def run_async_into(
+    loop: asyncio.AbstractEventLoop,
+    handler: Handler,
+    meta: EntryMeta,
+    todo: list[Entry],
+    batch: PartitionBatch,
+    stop: StopRule,
+) -> tuple[int, dict[int, BaseException]]:
+    """``run_async``, with what the entries that count did joined to the batch in id order."""
+    ran, errors, states = run_async(loop, handler, meta, todo, batch, stop)
+    for index in sorted(states):
+        key, new, emits, schedules = states[index]
+        if index < ran:
+            if new is not UNCHANGED:
+                batch.overlay[key] = new
+            if emits:
+                batch.emitted += emits
+            if schedules and batch.timers is not None:
+                batch.timers.schedule(schedules)
+    return ran, errors

@@ -50,7 +50,7 @@ from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest, Broker, Fields
 from pspf.delivery import Delivery, Read, parked
 from pspf.errors import LeaseLost
-from pspf.execution import UNCHANGED, Entry, EntryMeta, run_async, run_sync
+from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import Emitter, Relay, RelayHooks, RowState, call_hook
@@ -385,16 +385,7 @@ class BatchProcessor:
         if handler.is_async:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-            ran, errors, states = run_async(self._loop, handler, meta, todo, batch, stop)
-            for index in sorted(states):
-                key, new, emits, schedules = states[index]
-                if index < ran:
-                    if new is not UNCHANGED:
-                        batch.overlay[key] = new
-                    if emits:
-                        batch.emitted += emits
-                    if schedules and batch.timers is not None:
-                        batch.timers.schedule(schedules)
+            ran, errors = run_async_into(self._loop, handler, meta, todo, batch, stop)
         else:
             passed = self.time.clock(batch, cursor.topic, result)
             ran, errors = run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)

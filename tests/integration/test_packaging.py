@@ -51,8 +51,8 @@ def test_the_wheel_installs_everything_under_the_pspf_namespace(wheel: Path) -> 
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"pspf"}
-    for module in ("pspf/cli/main.py", "pspf/admin_api/app.py", "pspf/state_stores/sqlite.py", "pspf/py.typed"):
-        assert module in names
+    for module in ("cli/main.py", "admin_api/app.py", "state_stores/sqlite.py", "py.typed"):
+        assert f"pspf/{module}" in names
     assert any(name.startswith("pspf/lua/") for name in names)
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
     entry_points = next(name for name in names if name.endswith(".dist-info/entry_points.txt"))
@@ -95,7 +95,11 @@ def test_the_installed_wheel_runs_an_app_from_another_directory(
 
     pspf_command = str(env_dir / "bin" / "pspf")
     run = subprocess.run(
-        [pspf_command, "run", "shop:app", "--until-idle"], cwd=project, env=env, capture_output=True, text=True
+        [pspf_command, "run", "shop:app", "--until-idle"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr
     state = subprocess.run(

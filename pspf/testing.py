@@ -1,0 +1,396 @@
+"""Test an app without a server: ``TestApp`` runs it in-process, synchronously, on a clock you move.
+
+What Kafka Streams' TopologyTestDriver is to a topology. ``TestApp`` drives the worker's own parts
+over the entries a test sends: the entry codec, the handler runner (sync and async, timeouts), the
+retry policy and its dead-letter decisions, ``ctx.emit``'s checks and encoding, windows, scheduled
+callbacks, timers and state expiry, each partition's state in an in-memory store committed as a
+batch would be. What it leaves out is Redis: there are no consumer groups, leases, acknowledgements
+or relay, and a failed attempt is retried at once instead of after its backoff.
+
+Example:
+    with TestApp(app, topics={"vip-customers": 1}) as t:
+        t.send("orders", {"amount": 120}, key="u1")
+        assert t.state("u1") == {"total": 120, "count": 1}
+        assert t.emitted("vip-customers") == [{"user": "u1"}]
+
+An entry gets the id Redis would give it at the test clock's time (``now_ms``); ``advance`` moves
+the clock, runs the timer periods and expiry it makes due and closes the windows of partitions idle
+for ``PSPF_WINDOW_IDLE_CLOSE_MS``. Entries the app emits to a topic it reads are handled in turn,
+as a worker would read them. For tests against a real server, the pytest plugin
+(``pspf.pytest_plugin``) gives the ``pspf_server`` and ``pspf_settings`` fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import msgspec
+
+from pspf import codec, keys
+from pspf.app import App
+from pspf.batch import PartitionBatch, StreamOutcome
+from pspf.errors import ConfigError, NotFound
+from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
+from pspf.failures import DeadLetter, Failure, Outcome, decide, policy_from
+from pspf.keys import StreamId
+from pspf.outbox import Emitter, PartitionOutbox
+from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.processor import Counts, CycleResult, ProcessorHooks
+from pspf.settings import Settings
+from pspf.state_stores.memory import MemoryStore
+from pspf.timekeeping import Clock, TimeKeeping
+from pspf.timers import ms_of
+
+__all__ = ["EmittedEntry", "TestApp"]
+
+#: the consumer name the DLQ records of a TestApp carry
+CONSUMER = "test"
+#: rounds of ``advance`` at most (each runs up to 100 periods of every timer)
+_MAX_ROUNDS = 10_000
+
+
+class EmittedEntry(msgspec.Struct, frozen=True):
+    """An entry the app emitted (a handler's ``ctx.emit``, a timer's, or a window's result)."""
+
+    topic: str
+    partition: int
+    key: str | None
+    #: decoded from JSON; bytes emitted as bytes stay bytes when they are not JSON
+    value: Any
+    headers: dict[str, str]
+
+
+class _Clock(Clock):
+    """The test's clock: wall-clock and monotonic time move together, only when told to."""
+
+    def __init__(self, now_ms: int) -> None:
+        self.now_ms = now_ms
+
+    def wall_ms(self) -> int:
+        return self.now_ms
+
+    def monotonic(self) -> float:
+        return self.now_ms / 1000
+
+
+class _Topics:
+    """The partition counts ``ctx.emit`` looks up (a worker asks Redis)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def topic_partitions(self, topic: str) -> int:
+        if topic not in self.counts:
+            raise NotFound(
+                f"topic {topic!r} does not exist; declare it: TestApp(app, topics={{{topic!r}: 1}})"
+            )
+        return self.counts[topic]
+
+
+class TestApp:
+    """Runs ``app`` over the entries a test sends, in-process; read state, emits and dead letters.
+
+    ``partitions``: the partition count of the app's topics; ``topics``: more topics (those its
+    handlers emit to) or other counts. ``start``: the clock's time (epoch ms or an aware datetime;
+    default 2024-01-01T00:00:00Z). ``settings``: the retry policy and idle-close time of a run
+    (``Settings.load()`` defaults, without reading the environment, when not given).
+    """
+
+    __test__ = False  # a harness, not a test class for pytest to collect
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        partitions: int = 1,
+        topics: Mapping[str, int] | None = None,
+        start: int | datetime = 1_704_067_200_000,
+        settings: Settings | None = None,
+    ) -> None:
+        if not app.handlers:
+            raise ConfigError(f"app {app.name!r} has no handlers")
+        settings = settings or Settings.load({}, environ={})
+        self.app = app
+        counts = dict.fromkeys(app.topics, partitions)
+        counts.update(dict.fromkeys((w.emit_to for w in app.windows.values()), partitions))
+        counts.update(topics or {})
+        if len({counts[topic] for topic in app.topics}) > 1:
+            raise ConfigError(f"the topics of app {app.name!r} must have the same partition count")
+        for topic, count in counts.items():
+            keys.check_name("topic", topic)
+            if count < 1:
+                raise ConfigError(f"topic {topic!r}: partitions must be at least 1, got {count}")
+        self.partitions = counts[app.topics[0]]
+        self._topics = _Topics(counts)
+        self._clock = _Clock(_epoch_ms("start", start))
+        run_policy = policy_from(settings.retry)
+        self._policies = {topic: h.retry.over(run_policy) for topic, h in app.handlers.items()}
+        self._hooks = app.hooks or ProcessorHooks()
+        self._emitter = Emitter(self._topics, app.name)  # type: ignore[arg-type]
+        self._time = TimeKeeping(
+            app,
+            self._emitter,
+            self._hooks,
+            settings.time.idle_close_ms / 1000,
+            self._commit,
+            _no_lease,
+            self._clock,
+        )
+        self._owned = {p: self._partition(p) for p in range(self.partitions)}
+        self._last_ids: dict[str, StreamId] = {}
+        self._queue: deque[tuple[str, int, bytes, dict[bytes, bytes]]] = deque()
+        self._emitted: dict[str, list[EmittedEntry]] = {}
+        self._dead: list[DeadLetter] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: what the run did: entries handled, failed attempts, dead letters, late entries, ...
+        self.counts = Counts()
+
+    def _partition(self, partition: int) -> OwnedPartition:
+        store = MemoryStore()
+        streams = {
+            topic: StreamCursor(
+                topic,
+                partition,
+                keys.stream_key(topic, partition),
+                keys.dlq_key(topic, partition),
+                keys.lease_key(topic, partition, self.app.name),
+                CONSUMER,
+                None,
+            )
+            for topic in self.app.topics
+        }
+        outbox = PartitionOutbox(store, self.app.name, partition, CONSUMER)
+        owned = OwnedPartition(partition, store, streams, outbox)
+        self._time.load(owned)
+        return owned
+
+    # -- the test's side ----------------------------------------------------------------------
+
+    @property
+    def now_ms(self) -> int:
+        """The clock: the time of the next entry's id, and what timers and expiry go by."""
+        return self._clock.now_ms
+
+    def send(
+        self,
+        topic: str,
+        value: Any,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> str:
+        """Send one entry as ``Producer.send`` would, and handle it (and what it leads to) now.
+
+        Returns its id. Without a key, entries go to the partitions in turn.
+        """
+        return self.send_fields(topic, codec.entry_fields(codec.encode_value(value), key, headers))
+
+    def send_fields(self, topic: str, fields: Mapping[bytes, bytes]) -> str:
+        """Send an entry's raw stream fields (what a producer in another language writes)."""
+        if topic not in self.app.handlers:
+            raise ConfigError(f"app {self.app.name!r} has no handler for topic {topic!r}")
+        fields = dict(fields)
+        raw_key = fields.get(codec.KEY)
+        if raw_key is None:
+            partition = self.counts.read % self.partitions
+        else:
+            partition = keys.partition_for(raw_key, self.partitions)
+        entry_id = self._append(topic, partition, fields)
+        self._drain()
+        return entry_id.decode()
+
+    def advance(self, by: timedelta | None = None, *, to: int | datetime | None = None) -> None:
+        """Move the clock ``by`` a duration or ``to`` a time, and run what it makes due.
+
+        Timer periods (each once, in order), state that expired, and the windows of partitions
+        with no entry for ``PSPF_WINDOW_IDLE_CLOSE_MS``; then whatever their emits lead to.
+        """
+        if (by is None) == (to is None):
+            raise ConfigError("advance takes either by= or to=")
+        if by is not None:
+            target = self._clock.now_ms + ms_of("by", by)
+        else:
+            assert to is not None
+            target = _epoch_ms("to", to)
+        if target < self._clock.now_ms:
+            raise ConfigError(f"the clock only moves forward: {target} is before {self._clock.now_ms}")
+        self._clock.now_ms = target
+        for _ in range(_MAX_ROUNDS):
+            result = CycleResult()
+            self._time.passes(list(self._owned.values()), set(), result)
+            self.counts.add(result)
+            self._drain()
+            if not (result.timers_run or result.timers_failed):
+                return
+
+    def state(self, key: str) -> dict[str, Any]:
+        """The committed state of ``key`` (``{}`` when it has none), decoded with the app's state type."""
+        raw = self._store_of(key).get(keys.STATE_NAMESPACE, key)
+        return {} if raw is None else self.app.state_decoder.decode(key, raw)
+
+    def keys(self) -> list[str]:
+        """Every key that has state, in order."""
+        return sorted(
+            key for owned in self._owned.values() for key, _ in owned.store.items(keys.STATE_NAMESPACE)
+        )
+
+    def emitted(self, topic: str) -> list[Any]:
+        """The values emitted to ``topic`` so far, in the order they were committed."""
+        return [entry.value for entry in self.emitted_entries(topic)]
+
+    def emitted_entries(self, topic: str) -> list[EmittedEntry]:
+        """The entries emitted to ``topic`` so far, with their keys, partitions and headers."""
+        self._topics.topic_partitions(topic)
+        return list(self._emitted.get(topic, []))
+
+    def dead_letters(self, topic: str | None = None) -> list[DeadLetter]:
+        """The DLQ records of the entries (of ``topic``, or all) that failed for good, in order."""
+        return [d for d in self._dead if topic is None or d.source_topic == topic]
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def __enter__(self) -> TestApp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker's side --------------------------------------------------------------------
+
+    def _store_of(self, key: str) -> MemoryStore:
+        store = self._owned[keys.partition_for(key.encode(), self.partitions)].store
+        assert isinstance(store, MemoryStore)
+        return store
+
+    def _append(self, topic: str, partition: int, fields: dict[bytes, bytes]) -> bytes:
+        """Add an entry to a stream at the clock's time, with the id Redis would give it."""
+        stream = keys.stream_key(topic, partition)
+        last = self._last_ids.get(stream)
+        now = self._clock.now_ms
+        entry_id = StreamId(now, 0) if last is None or now > last.ms else StreamId(last.ms, last.seq + 1)
+        self._last_ids[stream] = entry_id
+        id_b = str(entry_id).encode()
+        self._queue.append((topic, partition, id_b, fields))
+        return id_b
+
+    def _drain(self) -> None:
+        while self._queue:
+            self._handle(*self._queue.popleft())
+
+    def _handle(self, topic: str, partition: int, id_b: bytes, fields: dict[bytes, bytes]) -> None:
+        """One entry as a batch of its own: attempts until it is handled or dead, then the commit."""
+        owned = self._owned[partition]
+        result = CycleResult(read=1)
+        todo: list[Entry] = [(id_b, fields)]
+        dead: list[tuple[bytes, dict[bytes, bytes]]] = []
+        failure: Failure | None = None
+        attempt = 0
+        while True:
+            attempt += 1
+            batch, decision = self._attempt(owned, topic, todo, attempt, failure, result)
+            if decision is None:
+                result.handled += 1
+                break
+            outcome, failure = decision
+            result.failed += 1
+            if outcome is Outcome.DEAD:
+                record = DeadLetter.of(topic, partition, id_b, self.app.name, CONSUMER, fields, failure)
+                self._dead.append(record)
+                dead.append((id_b, record.to_fields()))
+                result.dead_lettered += 1
+                break
+            result.retried += 1  # tried again at once: the backoff is not waited
+        if owned.windows is not None or self._time.ttl:
+            self._time.entries_done(batch, topic, todo, id_b)
+        if owned.windows is not None or owned.timers is not None:
+            self._time.advance(batch, result)
+        done = StreamOutcome(
+            owned.streams[topic], StreamId.parse(id_b), [] if dead else [id_b], dead, None, result.handled, 0
+        )
+        self._commit(batch, [done])
+        self.counts.add(result)
+
+    def _attempt(
+        self,
+        owned: OwnedPartition,
+        topic: str,
+        todo: list[Entry],
+        attempt: int,
+        failure: Failure | None,
+        result: CycleResult,
+    ) -> tuple[PartitionBatch, tuple[Outcome, Failure] | None]:
+        """Run the handler once; the batch holding what it did, and the decision if it failed."""
+        handler, policy = self.app.handlers[topic], self._policies[topic]
+        batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
+        id_b = todo[0][0]
+        max_deliveries = policy.max_deliveries or 1
+        meta = EntryMeta(
+            topic, owned.partition, {id_b: attempt}, frozenset(), max_deliveries, policy.timeout_ms
+        )
+        decisions: list[tuple[Outcome, Failure]] = []
+
+        def stop(index: int, exc: BaseException) -> bool:
+            if batch.broken is not None:
+                raise batch.broken
+            decisions.append(decide(exc, failure, policy, handler.non_retryable, False))
+            return True
+
+        if handler.is_async:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            run_async_into(self._loop, handler, meta, todo, batch, stop)
+        else:
+            passed = self._time.clock(batch, topic, result)
+            run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)
+        return batch, (decisions[0] if decisions else None)
+
+    def _commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
+        """Commit as a worker does; what the batch emitted is then published here, at once."""
+        emitted, batch.emitted = batch.emitted, []
+        took = batch.commit(outcomes)
+        for topic, partition, key, value, _, _, headers in emitted:
+            self._publish(topic, partition, key, value, headers)
+        return took
+
+    def _publish(
+        self, topic: str, partition: int, key: bytes | None, value: bytes, headers: bytes | None
+    ) -> None:
+        try:
+            decoded: Any = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            decoded = value
+        entry = EmittedEntry(
+            topic,
+            partition,
+            None if key is None else key.decode(),
+            decoded,
+            codec.decode_headers(headers),
+        )
+        self._emitted.setdefault(topic, []).append(entry)
+        if topic in self.app.handlers:
+            fields = {codec.VALUE: value}
+            if key is not None:
+                fields[codec.KEY] = key
+            if headers is not None:
+                fields[codec.HEADERS] = headers
+            self._append(topic, partition, fields)
+
+
+def _no_lease(stream: str, reason: str, result: CycleResult) -> None:
+    """A TestApp holds no leases: nothing can take its partitions."""
+
+
+def _epoch_ms(name: str, value: int | datetime) -> int:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ConfigError(f"{name}: the datetime {value.isoformat()!r} has no time zone")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ConfigError(f"{name} must be epoch milliseconds or an aware datetime, not {value!r}")

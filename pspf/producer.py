@@ -13,15 +13,52 @@ from pspf.settings import Settings
 
 
 class Producer:
-    """Buffers entries and writes them with pipelined XADDs, ``batch_size`` per round trip.
+    """Writes entries to topics in the wire format, buffered and pipelined.
 
-    Keyed entries go to ``CRC32(key) % partitions``; entries without a key are spread round-robin.
-    Use it as a context manager (or call ``flush``) so the last entries are written.
+    Entries are queued and written with pipelined ``XADD`` calls, ``batch_size`` entries per
+    round trip: when the buffer is full, on ``flush()`` and on ``close()``. Leaving a ``with``
+    block normally closes the producer, which flushes; leaving it with an exception closes the
+    connection without writing what is still queued.
+
+    A keyed entry goes to partition ``CRC32(UTF-8 key) % partitions``, the partition every PSPF
+    producer (the CLI, the Spark sink, ``ctx.emit``) picks for that key; entries without a key
+    are spread round-robin over the topic's partitions. The topic must exist (``pspf topic
+    create``): its partition count is read once per producer and topic.
+
+    Near the server's ``maxmemory`` the writes slow down (above ``PSPF_MEMORY_SLOW_AT``) and
+    then stop with a ``BrokerError`` (above ``PSPF_MEMORY_FAIL_AT``); see the settings.
+
+    Example:
+        ```python
+        from pspf import Producer, Settings
+
+        settings = Settings.load({"PSPF_BROKER": "redis://127.0.0.1:6379/0"})
+        with Producer(settings=settings) as producer:
+            producer.send("orders", {"user": "u1", "amount": 3}, key="u1")
+            producer.send("orders", {"user": "u2", "amount": 5}, key="u2", headers={"source": "web"})
+        print(producer.sent)  # 2
+        ```
+
+    Attributes:
+        sent: how many entries this producer has written so far (queued entries not counted).
+        batch_size: entries per pipelined round trip.
     """
 
     def __init__(
         self, broker: Broker | None = None, batch_size: int = 1000, settings: Settings | None = None
     ) -> None:
+        """Connect to the broker of ``settings``, or use ``broker``.
+
+        Args:
+            broker: an open ``pspf.broker.Broker`` to share; the producer then leaves it open
+                when it closes. Without one it opens its own from ``settings``.
+            batch_size: entries per pipelined round trip.
+            settings: where the broker is (``settings.redis``); without them,
+                ``Settings.load()``, i.e. the ``PSPF_*`` environment variables and the defaults.
+
+        Raises:
+            ConfigError: the settings are invalid (a malformed broker URL, a missing TLS file).
+        """
         self._own_broker = broker is None
         self.broker = broker or Broker((settings or Settings.load()).redis)
         self.batch_size = batch_size
@@ -33,21 +70,39 @@ class Producer:
     def send(
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
-        """Queue one entry; ``value`` is encoded as JSON unless it is bytes already.
+        """Queue one entry for ``topic``; it is written at the next flush.
+
+        Args:
+            topic: the topic; it must exist.
+            value: anything msgspec encodes as JSON (dicts, lists, numbers, msgspec Structs,
+                dataclasses, datetimes, ...). Bytes are written as they are and must be JSON
+                already (use ``send_raw`` to say so explicitly).
+            key: the entry's key: it picks the partition and is the key of the state the
+                entry updates in every app that reads the topic. None spreads entries
+                round-robin (and they share the state of the key ``""`` in their partition).
+            headers: string names to string values, carried in the entry's ``headers`` field.
 
         Raises:
             ConfigError: the value cannot be encoded as JSON, or as in ``send_raw``.
+            NotFound: the topic does not exist.
+            BrokerError: Redis is unreachable, refused a write, or is near its ``maxmemory``
+                (when this call fills the buffer and flushes it).
         """
         self.send_raw(topic, codec.encode_value(value), key, headers)
 
     def send_raw(
         self, topic: str, value: bytes, key: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
-        """Queue one entry whose value bytes are already encoded.
+        """Queue one entry whose value is already encoded as JSON bytes.
+
+        The bytes go into the entry's ``value`` field unchanged, and are decoded as JSON by the
+        apps that read the topic. Arguments are as for ``send``.
 
         Raises:
             ConfigError: the topic name is invalid, or the key or a header is not UTF-8 text
                 (checked before Redis is asked anything).
+            NotFound: the topic does not exist.
+            BrokerError: as for ``send``.
         """
         fields = codec.entry_fields(value, key, headers)
         partitions = self._partitions.get(topic)
@@ -64,13 +119,19 @@ class Producer:
             self.flush()
 
     def flush(self) -> None:
-        """Write everything queued."""
+        """Write everything queued, in one pipelined round trip.
+
+        Raises:
+            BrokerError: Redis is unreachable, refused a write, or is near its ``maxmemory``;
+                the queued entries are then kept, and some of them may have been written.
+        """
         if self._buffer:
             self.broker.add_entries(self._buffer)
             self.sent += len(self._buffer)
             self._buffer = []
 
     def close(self) -> None:
+        """Flush, then close the connection if the producer opened it."""
         self.flush()
         if self._own_broker:
             self.broker.close()

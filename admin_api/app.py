@@ -33,6 +33,7 @@ from pspf.errors import (
     BrokerUnavailable,
     ConfigError,
     NotFound,
+    ParameterError,
     PSPFError,
     StoreLocked,
 )
@@ -181,6 +182,9 @@ def _classify(exc: Exception) -> tuple[int, str, dict[str, str] | None]:
         # Litestar's other 400s are malformed requests too (e.g. a body that is not JSON).
         status = 422 if exc.status_code == 400 else exc.status_code
         return status, _one_line(exc.detail), exc.headers
+    if isinstance(exc, ParameterError):
+        # The service names parameters as the request fields and query parameters are named.
+        return 422, _one_line(exc.phrase(repr)), None
     if isinstance(exc, PSPFError):
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
         return status, _one_line(exc) or type(exc).__name__, None
@@ -363,7 +367,7 @@ def dlq_purge(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[PurgeRequest]
 ) -> DlqChange:
     remember_params(request, data)
-    older_than_ms = None if data.older_than is None else parse_duration_ms(data.older_than)
+    older_than_ms = None if data.older_than is None else parse_duration_ms(data.older_than, "older_than")
     change = _service(state).dlq_purge(topic, data.ids, data.all, older_than_ms, dry_run=data.dry_run)
     audit(request, 200, "ok", change)
     return change

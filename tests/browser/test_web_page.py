@@ -77,9 +77,12 @@ def base_url(service: Service) -> Iterator[str]:
 
 
 def wait(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout_s: float = 15) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s).until(condition, message=what)
+    # A table the page fills again while the condition reads it is read again.
+    waiting = WebDriverWait(driver, timeout_s, ignored_exceptions=[StaleElementReferenceException])
+    return waiting.until(condition, message=what)
 
 
 def text_of(driver: WebDriver, element_id: str) -> str:

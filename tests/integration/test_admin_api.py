@@ -586,3 +586,20 @@ def test_parameter_errors_name_the_api_fields_and_the_cli_flags(
             for flag in flags:
                 assert flag in line, (flag, line)
             assert not any(f"'{name}'" in line for name in fields), line
+
+
+def test_the_page_and_swagger_ui_are_served_from_the_package(api: TestClient[Any]) -> None:
+    home = api.get("/", follow_redirects=False)
+    assert home.status_code in (301, 302, 307, 308) and home.headers["location"] == "/ui/"
+    page = api.get("/ui/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for asset in ("/ui/app.js", "/ui/app.css"):
+        assert asset in page.text and api.get(asset).status_code == 200
+    assert "http:" not in page.text and "https:" not in page.text
+    assert "innerHTML" not in api.get("/ui/app.js").text  # values go in as text only
+
+    swagger = api.get("/schema")
+    assert swagger.status_code == 200 and "https://" not in swagger.text and "http://" not in swagger.text
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "swagger-ui-standalone-preset.js"):
+        assert f"/schema-assets/{asset}" in swagger.text
+        assert api.get(f"/schema-assets/{asset}").status_code == 200

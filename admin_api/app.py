@@ -12,6 +12,7 @@ The service is synchronous (redis-py), so every handler runs in a worker thread.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
@@ -22,8 +23,11 @@ from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import FromPath, JSONBody, PathParameter, QueryParameter
+from litestar.response import Redirect
+from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
 from prometheus_client import CollectorRegistry
+from swagger_ui_bundle import swagger_ui_path
 
 from pspf.admin_api import metrics
 from pspf.admin_api.security import AUDIT_OPTION, audit, audit_logger, bearer_guard, remember_params
@@ -33,6 +37,7 @@ from pspf.errors import (
     BrokerUnavailable,
     ConfigError,
     NotFound,
+    ParameterError,
     PSPFError,
     StoreLocked,
 )
@@ -181,6 +186,9 @@ def _classify(exc: Exception) -> tuple[int, str, dict[str, str] | None]:
         # Litestar's other 400s are malformed requests too (e.g. a body that is not JSON).
         status = 422 if exc.status_code == 400 else exc.status_code
         return status, _one_line(exc.detail), exc.headers
+    if isinstance(exc, ParameterError):
+        # The service names parameters as the request fields and query parameters are named.
+        return 422, _one_line(exc.phrase(repr)), None
     if isinstance(exc, PSPFError):
         status = next((s for kind, s in _STATUS if isinstance(exc, kind)), 500)
         return status, _one_line(exc) or type(exc).__name__, None
@@ -363,7 +371,7 @@ def dlq_purge(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[PurgeRequest]
 ) -> DlqChange:
     remember_params(request, data)
-    older_than_ms = None if data.older_than is None else parse_duration_ms(data.older_than)
+    older_than_ms = None if data.older_than is None else parse_duration_ms(data.older_than, "older_than")
     change = _service(state).dlq_purge(topic, data.ids, data.all, older_than_ms, dry_run=data.dry_run)
     audit(request, 200, "ok", change)
     return change
@@ -426,6 +434,37 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
 _WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay, outbox_replay]
 
 
+# -- pages ----------------------------------------------------------------------------------------
+
+#: The operator's page (``/ui/``): HTML, JS and CSS shipped in the package, calling the routes above.
+WEB_DIR = Path(__file__).parent / "web"
+#: Swagger UI's own files, from the swagger-ui-bundle wheel: ``/schema`` loads nothing from the internet.
+SWAGGER_UI_ASSETS = "/schema-assets"
+
+
+@get("/", include_in_schema=False, sync_to_thread=False)
+def home() -> Redirect:
+    return Redirect("/ui/")
+
+
+def _swagger_ui() -> SwaggerRenderPlugin:
+    return SwaggerRenderPlugin(
+        js_url=f"{SWAGGER_UI_ASSETS}/swagger-ui-bundle.js",
+        css_url=f"{SWAGGER_UI_ASSETS}/swagger-ui.css",
+        standalone_preset_js_url=f"{SWAGGER_UI_ASSETS}/swagger-ui-standalone-preset.js",
+        favicon=f"<link rel='icon' type='image/png' href='{SWAGGER_UI_ASSETS}/favicon-32x32.png'>",
+    )
+
+
+def _pages() -> list[ControllerRouterHandler]:
+    """The operator's page, the way to it from ``/``, and Swagger UI's files (none in the schema)."""
+    return [
+        home,
+        create_static_files_router("/ui", directories=[WEB_DIR], html_mode=True, name="ui"),
+        create_static_files_router(SWAGGER_UI_ASSETS, directories=[Path(swagger_ui_path)], name="swagger-ui"),
+    ]
+
+
 def create_app(service: Service, token: str | None) -> Litestar:
     """The admin API over ``service``; without ``token`` it is read-only (writes get 403)."""
     if audit_logger.level == logging.NOTSET:
@@ -434,14 +473,14 @@ def create_app(service: Service, token: str | None) -> Litestar:
     # Registering copies the handlers, so each app (and token) gets its own guarded copies.
     writes = Router("/", route_handlers=_WRITE_ROUTES, guards=[bearer_guard(token)])
     app = Litestar(
-        route_handlers=[*_READ_ROUTES, writes],
+        route_handlers=[*_READ_ROUTES, writes, *_pages()],
         exception_handlers={Exception: _on_error},
         openapi_config=OpenAPIConfig(
             title="PSPF admin API",
             version="1",
             description="Topics, lag, DLQ and replay of a PSPF broker; writes need a bearer token.",
             path="/schema",
-            render_plugins=[SwaggerRenderPlugin()],
+            render_plugins=[_swagger_ui()],
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
         ),
         state=State({"service": service, "registry": registry}),

@@ -117,9 +117,9 @@ def _retention_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _retention(max_age: str | None, max_len: int | None, replay_window: str | None = None) -> Retention:
     return Retention(
-        max_age_ms=None if max_age is None else parse_duration_ms(max_age),
+        max_age_ms=None if max_age is None else parse_duration_ms(max_age, "max_age"),
         max_len=max_len,
-        replay_window_ms=0 if replay_window is None else parse_duration_ms(replay_window),
+        replay_window_ms=0 if replay_window is None else parse_duration_ms(replay_window, "replay_window"),
     )
 
 
@@ -531,7 +531,7 @@ def dlq_purge(
 ) -> None:
     """Delete DLQ entries of TOPIC for good."""
     service = service_for(obj, broker)
-    older_than_ms = None if older_than is None else parse_duration_ms(older_than)
+    older_than_ms = None if older_than is None else parse_duration_ms(older_than, "older_than")
     preview = service.dlq_purge(topic, ids, all_entries, older_than_ms, dry_run=True)
     if not dry_run:
         _confirm("Delete", preview.selected, yes)

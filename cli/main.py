@@ -16,7 +16,7 @@ import click
 
 from pspf.app import App
 from pspf.cli.supervisor import Supervisor
-from pspf.errors import ConfigError, PSPFError
+from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings
 from pspf.worker import Worker, default_consumer_name
@@ -48,14 +48,41 @@ class CliState:
 ARGS_KEY = "pspf.args"
 
 
+def flag_of(command: click.Command, name: str) -> str:
+    """How ``command`` spells the parameter the service names ``name``: its option or argument."""
+    dashed = "--" + name.replace("_", "-")
+    for param in command.params:
+        if param.name == name or dashed in param.opts:
+            if isinstance(param, click.Argument):
+                return param.human_readable_name
+            return max(param.opts, key=len)
+    return dashed
+
+
+class PSPFCommand(click.Command):
+    """A command that names the parameters of a ``ParameterError`` by its own flags and arguments."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ParameterError as exc:
+            raise ConfigError(exc.phrase(lambda name: flag_of(self, name))) from exc
+
+
 class PSPFGroup(click.Group):
     """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v).
+
+    Its commands are ``PSPFCommand``s and its groups ``PSPFGroup``s, so every command of the tree
+    phrases parameter errors with its own flags.
 
     A reader that closed the pipe (``pspf state export APP | head -5``) ends the command quietly
     with exit 0: it has what it wanted, and a ``set -o pipefail`` script goes on. Exit 0, not
     141 as for coreutils that SIGPIPE ends, because a large output written at once ends the same
     way without an error to see (CPython reports a short write, not the broken pipe).
     """
+
+    command_class = PSPFCommand
+    group_class = type
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # Kept for ``pspf run --workers``, whose children run the same command line.
@@ -366,4 +393,8 @@ def service_for(
         {"PSPF_BROKER": broker, "PSPF_STATE_DIR": str(state_dir) if state_dir else None, "PSPF_STORE": store}
     )
     # State is read from the backups in Redis unless a state directory is named.
-    return Service(settings, local_state=state_dir is not None)
+    service = Service(settings, local_state=state_dir is not None)
+    # Closed when the command ends, also when it fails: a failed command run in-process (a test,
+    # a script calling the CLI) leaves no connection behind.
+    click.get_current_context().call_on_close(service.close)
+    return service

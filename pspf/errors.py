@@ -6,6 +6,9 @@ exits with its ``exit_code``, so scripts can tell a bad argument from an unreach
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from string import Formatter
+
 
 class PSPFError(Exception):
     """Root of every error PSPF raises on purpose."""
@@ -17,6 +20,32 @@ class ConfigError(PSPFError):
     """Bad settings, arguments or input given by the user."""
 
     exit_code = 2
+
+
+class ParameterError(ConfigError):
+    """An operation's parameter, or a combination of them, that the operation refuses.
+
+    The CLI and the admin API spell a parameter differently (``--older-than``, ``older_than``), so
+    the message is a template that marks each parameter as ``{name}``, named as the admin API's
+    request fields name it; ``values`` fill the other fields, so text a user gave is never read as
+    a template. Each face phrases the message with its own spelling (``phrase``); ``str()`` gives
+    the bare names.
+    """
+
+    def __init__(self, template: str, **values: object) -> None:
+        self.template = template
+        self.values = values
+        self.params = [name for _, name, _, _ in Formatter().parse(template) if name and name not in values]
+        super().__init__(self.phrase(str))
+
+    @classmethod
+    def invalid(cls, param: str, problem: str) -> ParameterError:
+        """``param`` has a value the operation cannot take; ``problem`` says why."""
+        return cls("{" + param + "}: {problem}", problem=problem)
+
+    def phrase(self, spell: Callable[[str], str]) -> str:
+        """The message with each parameter named by ``spell(name)``."""
+        return self.template.format_map({**{p: spell(p) for p in self.params}, **self.values})
 
 
 class BrokerError(PSPFError):

@@ -21,6 +21,7 @@ from pspf.errors import (
     ConfigError,
     DecodeError,
     NotFound,
+    ParameterError,
     StateError,
     StateValueError,
 )
@@ -510,11 +511,13 @@ class Service:
         error_type: str | None,
         app: str | None,
         older_than_ms: int | None,
+        offered: Sequence[str],
     ) -> list[tuple[int, bytes, DeadLetter]]:
+        """The DLQ entries ``ids`` name, or those of a selection; ``offered`` names its parameters."""
         if ids and (all_entries or error_type or older_than_ms is not None):
-            raise ConfigError("give DLQ ids, or a selection (--all, --error-type, --older-than), not both")
+            raise ParameterError(f"give {{ids}} or a selection ({_alternatives(offered)}), not both")
         if not ids and not (all_entries or error_type or app or older_than_ms is not None):
-            raise ConfigError("nothing selected: give DLQ ids, --all, --error-type or --older-than")
+            raise ParameterError(f"nothing selected: give {_alternatives(['ids', *offered])}")
         if ids:
             wanted = {parse_dlq_id(i) for i in ids}
             selected = [(p, e, r) for p, e, r in self._dead_letters(topic) if (p, e) in wanted]
@@ -550,7 +553,8 @@ class Service:
         key, value and headers and gains headers with its redrive count, its original id and the
         app that dead-lettered it (only that app runs it again).
         """
-        selected = self._select(topic, ids, all_entries, error_type, app, None)[:limit]
+        offered = ["all", "error_type", "app"]
+        selected = self._select(topic, ids, all_entries, error_type, app, None, offered)[:limit]
         moved = 0
         for partition, entry_id, record in selected:
             if not dry_run:
@@ -571,7 +575,7 @@ class Service:
         dry_run: bool = False,
     ) -> DlqChange:
         """Delete selected DLQ entries for good."""
-        selected = self._select(topic, ids, all_entries, None, None, older_than_ms)
+        selected = self._select(topic, ids, all_entries, None, None, older_than_ms, ["all", "older_than"])
         deleted = 0
         if not dry_run:
             by_partition: dict[int, list[bytes]] = {}
@@ -810,9 +814,11 @@ class Service:
             raise NotFound(f"app {app!r} does not read topic(s) {unknown}; it reads {read}")
         others = [t for t in read if t not in chosen]
         if others and not keep_state:
-            raise ConfigError(
-                f"app {app!r} also reads {others}, and its state comes from all its topics: replay "
-                "them too (one --topic each), or keep the state with --keep-state"
+            raise ParameterError(
+                "app {app!r} also reads {others}, and its state comes from all its topics: replay "
+                "them too (name them in {topics}), or keep the state with {keep_state}",
+                app=app,
+                others=others,
             )
         return chosen
 
@@ -1069,7 +1075,7 @@ class Service:
         it, and a request no worker applied in time stays queued for the next owner.
         """
         if sum(1 for given in (bool(ids), dead, all_rows) if given) != 1:
-            raise ConfigError("give row ids, --dead or --all")
+            raise ParameterError("give exactly one of {ids}, {dead} or {all}")
         replayable = (RowState.PUBLISHED, RowState.DEAD)
         selected: list[tuple[int, int]] = []
         if ids:
@@ -1187,17 +1193,23 @@ def _row_state(text: str) -> RowState:
     try:
         return RowState(text)
     except ValueError:
-        raise ConfigError(f"invalid outbox state {text!r}: use {', '.join(RowState)}") from None
+        raise ParameterError.invalid(
+            "state", f"invalid outbox state {text!r}: use {', '.join(RowState)}"
+        ) from None
 
 
-def parse_duration_ms(text: str) -> int:
-    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or ``"500ms"`` in milliseconds."""
+def parse_duration_ms(text: str, param: str) -> int:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or ``"500ms"`` in milliseconds.
+
+    ``param`` names the parameter that gave ``text``, for the error.
+    """
     units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
     for unit in ("ms", "s", "m", "h", "d"):
         number = text[: -len(unit)]
         if text.endswith(unit) and number.isdigit():
             return int(number) * units[unit]
-    raise ConfigError(f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)")
+    problem = f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)"
+    raise ParameterError.invalid(param, problem)
 
 
 def parse_position(
@@ -1209,11 +1221,14 @@ def parse_position(
     offset, or unix milliseconds) replays the entries added at or after that time.
     """
     if sum(1 for given in (from_start, to_id, to_time) if given) != 1:
-        raise ConfigError("give exactly one of --from-start, --to-id ID or --to-time TIME")
+        raise ParameterError("give exactly one of {from_start}, {to_id} or {to_time}")
     if from_start:
         return keys.ZERO_ID
     if to_id is not None:
-        return StreamId.parse(to_id)
+        try:
+            return StreamId.parse(to_id)
+        except ConfigError as exc:
+            raise ParameterError.invalid("to_id", str(exc)) from None
     assert to_time is not None
     if to_time.isdigit():
         ms = int(to_time)
@@ -1221,13 +1236,18 @@ def parse_position(
         try:
             moment = datetime.fromisoformat(to_time)
         except ValueError:
-            raise ConfigError(
-                f"invalid time {to_time!r}: use ISO 8601 (2026-11-21T10:00:00Z) or unix milliseconds"
-            ) from None
+            problem = f"invalid time {to_time!r}: use ISO 8601 (2026-11-21T10:00:00Z) or unix milliseconds"
+            raise ParameterError.invalid("to_time", problem) from None
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=UTC)
         ms = int(moment.timestamp() * 1000)
     return keys.ZERO_ID if ms <= 0 else StreamId(ms - 1, keys.MAX_SEQ)
+
+
+def _alternatives(params: Sequence[str]) -> str:
+    """``{a}, {b} or {c}``: a ``ParameterError`` template naming each of ``params``."""
+    named = [f"{{{p}}}" for p in params]
+    return f"{', '.join(named[:-1])} or {named[-1]}" if len(named) > 1 else "".join(named)
 
 
 def _text_or_none(raw: bytes | None) -> str | None:

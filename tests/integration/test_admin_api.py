@@ -528,3 +528,78 @@ def test_each_write_is_audited_and_the_token_never_logged(
     assert missing["outcome"].startswith("failed: no DLQ entry")
     assert invalid["status"] == 422 and lines[3].levelno == logging.WARNING
     assert TOKEN not in caplog.text and "nope" not in caplog.text
+
+
+# -- parameter errors name each face's own parameters ---------------------------------------------
+
+
+def test_parameter_errors_name_the_api_fields_and_the_cli_flags(
+    api: TestClient[Any],
+    world: World,
+    make_topic: Callable[[int], str],
+    settings: Settings,
+    redis_url: str,
+) -> None:
+    # An app that reads two topics: replaying one of them alone would lose the other's state.
+    other = make_topic(PARTITIONS)
+    two = App(f"{world.app}-two")
+    two.handler(world.topic)(lambda value, ctx: None)
+    two.handler(other)(lambda value, ctx: None)
+    Worker(two, settings).run(until_idle=True)
+
+    redrive, purge = f"/topics/{world.topic}/dlq/redrive", f"/topics/{world.topic}/dlq/purge"
+    replay, outbox = f"/apps/{world.app}/replay", f"/apps/{world.app}/outbox"
+    # (method, path, request, the fields the error must name, the CLI command and the flags it names)
+    cases: list[tuple[str, str, dict[str, Any], list[str], list[str], list[str]]] = [
+        ("post", redrive, {"json": {}}, ["ids", "all", "error_type", "app"],
+         ["dlq", "redrive", world.topic], ["IDS", "--all", "--error-type", "--app"]),
+        ("post", redrive, {"json": {"ids": ["0:1-1"], "error_type": "E"}}, ["ids", "error_type"],
+         ["dlq", "redrive", world.topic, "0:1-1", "--error-type", "E"], ["IDS", "--error-type"]),
+        ("post", purge, {"json": {}}, ["ids", "all", "older_than"],
+         ["dlq", "purge", world.topic], ["IDS", "--all", "--older-than"]),
+        ("post", purge, {"json": {"older_than": "7 days"}}, ["older_than"],
+         ["dlq", "purge", world.topic, "--older-than", "7 days"], ["--older-than"]),
+        ("post", replay, {"json": {"topics": [world.topic]}}, ["from_start", "to_id", "to_time"],
+         ["replay", world.app, "--topic", world.topic], ["--from-start", "--to-id", "--to-time"]),
+        ("post", replay, {"json": {"topics": [world.topic], "to_id": "soon"}}, ["to_id"],
+         ["replay", world.app, "--topic", world.topic, "--to-id", "soon"], ["--to-id"]),
+        ("post", replay, {"json": {"topics": [world.topic], "to_time": "yesterday"}}, ["to_time"],
+         ["replay", world.app, "--topic", world.topic, "--to-time", "yesterday"], ["--to-time"]),
+        ("post", f"/apps/{two.name}/replay", {"json": {"topics": [world.topic], "from_start": True}},
+         ["topics", "keep_state"],
+         ["replay", two.name, "--topic", world.topic, "--from-start"], ["--topic", "--keep-state"]),
+        ("post", f"{outbox}/replay", {"json": {"dead": True, "all": True}}, ["ids", "dead", "all"],
+         ["outbox", "replay", world.app, "--dead", "--all"], ["IDS", "--dead", "--all"]),
+        ("get", outbox, {"params": {"state": "lost"}}, ["state"], [], []),
+    ]  # fmt: skip
+    env = {"PSPF_BROKER": redis_url, "PSPF_STATE_DIR": str(settings.state.dir)}
+    for method, path, request, fields, command, flags in cases:
+        message = error_of(getattr(api, method)(path, headers=AUTH, **request), 422)
+        assert "--" not in message, message
+        for name in fields:
+            assert f"'{name}'" in message, (name, message)
+        if command:
+            result = CliRunner().invoke(cli, [*command, "--yes"], env=env)
+            assert result.exit_code == 2, result.output
+            line = result.stderr.strip()
+            assert line.startswith("Error: ") and "\n" not in line, line
+            for flag in flags:
+                assert flag in line, (flag, line)
+            assert not any(f"'{name}'" in line for name in fields), line
+
+
+def test_the_page_and_swagger_ui_are_served_from_the_package(api: TestClient[Any]) -> None:
+    home = api.get("/", follow_redirects=False)
+    assert home.status_code in (301, 302, 307, 308) and home.headers["location"] == "/ui/"
+    page = api.get("/ui/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for asset in ("/ui/app.js", "/ui/app.css"):
+        assert asset in page.text and api.get(asset).status_code == 200
+    assert "http:" not in page.text and "https:" not in page.text
+    assert "innerHTML" not in api.get("/ui/app.js").text  # values go in as text only
+
+    swagger = api.get("/schema")
+    assert swagger.status_code == 200 and "https://" not in swagger.text and "http://" not in swagger.text
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "swagger-ui-standalone-preset.js"):
+        assert f"/schema-assets/{asset}" in swagger.text
+        assert api.get(f"/schema-assets/{asset}").status_code == 200

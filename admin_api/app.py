@@ -277,7 +277,7 @@ def app_lag(state: State, app: FromPath[str]) -> AppLag:
     "/apps/{app:str}/state/{key:str}",
     sync_to_thread=True,
     responses=_errors(404),
-    summary="The state of one key (needs the app's state directory)",
+    summary="The state of one key (from its backup in Redis; with the backup off, the state directory)",
 )
 def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str, Any]:
     return _service(state).state_get(app, key)

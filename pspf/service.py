@@ -1,4 +1,4 @@
-"""Operations the CLI (and later the admin API) offer, written once, returning msgspec records."""
+"""Operations the CLI, the admin API and its web page share, written once, returning msgspec records."""
 
 from __future__ import annotations
 

@@ -92,5 +92,14 @@ class StateValueError(StateError, NonRetryableError):
     """
 
 
+class WrongPartition(NonRetryableError):
+    """A keyed entry in a partition its key does not map to (``CRC32(key) mod P``).
+
+    Its producer partitions by another function. Applied there, the key's state would live in a
+    partition where ``pspf state get`` and every correctly placed entry of the key never look,
+    so the entry is dead-lettered without running, and its partition goes on.
+    """
+
+
 class LateEntry(NonRetryableError):
     """An entry whose windows had all closed, dead-lettered because its app asked (``late="dlq"``)."""

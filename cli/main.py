@@ -129,7 +129,8 @@ def state_dir_option(func: F) -> F:
         envvar="PSPF_STATE_DIR",
         show_envvar=True,
         type=click.Path(file_okay=False, path_type=Path),
-        help="Directory of the state stores  [default: ./state]",
+        help="Directory of the state stores  [default: the user's data directory, "
+        "~/.local/share/pspf/state or $XDG_DATA_HOME/pspf/state on Linux]",
     )(func)
 
 
@@ -251,7 +252,7 @@ def run_options(func: F) -> F:
     return func
 
 
-@cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --state-dir ./state --until-idle")
+@cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --until-idle")
 @click.argument("target")
 @broker_option
 @state_dir_option
@@ -295,6 +296,7 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
         args = ctx.meta.get(ARGS_KEY, sys.argv[1:])
         ctx.exit(Supervisor(args, workers, consumer).run())
     worker = Worker(app, settings)
+    click.echo(f"state dir: {os.path.abspath(settings.state.dir)}", err=True)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(

@@ -68,7 +68,7 @@ def groups(
             click.echo(f"warning: app {g.app}: {g.error}", err=True)
 
 
-@cli.command(epilog="\b\nExample:\n  pspf lag order-totals --state-dir ./state")
+@cli.command(epilog="\b\nExample:\n  pspf lag order-totals")
 @click.argument("app")
 @broker_option
 @state_dir_option

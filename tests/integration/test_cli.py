@@ -188,3 +188,27 @@ def test_state_errors(invoke: Callable[..., Result], names: Names) -> None:
     assert never_ran.exit_code == 4 and "has never run" in one_line_error(never_ran)
     no_state = invoke("state", "list", names.app())
     assert no_state.exit_code == 4 and "no state for app" in one_line_error(no_state)
+
+
+def test_run_without_a_state_dir_uses_the_user_data_dir_and_says_so(
+    invoke: Callable[..., Result], names: Names, tmp_path: Path
+) -> None:
+    topic, app = names.topic(), names.app()
+    assert invoke("topic", "create", topic).exit_code == 0
+    assert invoke("produce", topic, "--key", "u1", '{"amount": 3}').exit_code == 0
+    data = tmp_path / "data"
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app, "PSPF_STATE_DIR": None, "XDG_DATA_HOME": str(data)}
+    ran = invoke("run", "tests.integration.cli_apps:make", "--until-idle", env=env)
+    assert ran.exit_code == 0, ran.output
+    want = data / "pspf" / "state"
+    assert f"state dir: {want}\n" in ran.output
+    assert (want / app).is_dir()
+    # the commands that read the stores find them there without being told
+    lagged = json.loads(invoke("lag", app, "--json", env=env).output)
+    assert [d["checkpoint"] for d in lagged["detail"]] == [d["last_id"] for d in lagged["detail"]]
+
+    other = tmp_path / "other"
+    target = "tests.integration.cli_apps:make"
+    given = invoke("run", target, "--until-idle", "--state-dir", str(other), env=env)
+    assert given.exit_code == 0, given.output
+    assert f"state dir: {other}\n" in given.output

@@ -35,7 +35,7 @@ Examples:
 class CliState:
     """What the root group hands its commands: verbosity and the settings overrides."""
 
-    def __init__(self, verbose: int) -> None:
+    def __init__(self, verbose: int = 0) -> None:
         self.verbose = verbose
         #: settings given by options that commands do not see themselves (the TLS files)
         self.options: dict[str, Any] = {}
@@ -48,6 +48,51 @@ class CliState:
 ARGS_KEY = "pspf.args"
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(verbose: int) -> None:
+    """Log at WARNING, INFO with -v, DEBUG with -vv; the first call sets the format up.
+
+    Where logging has handlers already (a test runner's), only -v changes the level.
+    """
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format=LOG_FORMAT)
+    elif verbose:
+        root.setLevel(level)
+
+
+def _count_verbose(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    if value:
+        obj = ctx.ensure_object(CliState)
+        obj.verbose += value
+        configure_logging(obj.verbose)
+
+
+def verbose_option() -> click.Option:
+    """``-v``/``--verbose``, which every group and command takes, before or after its name.
+
+    The counts add up over the command line: ``pspf -v run ... -v`` is ``-vv``.
+    """
+    return click.Option(
+        ["-v", "--verbose"],
+        count=True,
+        expose_value=False,
+        callback=_count_verbose,
+        help="More logging (-vv: debug); tracebacks on errors.",
+    )
+
+
+class PSPFCommand(click.Command):
+    """A subcommand: takes ``-v`` among its own options."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(verbose_option())
+
+
 class PSPFGroup(click.Group):
     """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v).
 
@@ -55,7 +100,17 @@ class PSPFGroup(click.Group):
     with exit 0: it has what it wanted, and a ``set -o pipefail`` script goes on. Exit 0, not
     141 as for coreutils that SIGPIPE ends, because a large output written at once ends the same
     way without an error to see (CPython reports a short write, not the broken pipe).
+
+    Its subcommands are ``PSPFCommand``s and its subgroups ``PSPFGroup``s, so each of them
+    takes ``-v`` too.
     """
+
+    command_class = PSPFCommand
+    group_class = type
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(verbose_option())
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # Kept for ``pspf run --workers``, whose children run the same command line.
@@ -149,16 +204,11 @@ def json_option(func: F) -> F:
 
 
 @click.group(cls=PSPFGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More logging; tracebacks on errors.")
 @click.version_option(package_name="pspf")
 @click.pass_context
-def cli(ctx: click.Context, verbose: int) -> None:
+def cli(ctx: click.Context) -> None:
     """PSPF: stateful stream processing on Redis and Valkey Streams."""
-    ctx.obj = CliState(verbose)
-    logging.basicConfig(
-        level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(ctx.ensure_object(CliState).verbose)
 
 
 #: The options of ``pspf run`` that map to a setting: (flag, type, help). Each flag's variable is

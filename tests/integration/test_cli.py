@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,39 @@ def test_run_without_a_state_dir_uses_the_user_data_dir_and_says_so(
     given = invoke("run", target, "--until-idle", "--state-dir", str(other), env=env)
     assert given.exit_code == 0, given.output
     assert f"state dir: {other}\n" in given.output
+
+
+@pytest.fixture
+def root_log_level() -> Iterator[None]:
+    """Put the root logger's level back after a test that lets the CLI change it."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("root_log_level")
+@pytest.mark.parametrize(
+    ("args", "level"),
+    [
+        (["-v", "topic", "list"], logging.INFO),
+        (["topic", "list", "-v"], logging.INFO),
+        (["topic", "-v", "list"], logging.INFO),
+        (["topic", "list", "-vv"], logging.DEBUG),
+        (["-v", "topic", "list", "--verbose"], logging.DEBUG),
+        (["groups", "--verbose"], logging.INFO),
+    ],
+)
+def test_verbose_before_or_after_the_subcommand(
+    invoke: Callable[..., Result], args: list[str], level: int
+) -> None:
+    logging.getLogger().setLevel(logging.WARNING)
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert logging.getLogger().level == level
+
+
+def test_verbose_after_the_subcommand_shows_the_traceback(invoke: Callable[..., Result]) -> None:
+    result = invoke("run", "no_such_module_xyz:main", "-v")
+    assert result.exit_code == 2
+    assert "Traceback" in result.output

@@ -249,3 +249,19 @@ def test_verbose_after_the_subcommand_shows_the_traceback(invoke: Callable[..., 
     result = invoke("run", "no_such_module_xyz:main", "-v")
     assert result.exit_code == 2
     assert "Traceback" in result.output
+
+
+def test_counts_of_one_are_singular(invoke: Callable[..., Result], names: Names) -> None:
+    topic = names.topic()
+    created = invoke("topic", "create", topic)
+    assert created.exit_code == 0 and f"topic {topic} created with 1 partition\n" in created.output
+    again = invoke("topic", "create", topic)
+    assert f"topic {topic} already exists with 1 partition\n" in again.output
+    many = invoke("topic", "create", names.topic(), "--partitions", "3")
+    assert "created with 3 partitions\n" in many.output
+    produced = invoke("produce", topic, "--key-field", "user", input='{"user": "u1", "amount": 1}\n')
+    assert produced.exit_code == 0 and "1 entry written\n" in produced.output
+    described = invoke("topic", "describe", topic)
+    assert f"topic {topic}: 1 partition, 1 entry\n" in described.output
+    partial = invoke("produce", topic, "--key-field", "user", input='{"user": "u1"}\n{"amount": 3}\n')
+    assert "(1 entry written before it)" in one_line_error(partial)

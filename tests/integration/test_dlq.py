@@ -212,7 +212,7 @@ def test_purge_and_error_paths(
     dry = invoke("dlq", "purge", topic, "--all", "--dry-run")
     assert "would delete 5 entries" in dry.output and rclient.xlen(dlq_key(topic, 0)) == 5
     one = invoke("dlq", "purge", topic, ids[0], "--yes")
-    assert one.exit_code == 0 and "deleted 1 entries" in one.output
+    assert one.exit_code == 0 and "deleted 1 entry" in one.output
     refused = invoke("dlq", "purge", topic, "--all")  # no --yes and no terminal: aborts, changes nothing
     assert refused.exit_code == 1 and rclient.xlen(dlq_key(topic, 0)) == 4
     everything = invoke("dlq", "purge", topic, "--all", "--yes")

@@ -19,7 +19,8 @@ from pspf.cli.supervisor import Supervisor
 from pspf.errors import ConfigError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings
-from pspf.worker import Worker, default_consumer_name
+from pspf.wording import counted
+from pspf.worker import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -349,10 +350,20 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
     click.echo(f"state dir: {os.path.abspath(settings.state.dir)}", err=True)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
-    click.echo(
-        f"processed {summary.handled} entries ({summary.skipped} already done, {summary.failed} failures, "
-        f"{summary.dead_lettered} dead-lettered)",
-        err=True,
+    click.echo(run_summary(summary), err=True)
+
+
+def run_summary(summary: RunSummary) -> str:
+    """The last line of ``pspf run``: entries processed and dead-lettered, attempts retried.
+
+    Entries and attempts are counted apart: an entry tried three times before the DLQ is one
+    entry dead-lettered and two failed attempts retried (in order or parked).
+    """
+    processed = counted(summary.handled, "entry")
+    retried = counted(summary.retried + summary.parked, "failed attempt")
+    return (
+        f"processed {processed} ({summary.skipped} already done), "
+        f"{summary.dead_lettered} dead-lettered, {retried} retried"
     )
 
 

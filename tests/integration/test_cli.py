@@ -265,3 +265,22 @@ def test_counts_of_one_are_singular(invoke: Callable[..., Result], names: Names)
     assert f"topic {topic}: 1 partition, 1 entry\n" in described.output
     partial = invoke("produce", topic, "--key-field", "user", input='{"user": "u1"}\n{"amount": 3}\n')
     assert "(1 entry written before it)" in one_line_error(partial)
+
+
+def test_run_summary_counts_dead_letters_and_retries_apart(
+    invoke: Callable[..., Result], names: Names
+) -> None:
+    topic, app = names.topic(), names.app()
+    invoke("topic", "create", topic)
+    lines = "".join(json.dumps(order) + "\n" for order in [{}, {"fail": 1}, {"fail": "always"}])
+    assert invoke("produce", topic, input=lines).exit_code == 0
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app, "PSPF_RETRY_BASE_MS": "10"}
+    ran = invoke("run", "tests.integration.cli_apps:flaky", "--until-idle", env=env)
+    assert ran.exit_code == 0, ran.output
+    # 3 attempts in all for the one that always fails (2 retried, then the DLQ), 1 retry for the other
+    assert "processed 2 entries (0 already done), 1 dead-lettered, 3 failed attempts retried\n" in ran.output
+
+    single = invoke("produce", topic, '{"fail": 1}')
+    assert single.exit_code == 0
+    again = invoke("run", "tests.integration.cli_apps:flaky", "--until-idle", env=env)
+    assert "processed 1 entry (0 already done), 0 dead-lettered, 1 failed attempt retried\n" in again.output

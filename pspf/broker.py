@@ -31,6 +31,7 @@ from pspf.errors import (
     BackupWentBack,
     BrokerError,
     BrokerUnavailable,
+    ConfigError,
     GroupMissing,
     LeaseLost,
     MemoryFull,
@@ -362,14 +363,22 @@ class Broker:
     # -- topics ---------------------------------------------------------------------------------
 
     def create_topic(self, topic: str, partitions: int) -> bool:
-        """Record a topic; False when it exists already with the same partition count."""
+        """Record a topic; False when it exists already with the same partition count.
+
+        Raises:
+            ConfigError: it exists with another partition count (the request is at fault, not
+                the broker).
+        """
         with self.translate_errors():
             created = self.client.hsetnx(keys.topic_key(topic), "partitions", partitions)
             self.client.sadd(keys.TOPICS_KEY, topic)
         if not created:
             existing = self.topic_partitions(topic)
             if existing != partitions:
-                raise BrokerError(f"topic {topic!r} exists with {existing} partitions")
+                raise ConfigError(
+                    f"topic {topic!r} exists with {existing} partitions, not {partitions}: "
+                    "a topic's partition count is fixed when it is created"
+                )
         return bool(created)
 
     def topic_partitions(self, topic: str) -> int:

@@ -178,8 +178,16 @@ def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:
     assert zero.exit_code == 2 and "partitions must be" in one_line_error(zero)
     topic = names.topic()
     invoke("topic", "create", topic, "--partitions", "2")
+    # Another partition count: a usage error (exit 2, as for a bad argument), not the broker's 3.
     clash = invoke("topic", "create", topic, "--partitions", "3")
-    assert clash.exit_code == 3 and "exists with 2 partitions" in one_line_error(clash)
+    assert clash.exit_code == 2
+    assert one_line_error(clash) == (
+        f"Error: topic '{topic}' exists with 2 partitions, not 3: a topic's partition count is fixed "
+        "when it is created"
+    )
+    # The same count again: not an error, the topic is left as it is.
+    same = invoke("topic", "create", topic, "--partitions", "2")
+    assert same.exit_code == 0 and f"topic {topic} already exists with 2 partitions\n" in same.output
     unknown = invoke("topic", "describe", names.topic())
     assert unknown.exit_code == 4
 

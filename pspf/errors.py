@@ -29,6 +29,13 @@ class BrokerUnavailable(BrokerError):
     """The connection to Redis failed or timed out; a worker reconnects with backoff."""
 
 
+class AuthenticationFailed(BrokerError):
+    """The server refused the login: a wrong password or user name, or none where one is needed.
+
+    Not retried: the server answered, and will answer the same until the URL changes.
+    """
+
+
 class GroupMissing(BrokerError):
     """The app's consumer group vanished from a stream under a running worker."""
 

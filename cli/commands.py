@@ -21,6 +21,7 @@ from pspf.cli.main import (
 )
 from pspf.retention import Retention
 from pspf.service import parse_duration_ms
+from pspf.wording import counted
 
 
 def print_json(value: Any) -> None:
@@ -55,8 +56,8 @@ def topic_create(obj: CliState, name: str, partitions: int, broker: str | None, 
     if as_json:
         print_json(info)
     else:
-        verb = "created" if created else "already exists:"
-        click.echo(f"topic {info.name} {verb} {info.partitions} partition(s)")
+        verb = "created" if created else "already exists"
+        click.echo(f"topic {info.name} {verb} with {counted(info.partitions, 'partition')}")
 
 
 @topic.command("list")
@@ -83,9 +84,8 @@ def topic_describe(obj: CliState, name: str, broker: str | None, as_json: bool) 
     if as_json:
         print_json(description)
         return
-    click.echo(
-        f"topic {description.name}: {len(description.partitions)} partition(s), {description.length} entries"
-    )
+    partitions = counted(len(description.partitions), "partition")
+    click.echo(f"topic {description.name}: {partitions}, {counted(description.length, 'entry')}")
     rows = []
     for p, trim in zip(description.partitions, description.trims, strict=True):
         groups = ", ".join(f"{g.name} (pending {g.pending})" for g in p.groups) or None
@@ -187,9 +187,9 @@ def topic_trim(
     rows = [[p.partition, p.length, p.trim_before or None, p.removable, p.held_by] for p in done.partitions]
     print_table(["PARTITION", "LENGTH", "TRIM BEFORE", "WOULD GO" if dry_run else "GOES", "HELD BY"], rows)
     if dry_run:
-        click.echo(f"dry run: {sum(p.removable for p in done.partitions)} entries would go")
+        click.echo(f"dry run: {counted(sum(p.removable for p in done.partitions), 'entry')} would go")
     else:
-        click.echo(f"trimmed {done.removed} entries from topic {name}")
+        click.echo(f"trimmed {counted(done.removed, 'entry')} from topic {name}")
 
 
 # -- produce --------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def produce(
             ) as bar,
         ):
             count = service.produce_lines(topic, _counted(lines, bar.update), key_field)
-    click.echo(f"{count} entries written", err=True)
+    click.echo(f"{counted(count, 'entry')} written", err=True)
 
 
 _PROGRESS_FROM_BYTES = 10_000_000
@@ -388,7 +388,8 @@ def state_import(
     else:
         with path.open("rb") as lines:
             result = service.state_import(app, lines)
-    click.echo(f"imported {result.values} values into {result.partitions} partition(s)", err=True)
+    values, partitions = counted(result.values, "value"), counted(result.partitions, "partition")
+    click.echo(f"imported {values} into {partitions}", err=True)
 
 
 # -- DLQ ------------------------------------------------------------------------------------------
@@ -456,7 +457,7 @@ _PROGRESS_FROM = 100
 
 def _confirm(what: str, count: int, yes: bool) -> None:
     if not yes:
-        click.confirm(f"{what} {count} DLQ entr{'y' if count == 1 else 'ies'}?", abort=True, err=True)
+        click.confirm(f"{what} {counted(count, 'DLQ entry', 'DLQ entries')}?", abort=True, err=True)
 
 
 @dlq.command(
@@ -503,9 +504,9 @@ def dlq_redrive(
     if as_json:
         print_json(change)
     elif dry_run:
-        click.echo(f"would redrive {change.selected} entries (dry run, nothing changed)")
+        click.echo(f"would redrive {counted(change.selected, 'entry')} (dry run, nothing changed)")
     else:
-        click.echo(f"redrove {change.changed} of {change.selected} selected entries")
+        click.echo(f"redrove {change.changed} of {counted(change.selected, 'selected entry')}")
 
 
 @dlq.command("purge")
@@ -541,6 +542,6 @@ def dlq_purge(
     if as_json:
         print_json(change)
     elif dry_run:
-        click.echo(f"would delete {change.selected} entries (dry run, nothing changed)")
+        click.echo(f"would delete {counted(change.selected, 'entry')} (dry run, nothing changed)")
     else:
-        click.echo(f"deleted {change.changed} entries")
+        click.echo(f"deleted {counted(change.changed, 'entry')}")

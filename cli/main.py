@@ -19,7 +19,8 @@ from pspf.cli.supervisor import Supervisor
 from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings
-from pspf.worker import Worker, default_consumer_name
+from pspf.wording import counted
+from pspf.worker import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,7 +36,7 @@ Examples:
 class CliState:
     """What the root group hands its commands: verbosity and the settings overrides."""
 
-    def __init__(self, verbose: int) -> None:
+    def __init__(self, verbose: int = 0) -> None:
         self.verbose = verbose
         #: settings given by options that commands do not see themselves (the TLS files)
         self.options: dict[str, Any] = {}
@@ -46,6 +47,43 @@ class CliState:
 
 #: Where ``ctx.meta`` holds the arguments the command was given (after the program name).
 ARGS_KEY = "pspf.args"
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(verbose: int) -> None:
+    """Log at WARNING, INFO with -v, DEBUG with -vv; the first call sets the format up.
+
+    Where logging has handlers already (a test runner's), only -v changes the level.
+    """
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format=LOG_FORMAT)
+    elif verbose:
+        root.setLevel(level)
+
+
+def _count_verbose(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    if value:
+        obj = ctx.ensure_object(CliState)
+        obj.verbose += value
+        configure_logging(obj.verbose)
+
+
+def verbose_option() -> click.Option:
+    """``-v``/``--verbose``, which every group and command takes, before or after its name.
+
+    The counts add up over the command line: ``pspf -v run ... -v`` is ``-vv``.
+    """
+    return click.Option(
+        ["-v", "--verbose"],
+        count=True,
+        expose_value=False,
+        callback=_count_verbose,
+        help="More logging (-vv: debug); tracebacks on errors.",
+    )
 
 
 def flag_of(command: click.Command, name: str) -> str:
@@ -60,7 +98,11 @@ def flag_of(command: click.Command, name: str) -> str:
 
 
 class PSPFCommand(click.Command):
-    """A command that names the parameters of a ``ParameterError`` by its own flags and arguments."""
+    """A subcommand: takes ``-v``, and names a ``ParameterError``'s parameters by its own flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(verbose_option())
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -72,17 +114,21 @@ class PSPFCommand(click.Command):
 class PSPFGroup(click.Group):
     """Turns a PSPFError into one line on stderr and its exit code (a traceback only with -v).
 
-    Its commands are ``PSPFCommand``s and its groups ``PSPFGroup``s, so every command of the tree
-    phrases parameter errors with its own flags.
-
     A reader that closed the pipe (``pspf state export APP | head -5``) ends the command quietly
     with exit 0: it has what it wanted, and a ``set -o pipefail`` script goes on. Exit 0, not
     141 as for coreutils that SIGPIPE ends, because a large output written at once ends the same
     way without an error to see (CPython reports a short write, not the broken pipe).
+
+    Its subcommands are ``PSPFCommand``s and its subgroups ``PSPFGroup``s, so each of them takes
+    ``-v`` too and phrases parameter errors with its own flags.
     """
 
     command_class = PSPFCommand
     group_class = type
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(verbose_option())
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # Kept for ``pspf run --workers``, whose children run the same command line.
@@ -156,7 +202,8 @@ def state_dir_option(func: F) -> F:
         envvar="PSPF_STATE_DIR",
         show_envvar=True,
         type=click.Path(file_okay=False, path_type=Path),
-        help="Directory of the state stores  [default: ./state]",
+        help="Directory of the state stores  [default: the user's data directory, "
+        "~/.local/share/pspf/state or $XDG_DATA_HOME/pspf/state on Linux]",
     )(func)
 
 
@@ -175,16 +222,11 @@ def json_option(func: F) -> F:
 
 
 @click.group(cls=PSPFGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More logging; tracebacks on errors.")
 @click.version_option(package_name="pspf")
 @click.pass_context
-def cli(ctx: click.Context, verbose: int) -> None:
+def cli(ctx: click.Context) -> None:
     """PSPF: stateful stream processing on Redis and Valkey Streams."""
-    ctx.obj = CliState(verbose)
-    logging.basicConfig(
-        level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(ctx.ensure_object(CliState).verbose)
 
 
 #: The options of ``pspf run`` that map to a setting: (flag, type, help). Each flag's variable is
@@ -278,7 +320,7 @@ def run_options(func: F) -> F:
     return func
 
 
-@cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --state-dir ./state --until-idle")
+@cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --until-idle")
 @click.argument("target")
 @broker_option
 @state_dir_option
@@ -322,12 +364,23 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
         args = ctx.meta.get(ARGS_KEY, sys.argv[1:])
         ctx.exit(Supervisor(args, workers, consumer).run())
     worker = Worker(app, settings)
+    click.echo(f"state dir: {os.path.abspath(settings.state.dir)}", err=True)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
-    click.echo(
-        f"processed {summary.handled} entries ({summary.skipped} already done, {summary.failed} failures, "
-        f"{summary.dead_lettered} dead-lettered)",
-        err=True,
+    click.echo(run_summary(summary), err=True)
+
+
+def run_summary(summary: RunSummary) -> str:
+    """The last line of ``pspf run``: entries processed and dead-lettered, attempts retried.
+
+    Entries and attempts are counted apart: an entry tried three times before the DLQ is one
+    entry dead-lettered and two failed attempts retried (in order or parked).
+    """
+    processed = counted(summary.handled, "entry")
+    retried = counted(summary.retried + summary.parked, "failed attempt")
+    return (
+        f"processed {processed} ({summary.skipped} already done), "
+        f"{summary.dead_lettered} dead-lettered, {retried} retried"
     )
 
 

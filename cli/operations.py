@@ -20,6 +20,7 @@ from pspf.cli.main import (
 )
 from pspf.errors import ConfigError
 from pspf.service import AppLag, parse_position
+from pspf.wording import counted
 
 
 def _age(seconds: float | None) -> str | None:
@@ -68,7 +69,7 @@ def groups(
             click.echo(f"warning: app {g.app}: {g.error}", err=True)
 
 
-@cli.command(epilog="\b\nExample:\n  pspf lag order-totals --state-dir ./state")
+@cli.command(epilog="\b\nExample:\n  pspf lag order-totals")
 @click.argument("app")
 @broker_option
 @state_dir_option
@@ -160,15 +161,16 @@ def replay(
     preview = service.replay(app, topics, position, keep_state, dry_run=True)
     if keep_state:
         click.echo(
-            f"warning: --keep-state: the {preview.entries_to_replay} replayed entries will be applied "
-            "again onto the current state, which already holds their effects",
+            f"warning: --keep-state: the {counted(preview.entries_to_replay, 'replayed entry')} will "
+            "be applied again onto the current state, which already holds the effects",
             err=True,
         )
     if not dry_run:
         if not yes:
             what = "keep" if keep_state else "DELETE"
+            entries = counted(preview.entries_to_replay, "entry")
             click.confirm(
-                f"Replay {preview.entries_to_replay} entries of {', '.join(preview.topics)} to app {app} "
+                f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
                 f"from {preview.position} and {what} its state?",
                 abort=True,
                 err=True,
@@ -182,12 +184,12 @@ def replay(
     verb = "would move" if dry_run else "moved"
     click.echo(
         f"{verb} app {result.app} to {result.position} in {', '.join(result.topics)} "
-        f"({result.partitions} partition(s)): {result.entries_to_replay} entries to replay"
+        f"({counted(result.partitions, 'partition')}): {counted(result.entries_to_replay, 'entry')} to replay"
     )
     if result.superseded:
         click.echo(
-            f"{result.superseded} of them were redriven from the DLQ later: they are skipped and "
-            "their last redriven copies applied, as in the first run"
+            f"{result.superseded} of them {'was' if result.superseded == 1 else 'were'} redriven from the "
+            "DLQ later: skipped, and the last redriven copies applied, as in the first run"
         )
     if result.state_reset:
         done = "would be" if dry_run else "were"
@@ -317,19 +319,22 @@ def outbox_replay(
     preview = service.outbox_replay(app, ids, dead, all_rows, limit, dry_run=True)
     if not dry_run and preview.selected:
         if not yes:
-            click.confirm(f"Replay {len(preview.selected)} outbox row(s) of {app}?", abort=True, err=True)
+            rows = counted(len(preview.selected), "outbox row")
+            click.confirm(f"Replay {rows} of {app}?", abort=True, err=True)
         result = service.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
     else:
         result = preview
     if as_json:
         print_json(result)
     elif dry_run:
-        click.echo(f"would replay {len(result.selected)} row(s) (dry run, nothing changed)")
+        click.echo(f"would replay {counted(len(result.selected), 'row')} (dry run, nothing changed)")
     else:
-        click.echo(f"replayed {len(result.replayed)} of {len(result.selected)} selected row(s)")
+        click.echo(f"replayed {len(result.replayed)} of {counted(len(result.selected), 'selected row')}")
     if result.waiting:
+        waiting = ", ".join(map(str, result.waiting))
         click.echo(
-            f"partition(s) {', '.join(map(str, result.waiting))}: no worker of {app} applied the request "
+            f"{'partition' if len(result.waiting) == 1 else 'partitions'} {waiting}: "
+            f"no worker of {app} applied the request "
             f"within {wait_s:g}s; it stays queued until one owns them",
             err=True,
         )

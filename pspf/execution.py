@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from pspf import codec
+from pspf import codec, keys
 from pspf.app import Handler
 from pspf.codec import StateDecoder
 from pspf.context import Context, Emitted, StateSource
-from pspf.errors import DecodeError, StateError, StateValueError
+from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.outbox import Emitter
 from pspf.timers import PartitionTimers, ScheduledCall
@@ -46,6 +46,9 @@ class EntryMeta(NamedTuple):
     max_deliveries: int
     #: the handler's deadline from its whole policy (code, flags, variables); None: no deadline
     timeout_ms: int | None = None
+    #: the topic's partition count, to check that a keyed entry is in its key's partition;
+    #: 0: not checked
+    partitions: int = 0
 
 
 #: What an async handler's attempt that returned did: (key, new state or UNCHANGED, emits, schedules).
@@ -90,8 +93,23 @@ def state_result(ctx: Context) -> bytes | None:
     return new
 
 
+def check_partition(meta: EntryMeta, fields: dict[bytes, bytes]) -> None:
+    """WrongPartition when the entry has a key that ``CRC32(key) mod P`` puts in another partition."""
+    raw = fields.get(codec.KEY)
+    if raw is None or not meta.partitions:
+        return
+    home = keys.partition_for(raw, meta.partitions)
+    if home != meta.partition:
+        raise WrongPartition(
+            f"key {raw.decode(errors='replace')!r} belongs to partition {home} of topic "
+            f"{meta.topic!r} (CRC32 of the key mod {meta.partitions} partitions) but the entry is "
+            f"in partition {meta.partition}: its producer partitions keys another way"
+        )
+
+
 def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:
     count = meta.counts.get(id_b, 1)
+    check_partition(meta, fields)
     if id_b in meta.poison:
         raise PoisonEntry(
             f"delivered {count} times without an outcome (max_deliveries {meta.max_deliveries}): "

@@ -256,6 +256,10 @@ class StreamId(NamedTuple):
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"
 
+    def __repr__(self) -> str:
+        """As Redis writes it, also inside a dict or a list in a log line or a message."""
+        return f"{self.ms}-{self.seq}"
+
     def previous(self) -> StreamId:
         """The largest id before this one (an inclusive range end just below it)."""
         if self.seq == 0:

@@ -361,6 +361,7 @@ class BatchProcessor:
             read.poison,
             policy.max_deliveries or 1,
             policy.timeout_ms,
+            self.emitter.partitions(cursor.topic),
         )
 
         def stop(index: int, exc: BaseException) -> bool:

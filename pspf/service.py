@@ -52,6 +52,7 @@ from pspf.producer import Producer
 from pspf.retention import PartitionTrim, Retention
 from pspf.settings import Settings
 from pspf.state_stores import StateStore, StoreTransaction, open_store, stored_partitions
+from pspf.wording import counted
 
 _json_any = msgspec.json.Decoder()
 
@@ -423,7 +424,7 @@ class Service:
                 except ConfigError as exc:
                     producer.flush()
                     raise ConfigError(
-                        f"line {number}: {exc} ({producer.sent} entries written before it)"
+                        f"line {number}: {exc} ({counted(producer.sent, 'entry')} written before it)"
                     ) from None
                 producer.send_raw(topic, line, key)
         return producer.sent

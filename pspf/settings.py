@@ -8,7 +8,9 @@ the variable ``PSPF_BATCH_SIZE`` can never drift apart.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote_plus, urlsplit
 
@@ -93,10 +95,30 @@ class RetrySettings(msgspec.Struct, frozen=True, kw_only=True):
     timeout_ms: Annotated[int, msgspec.Meta(gt=0)] | None = None
 
 
+def default_state_dir() -> str:
+    """The state directory unless ``PSPF_STATE_DIR`` or ``--state-dir`` names one.
+
+    A per-user data directory, never one relative to the working directory, so that a worker and
+    the commands reading its stores find the same stores wherever they are started from:
+    ``$XDG_DATA_HOME/pspf/state`` (``~/.local/share/pspf/state`` without it) on Linux and other
+    Unix systems, ``~/Library/Application Support/pspf/state`` on macOS, and ``pspf/state`` under
+    ``%LOCALAPPDATA%`` on Windows.
+    """
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = str(Path.home() / "Library" / "Application Support")
+    else:
+        xdg = os.environ.get("XDG_DATA_HOME", "")
+        # The XDG spec: a relative path in the variable is invalid and is ignored.
+        base = xdg if os.path.isabs(xdg) else str(Path.home() / ".local" / "share")
+    return str(Path(base) / "pspf" / "state")
+
+
 class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Where and how state is kept."""
 
-    dir: str = "./state"
+    dir: str = msgspec.field(default_factory=default_state_dir)
     engine: Engine = "sqlite"
     durability: Durability = "normal"
     #: Keep each partition's state in Redis too, so that it follows the partition to any

@@ -177,10 +177,11 @@ class Worker:
         finally:
             self._close_metrics()
         log.info(
-            "worker stopped app=%s handled=%s skipped=%s failed=%s",
+            "worker stopped app=%s handled=%s skipped=%s dead_lettered=%s failed_attempts=%s",
             self.app.name,
             summary.handled,
             summary.skipped,
+            summary.dead_lettered,
             summary.failed,
         )
         return summary

@@ -44,6 +44,19 @@ def pytest_report_header() -> str:
     return f"test server: {binary}: {done.stdout.strip() or done.stderr.strip()}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's data directory, where the default state directory is: a temporary one.
+
+    Whatever runs with the default state dir, here or in a subprocess (which inherits it),
+    writes under it, never into the real home directory.
+    """
+    folder = tmp_path_factory.mktemp("user-data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", str(folder))
+        yield folder
+
+
 class RedisServer(LocalRedis):
     """A server process of the tests' own, with AOF so a restart keeps the streams."""
 

@@ -37,7 +37,10 @@ from tests.conftest import pspf_command
 APP_TARGET = "tests.crash.apps:main"
 #: The file engines the crash tests run with (``pspf run --store``).
 ENGINES = ["sqlite", "rocksdb"]
-SUMMARY = re.compile(rb"processed (\d+) entries \((\d+) already done, (\d+) failures[^)]*\)")
+SUMMARY = re.compile(
+    rb"processed (\d+) entr(?:y|ies) \((\d+) already done\), "
+    rb"(\d+) dead-lettered, (\d+) failed attempts? retried"
+)
 
 Records = list[tuple[str | None, Any]]
 
@@ -109,11 +112,14 @@ class WorkerProcess:
         return f"--- last lines of {self.log.name} ---\n" + "\n".join(text[-lines:])
 
     def summary(self) -> tuple[int, int, int]:
-        """(handled, already done, failures) from the final line of a run that returned."""
+        """(handled, already done, failures) from the final line of a run that returned.
+
+        failures: entries dead-lettered plus failed attempts retried (0: nothing failed).
+        """
         found = SUMMARY.findall(self.log.read_bytes())
         assert found, f"no summary line in the log\n{self.tail()}"
-        handled, skipped, failures = found[-1]
-        return int(handled), int(skipped), int(failures)
+        handled, skipped, dead, retried = found[-1]
+        return int(handled), int(skipped), int(dead) + int(retried)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

@@ -80,3 +80,22 @@ def slow() -> App:
             count(ctx)
 
     return app
+
+
+#: Attempts per entry id of ``flaky`` (the CLI tests run it in their own process).
+attempts: dict[str, int] = {}
+
+
+def flaky() -> App:
+    """Orders that say ``"fail": N`` fail their first N attempts; ``"fail": "always"`` every one."""
+    app = App(os.environ["PSPF_TEST_APP"])
+
+    @app.handler(os.environ["PSPF_TEST_TOPIC"])
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        attempts[ctx.id] = attempt = attempts.get(ctx.id, 0) + 1
+        fail = order.get("fail", 0)
+        if fail == "always" or attempt <= fail:
+            raise RuntimeError(f"attempt {attempt} fails")
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    return app

@@ -21,10 +21,10 @@ from pspf import Producer, Settings, Worker, keys
 from pspf.broker import Broker
 from pspf.cli import cli
 from pspf.embedded import LocalCluster
-from pspf.errors import BrokerError
+from pspf.errors import AuthenticationFailed, BrokerError
 from pspf.retention import Retention
 from pspf.service import Service
-from pspf.settings import RedisSettings
+from pspf.settings import RedisSettings, mask_url
 from tests.conftest import ROOT, Names, RedisServer, server_binary_under_test
 from tests.integration.failures_support import summing_app
 
@@ -218,6 +218,10 @@ def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Pat
 
         with pytest.raises(BrokerError):
             Service(settings("plain")).create_topic(topic, 4)
+        wrong = f"redis+cluster://clustered:not-the-pw@{hosts}"
+        with pytest.raises(AuthenticationFailed, match=r"authentication to Redis at .* failed") as refused:
+            Service(Settings.load({"PSPF_BROKER": wrong}, environ={})).list_topics()
+        assert "not-the-pw" not in str(refused.value)
         service = Service(settings("clustered"))
         service.create_topic(topic, 4)
         with Producer(settings=settings("clustered")) as producer:
@@ -226,3 +230,38 @@ def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Pat
         Worker(summing_app(app, topic), settings("clustered")).run(until_idle=True)
         assert sum(service.state_get(app, f"k{j}")["total"] for j in range(5)) == sum(range(200))
         assert service.trim_topic(topic, override=Retention(max_len=10)).removed > 0
+
+
+@pytest.mark.parametrize(
+    "login",
+    ["app:not-the-password", "nobody:not-the-password", ":not-the-password", ""],
+    ids=["wrong-password", "unknown-user", "password-only", "no-login"],
+)
+def test_a_wrong_password_or_user_is_an_authentication_failure(
+    own_server: RedisServer, login: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "cannot reach Redis": the server answered, and refused the login (one line, exit 3)."""
+    admin = own_server.client()
+    admin.execute_command("ACL", "SETUSER", "app", "reset", "on", ">the-password", "~*", "+@all")  # type: ignore[no-untyped-call]
+    admin.execute_command("ACL", "SETUSER", "default", "resetpass", ">default-password")  # type: ignore[no-untyped-call]
+    admin.close()
+    monkeypatch.chdir(ROOT)
+    url = f"redis://{login}{'@' if login else ''}127.0.0.1:{own_server.port}/0"
+    env = {
+        "PSPF_BROKER": url,
+        "PSPF_STATE_DIR": str(tmp_path / "state"),
+        "PSPF_TEST_TOPIC": "t",
+        "PSPF_TEST_APP": "a",
+    }
+    try:
+        for args in (["topic", "list"], ["run", "tests.integration.dlq_apps:make", "--until-idle"]):
+            result = CliRunner().invoke(cli, args, env=env)
+            assert result.exit_code == AuthenticationFailed.exit_code == 3, result.output
+            errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+            assert len(errors) == 1 and "Traceback" not in result.output, result.output
+            assert errors[0].startswith(f"Error: authentication to Redis at {mask_url(url)} failed")
+            assert "cannot reach" not in result.output
+            assert "not-the-password" not in result.output
+    finally:
+        with redis.Redis(port=own_server.port, password="default-password") as client:
+            client.execute_command("ACL", "SETUSER", "default", "nopass")  # type: ignore[no-untyped-call]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +178,16 @@ def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:
     assert zero.exit_code == 2 and "partitions must be" in one_line_error(zero)
     topic = names.topic()
     invoke("topic", "create", topic, "--partitions", "2")
+    # Another partition count: a usage error (exit 2, as for a bad argument), not the broker's 3.
     clash = invoke("topic", "create", topic, "--partitions", "3")
-    assert clash.exit_code == 3 and "exists with 2 partitions" in one_line_error(clash)
+    assert clash.exit_code == 2
+    assert one_line_error(clash) == (
+        f"Error: topic '{topic}' exists with 2 partitions, not 3: a topic's partition count is fixed "
+        "when it is created"
+    )
+    # The same count again: not an error, the topic is left as it is.
+    same = invoke("topic", "create", topic, "--partitions", "2")
+    assert same.exit_code == 0 and f"topic {topic} already exists with 2 partitions\n" in same.output
     unknown = invoke("topic", "describe", names.topic())
     assert unknown.exit_code == 4
 
@@ -188,3 +197,98 @@ def test_state_errors(invoke: Callable[..., Result], names: Names) -> None:
     assert never_ran.exit_code == 4 and "has never run" in one_line_error(never_ran)
     no_state = invoke("state", "list", names.app())
     assert no_state.exit_code == 4 and "no state for app" in one_line_error(no_state)
+
+
+def test_run_without_a_state_dir_uses_the_user_data_dir_and_says_so(
+    invoke: Callable[..., Result], names: Names, tmp_path: Path
+) -> None:
+    topic, app = names.topic(), names.app()
+    assert invoke("topic", "create", topic).exit_code == 0
+    assert invoke("produce", topic, "--key", "u1", '{"amount": 3}').exit_code == 0
+    data = tmp_path / "data"
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app, "PSPF_STATE_DIR": None, "XDG_DATA_HOME": str(data)}
+    ran = invoke("run", "tests.integration.cli_apps:make", "--until-idle", env=env)
+    assert ran.exit_code == 0, ran.output
+    want = data / "pspf" / "state"
+    assert f"state dir: {want}\n" in ran.output
+    assert (want / app).is_dir()
+    # the commands that read the stores find them there without being told
+    lagged = json.loads(invoke("lag", app, "--json", env=env).output)
+    assert [d["checkpoint"] for d in lagged["detail"]] == [d["last_id"] for d in lagged["detail"]]
+
+    other = tmp_path / "other"
+    target = "tests.integration.cli_apps:make"
+    given = invoke("run", target, "--until-idle", "--state-dir", str(other), env=env)
+    assert given.exit_code == 0, given.output
+    assert f"state dir: {other}\n" in given.output
+
+
+@pytest.fixture
+def root_log_level() -> Iterator[None]:
+    """Put the root logger's level back after a test that lets the CLI change it."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("root_log_level")
+@pytest.mark.parametrize(
+    ("args", "level"),
+    [
+        (["-v", "topic", "list"], logging.INFO),
+        (["topic", "list", "-v"], logging.INFO),
+        (["topic", "-v", "list"], logging.INFO),
+        (["topic", "list", "-vv"], logging.DEBUG),
+        (["-v", "topic", "list", "--verbose"], logging.DEBUG),
+        (["groups", "--verbose"], logging.INFO),
+    ],
+)
+def test_verbose_before_or_after_the_subcommand(
+    invoke: Callable[..., Result], args: list[str], level: int
+) -> None:
+    logging.getLogger().setLevel(logging.WARNING)
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert logging.getLogger().level == level
+
+
+def test_verbose_after_the_subcommand_shows_the_traceback(invoke: Callable[..., Result]) -> None:
+    result = invoke("run", "no_such_module_xyz:main", "-v")
+    assert result.exit_code == 2
+    assert "Traceback" in result.output
+
+
+def test_counts_of_one_are_singular(invoke: Callable[..., Result], names: Names) -> None:
+    topic = names.topic()
+    created = invoke("topic", "create", topic)
+    assert created.exit_code == 0 and f"topic {topic} created with 1 partition\n" in created.output
+    again = invoke("topic", "create", topic)
+    assert f"topic {topic} already exists with 1 partition\n" in again.output
+    many = invoke("topic", "create", names.topic(), "--partitions", "3")
+    assert "created with 3 partitions\n" in many.output
+    produced = invoke("produce", topic, "--key-field", "user", input='{"user": "u1", "amount": 1}\n')
+    assert produced.exit_code == 0 and "1 entry written\n" in produced.output
+    described = invoke("topic", "describe", topic)
+    assert f"topic {topic}: 1 partition, 1 entry\n" in described.output
+    partial = invoke("produce", topic, "--key-field", "user", input='{"user": "u1"}\n{"amount": 3}\n')
+    assert "(1 entry written before it)" in one_line_error(partial)
+
+
+def test_run_summary_counts_dead_letters_and_retries_apart(
+    invoke: Callable[..., Result], names: Names
+) -> None:
+    topic, app = names.topic(), names.app()
+    invoke("topic", "create", topic)
+    lines = "".join(json.dumps(order) + "\n" for order in [{}, {"fail": 1}, {"fail": "always"}])
+    assert invoke("produce", topic, input=lines).exit_code == 0
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app, "PSPF_RETRY_BASE_MS": "10"}
+    ran = invoke("run", "tests.integration.cli_apps:flaky", "--until-idle", env=env)
+    assert ran.exit_code == 0, ran.output
+    # 3 attempts in all for the one that always fails (2 retried, then the DLQ), 1 retry for the other
+    assert "processed 2 entries (0 already done), 1 dead-lettered, 3 failed attempts retried\n" in ran.output
+
+    single = invoke("produce", topic, '{"fail": 1}')
+    assert single.exit_code == 0
+    again = invoke("run", "tests.integration.cli_apps:flaky", "--until-idle", env=env)
+    assert "processed 1 entry (0 already done), 0 dead-lettered, 1 failed attempt retried\n" in again.output

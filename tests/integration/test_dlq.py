@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 from pspf import App, Context, Settings, Worker
 from pspf.cli import cli
 from pspf.failures import DeadLetter
-from pspf.keys import dlq_key, stream_key
+from pspf.keys import dlq_key, partition_for, stream_key
 from pspf.service import Service
 from tests.conftest import Names
 
@@ -212,7 +212,7 @@ def test_purge_and_error_paths(
     dry = invoke("dlq", "purge", topic, "--all", "--dry-run")
     assert "would delete 5 entries" in dry.output and rclient.xlen(dlq_key(topic, 0)) == 5
     one = invoke("dlq", "purge", topic, ids[0], "--yes")
-    assert one.exit_code == 0 and "deleted 1 entries" in one.output
+    assert one.exit_code == 0 and "deleted 1 entry" in one.output
     refused = invoke("dlq", "purge", topic, "--all")  # no --yes and no terminal: aborts, changes nothing
     assert refused.exit_code == 1 and rclient.xlen(dlq_key(topic, 0)) == 4
     everything = invoke("dlq", "purge", topic, "--all", "--yes")
@@ -234,3 +234,44 @@ def _dead_fields(topic: str, n: int) -> dict[bytes, bytes]:
         first_failed_ms=1,
         last_failed_ms=int(time.time() * 1000) - 60_000,
     ).to_fields()
+
+
+def test_entry_in_the_wrong_partition_goes_to_the_dlq_and_the_batch_goes_on(
+    invoke: Callable[..., Result],
+    names: Names,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    rclient: Any,
+) -> None:
+    """A producer that partitions otherwise puts a key where `pspf state get` never looks."""
+    topic, app = make_topic(4), names.app()
+    records = [(f"u{n % 5}", {"n": n, "amount": 1}) for n in range(40)]
+    produce(topic, records)
+    home = partition_for(b"u1", 4)
+    wrong = (home + 1) % 4
+    misplaced_id = rclient.xadd(
+        stream_key(topic, wrong), {"key": "u1", "value": json.dumps({"n": 99, "amount": 1000})}
+    ).decode()
+    # an entry without a key may sit in any partition
+    rclient.xadd(stream_key(topic, wrong), {"value": json.dumps({"n": 100, "amount": 7})})
+    env = {"PSPF_TEST_TOPIC": topic, "PSPF_TEST_APP": app}
+
+    done = invoke("run", "tests.integration.dlq_apps:make", "--until-idle", env=env)
+    assert done.exit_code == 0, done.output
+    assert "processed 41 entries" in done.output  # the 40 in place and the one without a key
+    assert "1 dead-lettered" in done.output
+
+    listed = json.loads(invoke("dlq", "list", topic, "--json").output)
+    assert len(listed) == 1
+    [dead] = listed
+    assert dead["error_type"] == "WrongPartition"
+    assert dead["attempts"] == 1
+    assert dead["key"] == "u1" and dead["source_id"] == misplaced_id
+    assert f"key 'u1' belongs to partition {home}" in dead["message"]
+    assert f"is in partition {wrong}" in dead["message"]
+    table = invoke("dlq", "list", topic)
+    assert table.exit_code == 0 and "WrongPartition" in table.output
+
+    for n in range(5):
+        got = json.loads(invoke("state", "get", app, f"u{n}", "--json").output)
+        assert got == {"total": 8, "count": 8}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -236,3 +237,31 @@ def test_handler_failure_stops_only_its_partition_until_it_succeeds(
     # The failed attempts' writes were dropped; order per key is kept.
     assert state == {f"k{k}": {"seq": [i for i in range(20) if i % 3 == k]} for k in range(3)}
     assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
+
+
+def test_logs_show_checkpoints_as_redis_ids(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    rclient: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic = make_topic(1)
+    produce(topic, [("u1", {"amount": 1}), ("u2", {"amount": 2})])
+    app = App(f"logs-{topic}")
+
+    @app.handler(topic)
+    def add(value: dict[str, Any], ctx: Context) -> None:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+
+    settings = make_settings()
+    assert Worker(app, settings).run(until_idle=True).handled == 2
+    [(last_id, _)] = rclient.xrevrange(stream_key(topic, 0), count=1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pspf"):
+        Worker(app, settings).run(until_idle=True)
+    assigned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partition assigned")]
+    assert assigned == [
+        f"partition assigned app={app.name} partition=0 checkpoints={{{topic!r}: {last_id.decode()}}}"
+    ]
+    assert "StreamId(" not in caplog.text

@@ -68,7 +68,7 @@ def test_non_utf8_key_value_topic_and_input_lines_are_one_line_errors(
     )
     assert code == 2
     assert "line 2: invalid JSON: not valid UTF-8" in _one_error_line(stderr)
-    assert "(1 entries written before it)" in stderr
+    assert "(1 entry written before it)" in stderr
     code, stderr = _pspf("produce", topic, redis_url=redis_url, stdin=lines)
     assert code == 2 and "line 2: invalid JSON: not valid UTF-8" in _one_error_line(stderr)
     assert rclient.xlen(stream_key(topic, 0)) + rclient.xlen(stream_key(topic, 1)) == 2

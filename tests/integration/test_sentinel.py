@@ -13,7 +13,7 @@ import redis
 
 from pspf import Producer, Settings, Worker
 from pspf.embedded import LocalSentinel
-from pspf.errors import BrokerError
+from pspf.errors import AuthenticationFailed, BrokerError
 from pspf.service import Service
 from tests.conftest import Names, server_binary_under_test
 from tests.integration.failures_support import summing_app
@@ -94,3 +94,13 @@ def test_an_unknown_master_name_is_one_clear_error(sentinel: LocalSentinel) -> N
     url = sentinel.url.replace("/pspf", "/nosuchmaster")
     with pytest.raises(BrokerError, match="No master found for 'nosuchmaster'"):
         Service(Settings.load({"PSPF_BROKER": url}, environ={})).create_topic("t", 1)
+
+
+def test_a_wrong_password_of_the_master_is_an_authentication_failure(sentinel: LocalSentinel) -> None:
+    for server in (sentinel.master, sentinel.replica):
+        with server.client() as admin:
+            admin.execute_command("ACL", "SETUSER", "app", "reset", "on", ">the-password", "~*", "+@all")  # type: ignore[no-untyped-call]
+    url = sentinel.url.replace("://", "://app:not-the-password@", 1)
+    with pytest.raises(AuthenticationFailed, match=r"authentication to Redis at .* failed") as refused:
+        Service(Settings.load({"PSPF_BROKER": url}, environ={})).list_topics()
+    assert "not-the-password" not in str(refused.value)

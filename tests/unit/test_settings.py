@@ -6,7 +6,15 @@ import pytest
 
 from pspf import App, Worker
 from pspf.errors import ConfigError
-from pspf.settings import BrokerAddress, RedisSettings, Settings, check_broker_url, mask_url, parse_broker_url
+from pspf.settings import (
+    BrokerAddress,
+    RedisSettings,
+    Settings,
+    check_broker_url,
+    default_state_dir,
+    mask_url,
+    parse_broker_url,
+)
 
 
 def test_defaults() -> None:
@@ -236,3 +244,27 @@ def test_tls_files_from_the_environment_and_their_checks(tmp_path: Path) -> None
         Settings.load({"PSPF_TLS_CERT_FILE": str(tmp_path / "missing.crt")}, environ=env)
     with pytest.raises(ConfigError, match="needs the certificate"):
         Settings.load({"PSPF_TLS_KEY_FILE": str(ca)}, environ=env)
+
+
+def test_default_state_dir_is_the_user_data_dir_wherever_the_command_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    want = str(tmp_path / "data" / "pspf" / "state")
+    for folder in (tmp_path, tmp_path / "elsewhere"):
+        folder.mkdir(exist_ok=True)
+        monkeypatch.chdir(folder)
+        assert Settings.load(environ={}).state.dir == want
+    assert default_state_dir() == want
+
+    # Without XDG_DATA_HOME (or with a relative one, which the spec says to ignore): ~/.local/share
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert default_state_dir() == str(tmp_path / "home" / ".local" / "share" / "pspf" / "state")
+    monkeypatch.setenv("XDG_DATA_HOME", "relative/data")
+    assert default_state_dir() == str(tmp_path / "home" / ".local" / "share" / "pspf" / "state")
+
+    # the variable and the flag still win
+    assert Settings.load(environ={"PSPF_STATE_DIR": "/env"}).state.dir == "/env"
+    assert Settings.load({"PSPF_STATE_DIR": "/flag"}, environ={"PSPF_STATE_DIR": "/env"}).state.dir == "/flag"

@@ -329,9 +329,14 @@ class TestApp:
         handler, policy = self.app.handlers[topic], self._policies[topic]
         batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
         id_b = todo[0][0]
-        max_deliveries = policy.max_deliveries or 1
         meta = EntryMeta(
-            topic, owned.partition, {id_b: attempt}, frozenset(), max_deliveries, policy.timeout_ms
+            topic,
+            owned.partition,
+            {id_b: attempt},
+            frozenset(),
+            policy.max_deliveries or 1,
+            policy.timeout_ms,
+            self.partitions,
         )
         decisions: list[tuple[Outcome, Failure]] = []
 

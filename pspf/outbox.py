@@ -57,7 +57,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -472,11 +472,17 @@ def rows_in_backup(values: Iterable[tuple[bytes, bytes]], app: str, partition: i
 # -- emitting ------------------------------------------------------------------------------------
 
 
+class Topics(Protocol):
+    """Where an emitter finds a topic's partition count: the broker (``pspf.testing``: its own)."""
+
+    def topic_partitions(self, topic: str) -> int: ...
+
+
 class Emitter:
     """Turns ``ctx.emit`` calls into rows: checks the topic, encodes, picks the partition."""
 
-    def __init__(self, broker: Broker, app: str) -> None:
-        self.broker = broker
+    def __init__(self, topics: Topics, app: str) -> None:
+        self.topics = topics
         self.app = app
         self._partitions: dict[str, int] = {}
 
@@ -486,7 +492,7 @@ class Emitter:
             return known
         try:
             keys.check_name("topic", topic)
-            count = self.broker.topic_partitions(topic)
+            count = self.topics.topic_partitions(topic)
         except (ConfigError, NotFound) as exc:
             raise EmitError(f"cannot emit to topic {topic!r}: {exc}") from None
         self._partitions[topic] = count

@@ -130,7 +130,7 @@ class TestApp:
         run_policy = policy_from(settings.retry)
         self._policies = {topic: h.retry.over(run_policy) for topic, h in app.handlers.items()}
         self._hooks = app.hooks or ProcessorHooks()
-        self._emitter = Emitter(self._topics, app.name)  # type: ignore[arg-type]
+        self._emitter = Emitter(self._topics, app.name)
         self._time = TimeKeeping(
             app,
             self._emitter,

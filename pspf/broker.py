@@ -158,22 +158,26 @@ class _Sentinel(Sentinel):
     """
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
+        """The master's address; an AuthenticationError when every sentinel refused the login."""
         reasons = []
+        refused = 0
         for number, sentinel in enumerate(self.sentinels):
             where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
             try:
                 masters = cast(dict[str, Any], sentinel.sentinel_masters())  # by name: RESP2
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 reasons.append(f"sentinel {where}: {exc}")
+                refused += isinstance(exc, redis.AuthenticationError)
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call]
                 # The sentinel that answered is asked first next time, as redis-py does.
                 self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
                 return state["ip"], state["port"]
-        raise MasterNotFoundError(
-            f"No master found for {service_name!r}" + "".join(f"; {r}" for r in reasons)
-        )
+        message = f"No master found for {service_name!r}" + "".join(f"; {r}" for r in reasons)
+        if refused and refused == len(self.sentinels):
+            raise redis.AuthenticationError(message)
+        raise MasterNotFoundError(message)
 
 
 def _connect(settings: RedisSettings, address: BrokerAddress, socket_timeout_s: float) -> Any:

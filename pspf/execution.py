@@ -109,15 +109,14 @@ def check_partition(meta: EntryMeta, fields: dict[bytes, bytes]) -> None:
 
 def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:
     count = meta.counts.get(id_b, 1)
-    check_partition(meta, fields)
     if id_b in meta.poison:
         raise PoisonEntry(
             f"delivered {count} times without an outcome (max_deliveries {meta.max_deliveries}): "
             "it may crash the worker"
         )
-    return Context(
-        meta.topic, meta.partition, id_b, entry_key(fields), count, fields.get(codec.HEADERS), source
-    )
+    key = entry_key(fields)  # a key that is not UTF-8 is a DecodeError, wherever it was written
+    check_partition(meta, fields)
+    return Context(meta.topic, meta.partition, id_b, key, count, fields.get(codec.HEADERS), source)
 
 
 def run_sync(

@@ -67,7 +67,7 @@ def assigned(supervisor: WorkerProcess) -> dict[int, set[int]]:
 
 def handled_by_children(supervisor: WorkerProcess) -> dict[int, int]:
     """Child pid -> entries it handled, from the summary line each child prints when it stops."""
-    return {int(pid): int(handled) for _, pid, handled, _, _ in CHILD_SUMMARY.findall(log_text(supervisor))}
+    return {int(pid): int(handled) for _, pid, handled, *_ in CHILD_SUMMARY.findall(log_text(supervisor))}
 
 
 def alive(pid: int, consumer: str) -> bool:

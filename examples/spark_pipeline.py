@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples.order_totals import app  # noqa: E402
-from pspf import Settings, Worker  # noqa: E402
+from pspf import PSPFError, Settings, Worker  # noqa: E402
 from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
@@ -59,12 +59,20 @@ def main() -> int:
     parser.add_argument("--orders", type=int, default=100_000)
     parser.add_argument("--master", default="local[2]", help="Spark master (default: local[2])")
     args = parser.parse_args()
+    try:
+        return pipeline(args.broker, args.orders, args.master)
+    except PSPFError as exc:  # a user's error (a server that cannot start, a bad URL): one line
+        print(f"Error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def pipeline(broker: str | None, orders: int, master: str) -> int:
     with tempfile.TemporaryDirectory(prefix="pspf-spark-") as tmp:
-        if args.broker:
-            return run(args.broker, Path(tmp), args.orders, args.master)
+        if broker:
+            return run(broker, Path(tmp), orders, master)
         with LocalRedis(Path(tmp) / "redis") as server:
             print(f"started a local {server.release} server at {server.url}")
-            return run(server.url, Path(tmp), args.orders, args.master)
+            return run(server.url, Path(tmp), orders, master)
 
 
 # -- the input ----------------------------------------------------------------------------------

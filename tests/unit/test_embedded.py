@@ -83,10 +83,11 @@ def test_the_environment_variable_naming_no_program_is_one_clear_error(
         redis_server_binary()
 
 
-def test_the_demo_says_so_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("example", ["demo.py", "spark_pipeline.py"])
+def test_the_examples_say_so_in_one_line(tmp_path: Path, example: str) -> None:
     env = subprocess_env(PSPF_REDIS_SERVER=str(tmp_path / "no-such-server"))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py")],
+        [sys.executable, str(ROOT / "examples" / example)],
         env=env,
         capture_output=True,
         text=True,

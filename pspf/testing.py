@@ -23,6 +23,7 @@ as a worker would read them. For tests against a real server, the pytest plugin
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Mapping
 from datetime import datetime, timedelta
@@ -141,6 +142,7 @@ class TestApp:
             self._clock,
         )
         self._owned = {p: self._partition(p) for p in range(self.partitions)}
+        self._round_robin = itertools.cycle(range(self.partitions))  # keyless entries, as Producer
         self._last_ids: dict[str, StreamId] = {}
         self._queue: deque[tuple[str, int, bytes, dict[bytes, bytes]]] = deque()
         self._emitted: dict[str, list[EmittedEntry]] = {}
@@ -195,7 +197,7 @@ class TestApp:
         fields = dict(fields)
         raw_key = fields.get(codec.KEY)
         if raw_key is None:
-            partition = self.counts.read % self.partitions
+            partition = next(self._round_robin)
         else:
             partition = keys.partition_for(raw_key, self.partitions)
         entry_id = self._append(topic, partition, fields)

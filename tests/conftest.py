@@ -20,6 +20,7 @@ from pspf import Producer, Settings, Worker
 from pspf.broker import Broker
 from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary
 from pspf.errors import ConfigError
+from pspf.service import Service
 from pspf.settings import parse_broker_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,6 +164,19 @@ def make_settings(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
         return Settings.load(values, environ={})
 
     return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return make_settings()
+
+
+@pytest.fixture
+def service(settings: Settings) -> Iterator[Service]:
+    """The service layer the CLI, the admin API and its page share, over the test server."""
+    found = Service(settings)
+    yield found
+    found.close()
 
 
 @pytest.fixture

@@ -60,18 +60,6 @@ def watcher(name: str, orders: str) -> App:
 
 
 @pytest.fixture
-def settings(make_settings: Callable[..., Settings]) -> Settings:
-    return make_settings()
-
-
-@pytest.fixture
-def service(settings: Settings) -> Iterator[Service]:
-    found = Service(settings)
-    yield found
-    found.close()
-
-
-@pytest.fixture
 def base_url(service: Service) -> Iterator[str]:
     yield from serve(service, TOKEN)
 

@@ -77,18 +77,6 @@ class World:
 
 
 @pytest.fixture
-def settings(make_settings: Callable[..., Settings]) -> Settings:
-    return make_settings()
-
-
-@pytest.fixture
-def service(settings: Settings) -> Iterator[Service]:
-    found = Service(settings)
-    yield found
-    found.close()
-
-
-@pytest.fixture
 def api(service: Service) -> Iterator[TestClient[Any]]:
     with TestClient(create_app(service, token=TOKEN)) as client:
         yield client

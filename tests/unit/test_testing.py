@@ -287,3 +287,17 @@ def test_the_harness_moves_only_its_own_clock_and_refuses_bad_arguments() -> Non
         t.advance()
     assert abs(Clock().wall_ms() - datetime.now(UTC).timestamp() * 1000) < 60_000
     assert isinstance(EmittedEntry("t", 0, None, 1, {}), EmittedEntry)
+
+
+def test_keyless_entries_go_to_the_partitions_in_turn() -> None:
+    app = App("keyless")
+
+    @app.handler("in")
+    def echo(value: int, ctx: Context) -> None:
+        ctx.emit("out", {"n": value, "from": ctx.partition})  # no key: this entry's partition
+
+    with TestApp(app, partitions=3, topics={"out": 3}) as t:
+        for n in range(6):
+            t.send("in", n)
+        assert [e["from"] for e in t.emitted("out")] == [0, 1, 2, 0, 1, 2]
+        assert [e.partition for e in t.emitted_entries("out")] == [0, 1, 2, 0, 1, 2]

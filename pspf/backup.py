@@ -47,8 +47,16 @@ import msgspec
 
 from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
-from pspf.errors import BrokerError, LeaseLost
-from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, ZERO_ID, BackupKeys, StreamId
+from pspf.errors import BackupDamaged, BrokerError, LeaseLost, StateError
+from pspf.keys import (
+    BACKUP_IDENTITY,
+    BACKUP_MARK,
+    BACKUP_MARKED,
+    BACKUP_NAMESPACE,
+    ZERO_ID,
+    BackupKeys,
+    StreamId,
+)
 from pspf.state_stores.base import Journal
 
 if TYPE_CHECKING:
@@ -82,7 +90,10 @@ def _order(identity: str) -> tuple[int, int] | None:
 class Restored(NamedTuple):
     """What reconciling a store with the backup did."""
 
-    action: str  # "in sync", "caught up", "restored", "uploaded", "fresh"
+    #: "in sync", "caught up", "restored"; "missing" and "damaged" (the store is to be uploaded,
+    #: once it is known not to be behind its group: ``PartitionBackup.upload``, which says
+    #: "uploaded", or "fresh" for a store with nothing yet)
+    action: str
     #: values restored or uploaded; updates applied when caught up
     amount: int
     seconds: float
@@ -287,6 +298,7 @@ class PartitionBackup:
         self.broker = broker
         self.group = group
         self.topic = topic
+        self.partition = partition
         self.stream = keys.stream_key(topic, partition)
         self.keys = keys.backup_keys(topic, partition, group)
         self.lease_key = lease_key
@@ -297,6 +309,8 @@ class PartitionBackup:
         #: and those of calls that may or may not have run (empty before the takeover's reconcile)
         self.held: set[str] = set()
         self._pending = ""
+        #: the owner's store (set when it is reconciled with the backup)
+        self.store: StateStore | None = None
 
     # -- per batch ------------------------------------------------------------------------------
 
@@ -377,23 +391,33 @@ class PartitionBackup:
     def reconcile(
         self, store: StateStore, topics: Iterable[str], keep_alive: Callable[[], None] = lambda: None
     ) -> Restored:
-        """Make the store equal to the backup (or the backup to the store, when there is none).
+        """Make the store equal to the backup; "missing" or "damaged" when the store must be uploaded.
 
-        ``keep_alive`` is called between the pages of a restore or an upload: one that lasts
-        longer than the lease must renew it there (it raises LeaseLost when the lease is gone).
+        Uploading is left to the caller: only a store known not to be behind its consumer group
+        may become the backup (a refused takeover must not replace the only good copy). A damaged
+        backup (its values hash gone, its meta kept) is refused unless this store is current: at
+        the backup's identity or ahead of it in the same owner's history.
+        ``keep_alive`` is called between the pages of a restore: one that lasts longer than the
+        lease must renew it there (it raises LeaseLost when the lease is gone).
         """
         started = time.perf_counter()
+        self.store = store
         meta = self.broker.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
         local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
         local_identity = "" if local is None else local.decode()
         if not backup_identity:
-            values = self._upload(store, keep_alive)
-            action = "uploaded" if values or store.checkpoints() else "fresh"
-            return Restored(action, values, time.perf_counter() - started)
+            return Restored("missing", 0, time.perf_counter() - started)
         # Identities stay unique even when the fencing token was reset by hand.
         order = _order(backup_identity)
         self.journal.seq = order[1] if order is not None else 0
+        if (
+            meta.get(BACKUP_MARKED)
+            and self.broker.backup_value(self.keys.values, BACKUP_MARK) != backup_identity.encode()
+        ):
+            if not _current(local_identity, backup_identity):
+                raise StateError(self._damaged(local_identity, backup_identity))
+            return Restored("damaged", 0, time.perf_counter() - started)
         self.held = {backup_identity}  # the store is made equal to it below
         if local_identity == backup_identity:
             return Restored("in sync", 0, time.perf_counter() - started)
@@ -414,6 +438,42 @@ class PartitionBackup:
         if restored is None:  # the backup went while we looked: only a stopped app's is deleted
             raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
         return Restored("restored", restored[0], time.perf_counter() - started)
+
+    def _damaged(self, local_identity: str, backup_identity: str) -> str:
+        return (
+            f"the state backup of app {self.group!r} partition {self.keys.values} is damaged: its values "
+            f"hash is missing or not at the identity its meta holds ({backup_identity}), deleted by hand "
+            f"or evicted. This state dir's store is at {local_identity or 'no identity'}, so it cannot "
+            "stand in for it. Nothing was processed. Run the worker with the state dir that last owned "
+            "the partition (its store is at that identity or after it): it uploads its store again; "
+            "or replay the app (pspf replay) to rebuild its state from the stream"
+        )
+
+    def upload(self, store: StateStore, keep_alive: Callable[[], None] = lambda: None) -> Restored:
+        """Make the whole store the backup, under a new identity (a backup missing or damaged)."""
+        started = time.perf_counter()
+        values = self._upload(store, keep_alive)
+        action = "uploaded" if values or store.checkpoints() else "fresh"
+        return Restored(action, values, time.perf_counter() - started)
+
+    def repaired(self, request: AckRequest) -> tuple[int, int] | LeaseLost:
+        """Upload the store after the backup was found damaged, then acknowledge without an update.
+
+        Only the owner calls it, under its lease: its store holds every batch the backup held and
+        the ones after, so it is current and the whole of it replaces what is left.
+        """
+        log.error(
+            "the state backup %s is damaged (its values hash is gone or not at its meta's identity: "
+            "deleted or evicted): uploading the whole store again",
+            self.keys.values,
+        )
+        self._pending = ""
+        assert self.store is not None
+        self._upload(self.store, lambda: None)
+        if not request.ids and not request.dead:
+            return (0, 0)
+        (reply,) = self.broker.ack([request._replace(backup=None)])
+        return reply
 
     def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
         """Copy a whole store into an empty backup under a new identity (the store's first)."""
@@ -448,8 +508,22 @@ class PartitionBackup:
 
     def _send(self, request: AckRequest) -> None:
         (reply,) = self.broker.ack([request])
+        if isinstance(reply, BackupDamaged):
+            reply = self.repaired(request)
         if isinstance(reply, LeaseLost):
             raise reply
+
+
+def _current(local: str, backup: str) -> bool:
+    """Whether a store at identity ``local`` holds all a backup at ``backup`` held.
+
+    So when equal, or ahead in the same owner's history (the same fencing token: no later owner
+    wrote the backup since, so the store's extra batches are its own, their entries unacknowledged).
+    """
+    mine, theirs = _order(local), _order(backup)
+    return local == backup or (
+        mine is not None and theirs is not None and mine[0] == theirs[0] and mine >= theirs
+    )
 
 
 def delete_backup(broker: Broker, topic: str, partition: int, group: str) -> None:

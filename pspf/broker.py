@@ -29,6 +29,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 from pspf import keys
 from pspf.errors import (
     AuthenticationFailed,
+    BackupDamaged,
     BackupWentBack,
     BrokerError,
     BrokerUnavailable,
@@ -625,6 +626,11 @@ class Broker:
 
     # -- consuming ------------------------------------------------------------------------------
 
+    def move_last_id(self, stream: str, last_id: str) -> None:
+        """Raise an existing stream's last generated id to ``last_id`` (XSETID)."""
+        with self.translate_errors(stream):
+            self.client.execute_command("XSETID", stream, last_id)
+
     def ensure_group(self, stream: str, group: str, start_id: str) -> None:
         """Create the consumer group (and the stream) unless it exists."""
         with self.translate_errors(stream):
@@ -940,6 +946,9 @@ class Broker:
                 if str(reply).startswith("BACKUP_WENT_BACK"):
                     results.append(BackupWentBack(str(reply)))
                     continue
+                if str(reply).startswith("BACKUP_DAMAGED"):
+                    results.append(BackupDamaged(str(reply)))
+                    continue
                 with self.translate_errors():
                     raise reply
             results.append((int(reply[0]), int(reply[1])))
@@ -955,15 +964,24 @@ class Broker:
         partition.
         """
         leases = [r.lease_key for r in requests]
-        metas = [r.backup.keys.meta for r in requests if r.backup is not None]
+        fenced = [r.backup for r in requests if r.backup is not None]
+        backup_keys = [key for b in fenced for key in (b.keys.meta, b.keys.values)]
         with self._raw_connection(cast(redis.Redis, self.client)) as send:
-            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *metas), ("MGET", *leases)]
-            replies = send(reads + [("HGET", meta, "identity") for meta in metas])
-            held, identities = replies[1], replies[2:]
-            fenced = [r.backup for r in requests if r.backup is not None]
-            if any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True)) or any(
-                b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
-            ):
+            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
+            reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
+            reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
+            replies = send(reads)
+            held, heads, marks = replies[1], replies[2 : 2 + len(fenced)], replies[2 + len(fenced) :]
+            identities = [identity for identity, _ in heads]
+            if (
+                any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
+                or any(
+                    b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
+                )
+                or any(
+                    marked and mark != identity for (identity, marked), mark in zip(heads, marks, strict=True)
+                )
+            ):  # the script says which: a lost lease, a backup gone back or damaged
                 send([("UNWATCH",)])
                 return None
             commands: list[tuple[Any, ...]] = [("MULTI",)]
@@ -1147,6 +1165,11 @@ class Broker:
             raw = self.client.hgetall(meta_key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
+    def set_backup_field(self, meta_key: str, name: str, value: str) -> None:
+        """Record a fact about a backup in its meta (its partition count)."""
+        with self.translate_errors(meta_key):
+            self.client.hset(meta_key, name, value)
+
     def backup_head(self, backup: keys.BackupKeys) -> tuple[dict[str, str], bytes | None]:
         """A backup's meta and the id of its log's last entry, read in one atomic step."""
         with self.translate_errors(backup.meta):
@@ -1186,6 +1209,7 @@ class Broker:
                     tuple[int, dict[bytes, bytes]],
                     self.client.hscan(key, cursor, match=match, count=count),
                 )
+            page.pop(keys.BACKUP_MARK, None)
             if page:
                 yield list(page.items())
             if cursor == 0:
@@ -1217,12 +1241,11 @@ class Broker:
             pipe = self._on(backup.values).pipeline(transaction=True)
             for start in range(0, len(gone), _CLAIM_COUNT):
                 pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
-            if values:
-                pipe.hset(backup.values, mapping=dict(values))  # type: ignore[arg-type]
+            pipe.hset(backup.values, mapping={**values, keys.BACKUP_MARK: identity.encode()})  # type: ignore[dict-item]
             dropped = [f"cp:{topic}" for topic, cid in checkpoints.items() if cid is None]
             if dropped:
                 pipe.hdel(backup.meta, *dropped)
-            meta: dict[str | bytes, str | bytes] = {keys.BACKUP_IDENTITY: identity}
+            meta: dict[str | bytes, str | bytes] = {keys.BACKUP_IDENTITY: identity, keys.BACKUP_MARKED: "1"}
             meta.update({f"cp:{topic}": str(cid) for topic, cid in checkpoints.items() if cid is not None})
             pipe.hset(backup.meta, mapping=meta)  # type: ignore[arg-type]
             pipe.delete(backup.log)
@@ -1652,13 +1675,14 @@ def log_data(b: BackupUpdate) -> bytes:
 def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
     """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry."""
     commands: list[tuple[Any, ...]] = []
-    if b.sets:
-        commands.append(("HSET", b.keys.values, *b.sets))
     if b.deletes:
         commands.append(("HDEL", b.keys.values, *b.deletes))
+    sets = [*b.sets, keys.BACKUP_MARK, b.identity] if b.identity else b.sets
+    if sets:
+        commands.append(("HSET", b.keys.values, *sets))
     meta: list[Any] = [x for topic, checkpoint in b.checkpoints.items() for x in ("cp:" + topic, checkpoint)]
     if b.identity:
-        meta += ["identity", b.identity]
+        meta += ["identity", b.identity, keys.BACKUP_MARKED, "1"]
     if meta:
         commands.append(("HSET", b.keys.meta, *meta))
     if BACKUP_LOG_LENGTH > 0:

@@ -69,6 +69,14 @@ class GroupMissing(BrokerError):
     """The app's consumer group vanished from a stream under a running worker."""
 
 
+class BrokerDataLost(BrokerError):
+    """The server lost what an app's state depends on (its group and backup, or its record).
+
+    A restart without persistence, a flush or eviction. The worker stops: going on would mix
+    partitions that kept their state with partitions that lost it.
+    """
+
+
 class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 
@@ -83,6 +91,14 @@ class BackupWentBack(LeaseLost):
     A fail-over to a replica that had not caught up does that. The partition is given up like a
     lost lease, and taking it again rebuilds the store from the backup, which matches the
     server's streams.
+    """
+
+
+class BackupDamaged(LeaseLost):
+    """The partition's state backup lacks its values (deleted or evicted) while its meta remains.
+
+    Its owner uploads its store again (``PartitionBackup.repaired``); anyone else gives the
+    partition up like a lost lease.
     """
 
 

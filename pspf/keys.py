@@ -33,9 +33,18 @@ CONSUMERS_NAMESPACE = "__consumers"
 #: "topic/id": run although the checkpoint passed them, then forgotten in the same commit.
 FOREIGN_NAMESPACE = "__foreign"
 #: The identity of the last batch committed (``BACKUP_IDENTITY``): what the state backup is
-#: compared with at takeover. Never copied to the backup itself.
+#: compared with at takeover.
 BACKUP_NAMESPACE = "__backup"
 BACKUP_IDENTITY = "identity"
+#: The backup's values hash holds its identity too, under this field, set in the same call as its
+#: meta's: a values hash deleted or evicted on its own is noticed before anything is written to
+#: it. Readers of the values skip it (``Broker.backup_values``).
+BACKUP_MARK = f"{BACKUP_NAMESPACE}\x00{BACKUP_IDENTITY}".encode()
+#: Meta field: the values hash carries ``BACKUP_MARK`` (a backup from before it does not).
+BACKUP_MARKED = "marked"
+#: Meta field, and store key under ``BACKUP_NAMESPACE``: the partition count the state was built
+#: for (a key's partition depends on it).
+BACKUP_PARTITIONS = "partitions"
 #: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
 #: the copy's id). A replay that delivers both marks them: they are done without a handler, so
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pspf import keys
-from pspf.backup import PartitionBackup, delete_backup
+from pspf.backup import PartitionBackup, Restored, delete_backup
 from pspf.broker import Broker, Fields, StreamInfo
-from pspf.errors import BrokerError, StateError
+from pspf.errors import BrokerDataLost, BrokerError, StateError
 from pspf.failures import Failure
-from pspf.keys import ZERO_ID, StreamId
+from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, ZERO_ID, StreamId
 from pspf.outbox import PartitionOutbox
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
@@ -240,6 +240,22 @@ class OwnedPartition:
             self.consumers.add(consumer)
 
 
+def check_partition_count(
+    group: str, topics: list[str], recorded: bytes | str | int | None, count: int, where: str
+) -> None:
+    """Refuse state built for another partition count: its keys would be in other partitions."""
+    if recorded is None or int(recorded) == count:
+        return
+    names = ", ".join(repr(t) for t in topics)
+    raise StateError(
+        f"the state of app {group!r} was built for {int(recorded)} partitions ({where} says so) but "
+        f"topic {names} has {count} partitions now: the count was changed behind PSPF's back (a "
+        "topic deleted and created again). Keys would land in partitions whose state does not "
+        f"hold them, so nothing was processed. Create the topic again with {int(recorded)} "
+        "partitions, or replay the app (pspf replay) to rebuild its state"
+    )
+
+
 def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
     """Refuse a stream whose last id is below the checkpoint, before anything more is acknowledged.
 
@@ -279,10 +295,13 @@ class Partitions:
         self.backup = backup
 
     def take(
-        self, partition: int, leases: Leases, keep_alive: Callable[[], None] = lambda: None
+        self, partition: int, leases: Leases, count: int, keep_alive: Callable[[], None] = lambda: None
     ) -> OwnedPartition:
         """Open the partition's store, check its streams and claim their pending entries.
 
+        ``count`` is the topics' partition count now: state built for another count is refused.
+        The store is made equal to the backup first; only a store known not to be behind its
+        consumer group becomes the backup (where there is none, or it is damaged).
         An entry pending at a consumer outside the store's history, at or below the checkpoint,
         was never applied here (a foreign consumer of the group took it): it is marked, durably
         and before the claim, so it runs. A store from before the history was kept (checkpoints
@@ -291,12 +310,14 @@ class Partitions:
         """
         store = self.open_store(self.group, partition)
         try:
-            backup = self._reconcile(store, partition, leases, keep_alive)
+            self._check_count(store.get(BACKUP_NAMESPACE, BACKUP_PARTITIONS), count, "its store")
+            backup, done = self._reconcile(store, partition, leases, keep_alive)
             checkpoints = store.checkpoints()
             streams = {}
             for topic, lease_value in leases.items():
                 stream = keys.stream_key(topic, partition)
-                info = self.check_stream(stream, checkpoints.get(topic))
+                lost = backup is not None and done.action == "missing"
+                info = self.check_stream(stream, checkpoints.get(topic), backup_lost=lost)
                 self._refuse_behind(stream, info, partition, topic, checkpoints.get(topic))
                 streams[stream] = StreamCursor(
                     topic=topic,
@@ -307,6 +328,9 @@ class Partitions:
                     lease_value=lease_value,
                     checkpoint=checkpoints.get(topic),
                 )
+            if backup is not None:
+                self._settle_backup(backup, store, done, keep_alive, count)
+            store.write({(BACKUP_NAMESPACE, BACKUP_PARTITIONS): str(count).encode()}, {})
             outbox = PartitionOutbox(store, self.group, partition, self.consumer)
             owned = OwnedPartition(partition, store, streams, outbox, backup=backup)
             owned.load_bookkeeping()
@@ -316,6 +340,9 @@ class Partitions:
             raise
         log.info("partition assigned app=%s partition=%s checkpoints=%s", self.group, partition, checkpoints)
         return owned
+
+    def _check_count(self, recorded: bytes | str | None, count: int, where: str) -> None:
+        check_partition_count(self.group, self.topics, recorded, count, where)
 
     def _claim_pending(self, owned: OwnedPartition) -> None:
         legacy = not owned.consumers and any(c.checkpoint is not None for c in owned.streams.values())
@@ -343,7 +370,7 @@ class Partitions:
 
     def _reconcile(
         self, store: StateStore, partition: int, leases: Leases, keep_alive: Callable[[], None]
-    ) -> PartitionBackup | None:
+    ) -> tuple[PartitionBackup | None, Restored]:
         """Make the store equal to the partition's backup (see ``pspf.backup``).
 
         With the backup off, the backup is dropped instead: it would go stale.
@@ -351,7 +378,7 @@ class Partitions:
         topic = self.topics[0]
         if not self.backup:
             delete_backup(self.broker, topic, partition, self.group)
-            return None
+            return None, Restored("off", 0, 0.0)
         backup = PartitionBackup(
             self.broker,
             self.group,
@@ -361,22 +388,46 @@ class Partitions:
             leases[topic],
         )
         done = backup.reconcile(store, self.topics, keep_alive)
+        store.journal = backup.journal
+        return backup, done
+
+    def _settle_backup(
+        self,
+        backup: PartitionBackup,
+        store: StateStore,
+        done: Restored,
+        keep_alive: Callable[[], None],
+        count: int,
+    ) -> None:
+        """Upload a store that passed the stream checks where the backup is missing or damaged."""
+        if done.action in ("missing", "damaged"):
+            if done.action == "damaged":
+                log.error(
+                    "the state backup of app %s partition %s lost its values (deleted or evicted): "
+                    "this store is current, uploading it again",
+                    self.group,
+                    backup.partition,
+                )
+            done = backup.upload(store, keep_alive)
+        meta = self.broker.backup_meta(backup.keys.meta)
+        self._check_count(meta.get(BACKUP_PARTITIONS), count, "its state backup")
+        if BACKUP_PARTITIONS not in meta:
+            self.broker.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
         detail = {
             "in sync": "(the store matches it: nothing to restore)",
             "caught up": f"updates={done.amount} (from its log: no full restore)",
             "restored": f"values={done.amount} (a full restore)",
-            "uploaded": f"values={done.amount} (there was none)",
-        }.get(done.action, "(nothing to restore yet)")
+            "uploaded": f"values={done.amount} (there was none, or it had lost its values)",
+            "fresh": "(nothing to back up yet)",
+        }[done.action]
         log.info(
             "state backup %s app=%s partition=%s %s in %.3fs",
             done.action,
             self.group,
-            partition,
+            backup.partition,
             detail,
             done.seconds,
         )
-        store.journal = backup.journal
-        return backup
 
     def _refuse_behind(
         self, stream: str, info: StreamInfo, partition: int, topic: str, checkpoint: StreamId | None
@@ -403,14 +454,30 @@ class Partitions:
             f"(pspf replay) to rebuild its state from the stream"
         )
 
-    def check_stream(self, stream: str, checkpoint: StreamId | None) -> StreamInfo:
+    def check_stream(self, stream: str, checkpoint: StreamId | None, backup_lost: bool = False) -> StreamInfo:
         """Refuse a stream that went back below the checkpoint, and re-create a deleted group.
 
         A group deleted while the app was away is re-created at the checkpoint, never at ``$``:
-        entries after the checkpoint must still be processed.
+        entries after the checkpoint must still be processed. With the state backup gone as
+        well (``backup_lost``), Redis lost the app's data: nothing can show the store is current.
         """
         info = self.broker.stream_info(stream)
         check_tail(stream, info.last_id, checkpoint)
+        if self.group not in info.groups and backup_lost:
+            # A worker creates the groups of every partition before it takes any: the app ran here.
+            held = (
+                f"this store applied entries up to {checkpoint}"
+                if checkpoint
+                else "this machine has no store of it"
+            )
+            raise BrokerDataLost(
+                f"the server no longer has app {self.group!r}'s consumer group on {stream} nor the "
+                f"partition's state backup ({held}): Redis lost its data (a restart without "
+                "persistence, a flush, eviction) or they were deleted. Nothing was processed. To "
+                "keep the stores' state and go on with what the server holds now, run `pspf state "
+                f"adopt {self.group}` on every machine that holds stores of the app, then start the "
+                "workers (see the README's guarantee section)"
+            )
         if self.group not in info.groups:
             start = str(checkpoint or "0")
             log.error(

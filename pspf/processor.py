@@ -49,7 +49,7 @@ from pspf.app import App
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest, Broker, Fields
 from pspf.delivery import Delivery, Read, parked
-from pspf.errors import LeaseLost
+from pspf.errors import BackupDamaged, LeaseLost
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.keys import StreamId, entry_name
@@ -513,11 +513,13 @@ class BatchProcessor:
         lost = set()
         for request, reply in zip(requests, replies, strict=True):
             partition = self._by_stream[request.stream].partition
+            backup = self.owned[partition].backup
+            if isinstance(reply, BackupDamaged) and backup is not None:
+                reply = backup.repaired(request)
             if isinstance(reply, LeaseLost):
                 self._lease_lost(request.stream, str(reply), result)
                 lost.add(partition)
                 continue
-            backup = self.owned[partition].backup
             if request.backup is not None and backup is not None:
                 backup.sent()
             if request.dead:

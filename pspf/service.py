@@ -48,6 +48,7 @@ from pspf.outbox import (
     rows_in_backup,
     rows_in_store,
 )
+from pspf.ownership import check_partition_count
 from pspf.producer import Producer
 from pspf.retention import PartitionTrim, Retention
 from pspf.settings import Settings
@@ -191,6 +192,16 @@ class AppLag(msgspec.Struct, frozen=True, kw_only=True):
     #: why the figures are missing (``groups`` lists an app it cannot read, e.g. a key of the
     #: wrong type, instead of failing for every app)
     error: str | None = None
+
+
+class AdoptResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``state_adopt`` did: per partition adopted, where its groups now start."""
+
+    app: str
+    #: partition -> topic -> the consumer group's start (the store's checkpoint, or "0")
+    adopted: dict[int, dict[str, str]]
+    #: partitions left alone: their group or state backup is still on the server
+    kept: list[int]
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -962,6 +973,70 @@ class Service:
             return self.broker.app_partitions(app)
         except NotFound:
             return 0
+
+    def state_adopt(
+        self, app: str, partitions: Sequence[int] = (), topics: Sequence[str] = ()
+    ) -> AdoptResult:
+        """Take the stores here as an app's state on a server that lost its groups and backups.
+
+        For each partition with a store here (and each of ``partitions`` without one, which
+        starts anew): its consumer groups are created at the store's checkpoints, past which the
+        streams' last ids are moved, and the app is recorded with its partition count. The next
+        worker uploads each store as the backup. Partitions whose group or backup the server
+        still has are left alone: their state is there. The app must be stopped.
+        """
+        keys.check_name("app", app)
+        state = self.settings.state
+        local = stored_partitions(state.engine, state.dir, app)
+        stores: dict[int, tuple[dict[str, StreamId], int | None]] = {}
+        for partition in local:
+            with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                built = store.get(keys.BACKUP_NAMESPACE, keys.BACKUP_PARTITIONS)
+                stores[partition] = store.checkpoints(), None if built is None else int(built)
+        read = sorted(
+            {*topics, *self.broker.app_topics(app), *(t for cps, _ in stores.values() for t in cps)}
+        )
+        if not read:
+            raise ParameterError(
+                "no store of app {app} under {dir} and no topic named: give the app's topics with {topics}",
+                app=repr(app),
+                dir=state.dir,
+            )
+        counts = {topic: self.broker.topic_partitions(topic) for topic in read}
+        count = next(iter(counts.values()))
+        if len(set(counts.values())) > 1:
+            raise ConfigError(f"the topics of app {app!r} must have the same partition count: {counts}")
+        for partition, (_, recorded) in stores.items():
+            check_partition_count(app, read, recorded, count, f"the store of partition {partition}")
+        self._refuse_if_running(app, read, count)
+        adopted: dict[int, dict[str, str]] = {}
+        kept: list[int] = []
+        for partition in sorted({*local, *partitions}):
+            if partition >= count:
+                raise ParameterError.invalid(
+                    "partitions", f"{partition} is not one of the {count} partitions"
+                )
+            if not self._lost(app, read, partition):
+                kept.append(partition)
+                continue
+            checkpoints = stores.get(partition, ({}, None))[0]
+            adopted[partition] = {}
+            for topic in read:
+                stream, start = keys.stream_key(topic, partition), checkpoints.get(topic)
+                self.broker.ensure_group(stream, app, str(start or "0"))  # creates the stream
+                last = self.broker.last_id(stream)
+                if start is not None and (last is None or StreamId.parse(last) < start):
+                    self.broker.move_last_id(stream, str(start))
+                self.broker.record_group_start(app, topic, partition, stream)
+                adopted[partition][topic] = str(start or "0")
+        self.broker.register_app(app, read, count)
+        return AdoptResult(app=app, adopted=adopted, kept=kept)
+
+    def _lost(self, app: str, topics: list[str], partition: int) -> bool:
+        """Whether the server has neither the partition's groups nor its state backup."""
+        if self._backup_keys(app, partition) is not None:
+            return False
+        return all(app not in self.broker.stream_info(keys.stream_key(t, partition)).groups for t in topics)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
         """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""

@@ -30,6 +30,7 @@ from pspf import keys, retention, state_stores
 from pspf.app import App
 from pspf.broker import Broker
 from pspf.errors import (
+    BrokerDataLost,
     BrokerError,
     BrokerUnavailable,
     ConfigError,
@@ -42,7 +43,7 @@ from pspf.errors import (
 from pspf.failures import policy_from
 from pspf.membership import Membership
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
-from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory
+from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory, check_partition_count
 from pspf.processor import BatchProcessor, Counts, ProcessorHooks
 from pspf.settings import Settings
 from pspf.standby import Standby
@@ -248,6 +249,7 @@ class Worker:
                 where = f"the window of topic {aggregation.topic!r}"
                 raise NotFound(f"{where} emits to a missing topic: {exc}") from None
         self._check_state_dir()
+        self._check_app_record()
         # A group is created from --start-from only for a topic the app never read before. One
         # that vanished later is re-created when its partition is taken: at the checkpoint.
         seen = self.broker.app_topics(self.app.name)
@@ -267,6 +269,48 @@ class Worker:
             self._partitions,
             info.version,
         )
+
+    def _check_app_record(self) -> None:
+        """Refuse to start when the server forgot the app its stores here were built for.
+
+        The record is kept with the app's partition count: a count changed since (a topic deleted
+        and created again) is refused, and so is a missing record while this state dir holds
+        stores of the app (Redis lost its data: going on would start some partitions anew).
+        """
+        try:
+            recorded: int | None = self.broker.app_partitions(self.app.name)
+        except NotFound:
+            recorded = None
+        check_partition_count(
+            self.app.name, self.app.topics, recorded, self._partitions, "the server's record"
+        )
+        if recorded is not None or self._store_factory != self._open_store:
+            return
+        state = self.settings.state
+        stored = state_stores.stored_partitions(state.engine, state.dir, self.app.name)
+        if stored:
+            raise BrokerDataLost(
+                f"the server at {self.broker.url} has no record of app {self.app.name!r}, but "
+                f"{state.dir} holds its stores of partitions {stored}: Redis lost its data (a "
+                "restart without persistence, a flush, eviction) or the app was deleted there. "
+                "Nothing was processed. To keep the stores' state and go on with what the server "
+                f"holds now, run `pspf state adopt {self.app.name}` on every machine that holds "
+                "stores of the app, then start the workers; to start the app anew, delete its "
+                f"stores ({Path(state.dir) / self.app.name})"
+            )
+
+    def _check_topics(self) -> None:
+        """Stop when a topic's record vanished or its partition count changed under the worker."""
+        for topic in self.app.topics:
+            try:
+                count = self.broker.topic_partitions(topic)
+            except NotFound:
+                raise BrokerDataLost(
+                    f"topic {topic!r} vanished from the server under a running worker of app "
+                    f"{self.app.name!r}: Redis lost its data (a restart without persistence, a flush, "
+                    "eviction) or it was deleted. Nothing more is acknowledged"
+                ) from None
+            check_partition_count(self.app.name, self.app.topics, self._partitions, count, "this worker")
 
     def _check_state_dir(self) -> None:
         if self._store_factory != self._open_store:
@@ -369,6 +413,7 @@ class Worker:
         self.processor.apply_outbox_replays()
         if time.monotonic() >= self._next_trim:
             self._next_trim = time.monotonic() + TRIM_EVERY_S
+            self._check_topics()
             self._trim_owned()
         if self.standby is not None:
             self.standby.keep({p for p in range(self._partitions) if p not in self._held})
@@ -444,7 +489,9 @@ class Worker:
         )
 
     def _take(self, partition: int, leases: Leases) -> None:
-        self.processor.add(self.partitions.take(partition, leases, self._keep_alive(partition, leases)))
+        self.processor.add(
+            self.partitions.take(partition, leases, self._partitions, self._keep_alive(partition, leases))
+        )
         self._held[partition] = leases
         if self.metrics is not None:
             self.metrics.partition_taken(partition)

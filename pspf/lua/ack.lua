@@ -16,7 +16,10 @@
 -- value), r fields (fields hold "namespace\0key"), and last the log entry's data: the update
 -- packed by the caller (its one field, see ``broker.log_data``), "" for an upload.
 -- An update's log entry holds "prev" (the identity it follows), "id" and "data".
--- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST" or "BACKUP_WENT_BACK".
+-- The values hash holds the identity too (field "__backup\0identity", meta "marked" says so): an
+-- update finding another there (the hash deleted or evicted alone) is refused as BACKUP_DAMAGED.
+-- Returns {acknowledged, moved to the DLQ}, or the error reply "LEASE_LOST", "BACKUP_WENT_BACK" or
+-- "BACKUP_DAMAGED".
 -- Protects invariants 3, 4 and 7: the backup holds a batch's effects in the same atomic step that
 -- acknowledges its entries; a dead entry is added to the DLQ and acknowledged in one step, only
 -- while it is still pending (a repeated call after a crash moves it once); and a worker whose
@@ -26,11 +29,17 @@ if redis.call('GET', KEYS[2]) ~= ARGV[2] then
 end
 local chunk = 500
 local n, d, backup = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-if backup == 'update' and ARGV[7] ~= '' then
-  local held = redis.call('HGET', KEYS[5], 'identity') or ''
-  if not string.find(',' .. ARGV[7] .. ',', ',' .. held .. ',', 1, true) then
+local mark = '__backup\0identity'
+if backup == 'update' then
+  local head = redis.call('HMGET', KEYS[5], 'identity', 'marked')
+  local held = head[1] or ''
+  if ARGV[7] ~= '' and not string.find(',' .. ARGV[7] .. ',', ',' .. held .. ',', 1, true) then
     return redis.error_reply('BACKUP_WENT_BACK the state backup of ' .. KEYS[1] .. ' is at "' .. held ..
                              '", not where this worker left it')
+  end
+  if head[2] and redis.call('HGET', KEYS[4], mark) ~= head[1] then
+    return redis.error_reply('BACKUP_DAMAGED the state backup of ' .. KEYS[1] .. ' has lost its values ' ..
+                             '(deleted or evicted) while its meta is at "' .. held .. '"')
   end
 end
 local first_id = 8
@@ -68,7 +77,8 @@ if backup ~= '' then
     redis.call('HDEL', KEYS[4], unpack(ARGV, first, math.min(first + chunk - 1, data - 1)))
   end
   if identity ~= '' then
-    redis.call('HSET', KEYS[5], 'identity', identity)
+    redis.call('HSET', KEYS[5], 'identity', identity, 'marked', '1')
+    redis.call('HSET', KEYS[4], mark, identity)
   end
   if logged then
     redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'prev', prev,

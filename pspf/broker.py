@@ -277,6 +277,7 @@ class Broker:
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
         self._read = self.client.register_script(_script("read"))
+        self._last_ids = self.client.register_script(_script("last_ids"))
         self._read_loaded = False
 
     def close(self) -> None:
@@ -662,7 +663,7 @@ class Broker:
         takes a lease in between, nothing is delivered. So a worker that lost a lease cannot take
         entries out of the group's order, and none can end up unapplied below the new owner's
         checkpoint. Returns the streams whose lease is lost, the entries read, and, when nothing
-        was read, each stream's last id for ``wait_for_new``.
+        was read, each stream's last generated id (``lua/last_ids.lua``) for ``wait_for_new``.
 
         On a cluster, where one MULTI cannot span partitions, each partition's read is a Lua call
         that checks its lease (``lua/read.lua``), pipelined per node.
@@ -695,12 +696,8 @@ class Broker:
                 return lost, [], {}  # a lease moved just now: the next cycle sees which
         if reply:
             return lost, [(stream, _entries(raw)) for stream, raw in reply], {}
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for stream in held:
-                pipe.xrevrange(stream, count=1)
-            last = pipe.execute()
-        return lost, [], {s: (found[0][0] if found else b"0-0") for s, found in zip(held, last, strict=True)}
+        (last,) = self._eval_pipelined(self._last_ids, [(held, [])])
+        return lost, [], {s: bytes(found) for s, found in zip(held, last, strict=True)}
 
     def _read_new_scripted(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int

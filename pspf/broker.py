@@ -26,7 +26,7 @@ from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisClu
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from pspf import keys
+from pspf import codec, keys
 from pspf.errors import (
     AuthenticationFailed,
     BackupWentBack,
@@ -1694,15 +1694,17 @@ def _text(value: bytes | str | None) -> str:
 
 
 def _entries(raw: list[Any]) -> list[RawEntry]:
-    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields."""
+    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields.
+
+    An entry that gives a field name twice keeps a mark of it (``codec.RepeatedFields``).
+    """
     parsed: list[RawEntry] = []
     append = parsed.append
     for entry_id, flat in raw:
         if flat is None:
             append((entry_id, None))
-        elif len(flat) == 4:  # the common key + value entry, without building an iterator
+        elif len(flat) == 4 and flat[0] != flat[2]:  # the common key + value entry, built directly
             append((entry_id, {flat[0]: flat[1], flat[2]: flat[3]}))
         else:
-            it = iter(flat)
-            append((entry_id, dict(zip(it, it, strict=True))))
+            append((entry_id, codec.entry_fields_of(flat)))
     return parsed

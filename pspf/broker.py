@@ -26,7 +26,7 @@ from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisClu
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from pspf import keys
+from pspf import codec, keys
 from pspf.errors import (
     AuthenticationFailed,
     BackupDamaged,
@@ -278,6 +278,7 @@ class Broker:
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
         self._read = self.client.register_script(_script("read"))
+        self._last_ids = self.client.register_script(_script("last_ids"))
         self._read_loaded = False
 
     def close(self) -> None:
@@ -668,7 +669,7 @@ class Broker:
         takes a lease in between, nothing is delivered. So a worker that lost a lease cannot take
         entries out of the group's order, and none can end up unapplied below the new owner's
         checkpoint. Returns the streams whose lease is lost, the entries read, and, when nothing
-        was read, each stream's last id for ``wait_for_new``.
+        was read, each stream's last generated id (``lua/last_ids.lua``) for ``wait_for_new``.
 
         On a cluster, where one MULTI cannot span partitions, each partition's read is a Lua call
         that checks its lease (``lua/read.lua``), pipelined per node.
@@ -701,12 +702,8 @@ class Broker:
                 return lost, [], {}  # a lease moved just now: the next cycle sees which
         if reply:
             return lost, [(stream, _entries(raw)) for stream, raw in reply], {}
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for stream in held:
-                pipe.xrevrange(stream, count=1)
-            last = pipe.execute()
-        return lost, [], {s: (found[0][0] if found else b"0-0") for s, found in zip(held, last, strict=True)}
+        (last,) = self._eval_pipelined(self._last_ids, [(held, [])])
+        return lost, [], {s: bytes(found) for s, found in zip(held, last, strict=True)}
 
     def _read_new_scripted(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
@@ -1721,15 +1718,17 @@ def _text(value: bytes | str | None) -> str:
 
 
 def _entries(raw: list[Any]) -> list[RawEntry]:
-    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields."""
+    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields.
+
+    An entry that gives a field name twice keeps a mark of it (``codec.RepeatedFields``).
+    """
     parsed: list[RawEntry] = []
     append = parsed.append
     for entry_id, flat in raw:
         if flat is None:
             append((entry_id, None))
-        elif len(flat) == 4:  # the common key + value entry, without building an iterator
+        elif len(flat) == 4 and flat[0] != flat[2]:  # the common key + value entry, built directly
             append((entry_id, {flat[0]: flat[1], flat[2]: flat[3]}))
         else:
-            it = iter(flat)
-            append((entry_id, dict(zip(it, it, strict=True))))
+            append((entry_id, codec.entry_fields_of(flat)))
     return parsed

@@ -10,6 +10,9 @@ An entry is a Redis stream entry with the fields
 An entry without a ``value`` field is a flat record: its field map (but ``headers``) is the value, so
 ``XADD 'pspf:{orders:0}' * user u1 amount 3`` is a valid input. Flat values are text, so a typed
 handler receives them converted leniently (``"3"`` becomes ``3`` for an ``int`` field).
+
+An entry whose ``headers`` are not a JSON object of strings, or that gives a field name twice, is
+a DecodeError, as is a value that cannot be decoded.
 """
 
 from __future__ import annotations
@@ -120,6 +123,38 @@ class ValueDecoder:
         if not self._typed:
             return record
         return msgspec.convert(record, self.value_type, strict=False)
+
+
+class RepeatedFields(dict[bytes, bytes]):
+    """The fields of an entry that gives a field name more than once, each with its last value.
+
+    Which value was meant is unknown (redis-cli writes ``XADD s * value a value b`` as it is), so
+    such an entry is a DecodeError; the DLQ keeps these fields.
+    """
+
+    __slots__ = ("problem",)
+
+    def __init__(self, fields: dict[bytes, bytes], name: bytes, times: int) -> None:
+        super().__init__(fields)
+        how_often = "twice" if times == 2 else f"{times} times"
+        self.problem = (
+            f"the field {name.decode(errors='replace')!r} appears {how_often} in the entry "
+            "(the DLQ keeps its last value): write each field once"
+        )
+
+
+def entry_fields_of(flat: list[bytes]) -> dict[bytes, bytes]:
+    """An entry's flat field list (name, value, ...) as a map; RepeatedFields when a name repeats."""
+    it = iter(flat)
+    fields = dict(zip(it, it, strict=True))
+    if 2 * len(fields) == len(flat):
+        return fields
+    names, seen = flat[::2], set()
+    for name in names:
+        if name in seen:
+            break
+        seen.add(name)
+    return RepeatedFields(fields, name, names.count(name))
 
 
 def decode_headers(raw: bytes | None) -> dict[str, str]:

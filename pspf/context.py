@@ -72,7 +72,7 @@ class Context:
         entry_id: bytes,
         key: str,
         delivery_count: int,
-        headers: bytes | None,
+        headers: dict[str, str] | None,
         source: StateSource,
     ) -> None:
         self.topic = topic
@@ -98,8 +98,8 @@ class Context:
 
     @property
     def headers(self) -> dict[str, str]:
-        """The entry's headers (empty when it has none)."""
-        return codec.decode_headers(self._headers)
+        """The entry's headers (empty when it has none), decoded with its value."""
+        return {} if self._headers is None else self._headers
 
     @property
     def state(self) -> dict[str, Any]:

@@ -80,6 +80,9 @@ class BrokerDataLost(BrokerError):
 class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 
+    #: what the worker logs when it gives the partition up for this
+    what = "lease lost"
+
 
 class MemoryFull(BrokerError):
     """The server is near its maxmemory: producing stops before it evicts or refuses writes."""
@@ -92,6 +95,8 @@ class BackupWentBack(LeaseLost):
     lost lease, and taking it again rebuilds the store from the backup, which matches the
     server's streams.
     """
+
+    what = "the state backup went back (it does not hold what this worker sent)"
 
 
 class BackupDamaged(LeaseLost):

@@ -114,9 +114,13 @@ def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: S
             f"delivered {count} times without an outcome (max_deliveries {meta.max_deliveries}): "
             "it may crash the worker"
         )
+    if isinstance(fields, codec.RepeatedFields):
+        raise DecodeError(fields.problem)
     key = entry_key(fields)  # a key that is not UTF-8 is a DecodeError, wherever it was written
     check_partition(meta, fields)
-    return Context(meta.topic, meta.partition, id_b, key, count, fields.get(codec.HEADERS), source)
+    raw_headers = fields.get(codec.HEADERS)  # read only when present: most entries have none
+    headers = None if raw_headers is None else codec.decode_headers(raw_headers)
+    return Context(meta.topic, meta.partition, id_b, key, count, headers, source)
 
 
 def run_sync(

@@ -257,20 +257,21 @@ def check_partition_count(
 
 
 def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
-    """Refuse a stream whose last id is below the checkpoint, before anything more is acknowledged.
+    """Refuse a stream whose last generated id is below the checkpoint, before anything more is acknowledged.
 
-    Redis gives a new entry an id above the stream's last one: once that is below the checkpoint,
-    new entries can land at or below it and would be skipped as done.
+    Redis gives a new entry an id above the stream's last generated one (kept when trimming
+    empties the stream): once that is below the checkpoint, new entries can land at or below it
+    and would be skipped as done.
     """
     if checkpoint is None or last_id is None or StreamId.parse(last_id) >= checkpoint:
         return
     raise BrokerError(
-        f"stream {stream} went back: its last id {last_id.decode()} is below the app's checkpoint "
-        f"{checkpoint} (the topic was recreated, or Redis lost writes: a restart without its data, "
-        "a fail-over, a restore). Entries added now could get ids at or below the checkpoint and "
-        "be skipped as done, so nothing more is acknowledged. If no entry was added since, "
-        f"`XSETID {stream} {checkpoint}` moves the stream past the checkpoint; otherwise replay "
-        "the app (pspf replay)"
+        f"stream {stream} went back: its last generated id {last_id.decode()} is below the app's "
+        f"checkpoint {checkpoint} (the topic was recreated, or Redis lost writes: a restart without "
+        "its data, a fail-over, a restore). Entries added now could get ids at or below the "
+        "checkpoint and be skipped as done, so nothing more is acknowledged. If the stream holds no "
+        f"entry added since (it may be empty), `XSETID {stream} {checkpoint}` moves the stream past "
+        "the checkpoint; otherwise replay the app (pspf replay)"
     )
 
 

@@ -222,7 +222,7 @@ class BatchProcessor:
         result = CycleResult()
         reads, lost = self.delivery.read(block)
         for stream in lost:
-            self._lease_lost(stream, "the read found the lease taken", result)
+            self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)
         if not any(read.alone for read in reads):
             reads = self.delivery.read_due() + reads
         by_partition: dict[int, list[Read]] = {}
@@ -262,7 +262,7 @@ class BatchProcessor:
                     try:
                         owned.backup.flush()
                     except LeaseLost as exc:
-                        self._lease_lost(owned.backup.stream, str(exc), result)
+                        self._lease_lost(owned.backup.stream, exc, result)
         return result
 
     def apply_outbox_replays(self) -> None:
@@ -517,7 +517,7 @@ class BatchProcessor:
             if isinstance(reply, BackupDamaged) and backup is not None:
                 reply = backup.repaired(request)
             if isinstance(reply, LeaseLost):
-                self._lease_lost(request.stream, str(reply), result)
+                self._lease_lost(request.stream, reply, result)
                 lost.add(partition)
                 continue
             if request.backup is not None and backup is not None:
@@ -543,8 +543,9 @@ class BatchProcessor:
                 )
                 call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
 
-    def _lease_lost(self, stream: str, reason: str, result: CycleResult) -> None:
+    def _lease_lost(self, stream: str, exc: LeaseLost, result: CycleResult) -> None:
+        """Give the partition up, logged as what refused it (a lost lease, a backup that went back)."""
         partition = self._by_stream[stream].partition
-        log.warning("lease lost, giving the partition up stream=%s: %s", stream, reason)
+        log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)

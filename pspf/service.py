@@ -52,7 +52,7 @@ from pspf.ownership import check_partition_count
 from pspf.producer import Producer
 from pspf.retention import PartitionTrim, Retention
 from pspf.settings import Settings
-from pspf.state_stores import StateStore, StoreTransaction, open_store, stored_partitions
+from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 from pspf.wording import counted
 
 _json_any = msgspec.json.Decoder()
@@ -871,6 +871,12 @@ class Service:
 
     # -- state ----------------------------------------------------------------------------------
 
+    def _no_state(self, app: str) -> str:
+        """What was looked for and not found: the backups (unless read locally) and the stores here."""
+        state = self.settings.state
+        text = missing_state(state.engine, state.dir, app)
+        return text if self.local_state else f"no state backup of app {app!r} in Redis, and {text}"
+
     def _backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
         """The keys of a partition's state backup, None when it has none (the backup is off)."""
         first = self.broker.app_topic_list(app)[:1]
@@ -948,8 +954,7 @@ class Service:
         stored = stored_partitions(state.engine, state.dir, app)
         partitions = sorted({*backups, *stored}) if partition is None else [partition]
         if not partitions:
-            where = f"under {state.dir}" if self.local_state else f"in Redis or under {state.dir}"
-            raise NotFound(f"no state for app {app!r} {where}")
+            raise NotFound(self._no_state(app))
         for p in partitions:
             if p in backups:
                 copy = snapshot(self.broker, backups[p])
@@ -1211,7 +1216,7 @@ class Service:
             backups = {p: b for p in range(self._app_partitions(app)) if (b := self._backup_keys(app, p))}
         partitions = sorted({*backups, *stored_partitions(state.engine, state.dir, app)})
         if not partitions:
-            raise NotFound(f"no state for app {app!r} in Redis or under {state.dir}")
+            raise NotFound(self._no_state(app))
         found: list[str] = []
         head = field(STATE_NAMESPACE, prefix)
         for partition in partitions:

@@ -34,7 +34,7 @@ import msgspec
 from pspf import codec, keys
 from pspf.app import App
 from pspf.batch import PartitionBatch, StreamOutcome
-from pspf.errors import ConfigError, NotFound
+from pspf.errors import ConfigError, LeaseLost, NotFound
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, decide, policy_from
 from pspf.keys import StreamId
@@ -389,7 +389,7 @@ class TestApp:
             self._append(topic, partition, fields)
 
 
-def _no_lease(stream: str, reason: str, result: CycleResult) -> None:
+def _no_lease(stream: str, reason: LeaseLost, result: CycleResult) -> None:
     """A TestApp holds no leases: nothing can take its partitions."""
 
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Commit = Callable[[PartitionBatch, list[StreamOutcome]], "float | None"]
-LeaseLostCall = Callable[[str, str, "CycleResult"], None]
+LeaseLostCall = Callable[[str, LeaseLost, "CycleResult"], None]
 
 
 class Clock:
@@ -245,6 +245,6 @@ class TimeKeeping:
             try:
                 owned.backup.flush()
             except LeaseLost as exc:  # the local store is ahead: reconciled by the next owner
-                self._lease_lost(owned.backup.stream, str(exc), result)
+                self._lease_lost(owned.backup.stream, exc, result)
                 return
         owned.outbox.confirm()

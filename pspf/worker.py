@@ -468,7 +468,7 @@ class Worker:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
             except LeaseLost as exc:
-                log.warning("partition %s: lease lost while taking it, giving it up: %s", partition, exc)
+                log.warning("partition %s: %s while taking it, giving it up: %s", partition, exc.what, exc)
             except BaseException:
                 # The worker stops: give the partition up now, not when the lease expires.
                 with suppress(BrokerError):

@@ -16,6 +16,7 @@ __all__ = [
     "StateStore",
     "StoreTransaction",
     "TxStatus",
+    "missing_state",
     "open_store",
     "stored_partitions",
 ]
@@ -47,7 +48,7 @@ def open_store(
     """
     path = store_path(Path(directory), engine, group, partition)
     if readonly and not path.exists():
-        raise NotFound(f"no state for app {group!r} partition {partition} under {directory}")
+        raise NotFound(missing_state(engine, directory, group, partition))
     if engine == "rocksdb":
         try:
             from pspf.state_stores.rocksdb import RocksDBStore
@@ -65,3 +66,26 @@ def stored_partitions(engine: str, directory: Path | str, group: str) -> list[in
         return []
     found = [p.name[1 : -len(suffix)] for p in folder.glob(f"p*{suffix}")]
     return sorted(int(n) for n in found if n.isdigit())
+
+
+def missing_state(engine: str, directory: Path | str, group: str, partition: int | None = None) -> str:
+    """Why no ``engine`` state of ``group`` (or of one partition) was found under ``directory``.
+
+    Names a store of another engine found there: a directory written with ``--store rocksdb``
+    and read without it looks empty otherwise.
+    """
+    which = "" if partition is None else f" partition {partition}"
+    text = f"no {engine} state for app {group!r}{which} under {directory}"
+    others = [
+        other
+        for other in _SUFFIX
+        if other != engine
+        and (
+            stored_partitions(other, directory, group)
+            if partition is None
+            else store_path(Path(directory), other, group, partition).exists()
+        )
+    ]
+    if others:
+        text += f"; a {others[0]} store is there: add --store {others[0]}"
+    return text

@@ -3,7 +3,8 @@
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] count   ARGV[4] the lease value held by the caller
 -- The fenced read of a cluster, where one MULTI cannot span partitions (Broker.read_new).
 -- Returns {0} when the lease is not the caller's (nothing delivered), {1, entries} when entries
--- were delivered, {2, last id} when there were none (the id to wait after).
+-- were delivered, {2, last generated id} when there were none: the id to wait after, which
+-- trimming leaves as it was (the last entry still there is not it once retention emptied the stream).
 if redis.call('GET', KEYS[2]) ~= ARGV[4] then
   return {0}
 end
@@ -11,8 +12,10 @@ local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[
 if reply and reply[1] and #reply[1][2] > 0 then
   return {1, reply[1][2]}
 end
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if last[1] then
-  return {2, last[1][1]}
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then
+    return {2, info[i + 1]}
+  end
 end
 return {2, '0-0'}

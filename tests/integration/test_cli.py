@@ -196,7 +196,7 @@ def test_state_errors(invoke: Callable[..., Result], names: Names) -> None:
     never_ran = invoke("state", "get", names.app(), "u1")
     assert never_ran.exit_code == 4 and "has never run" in one_line_error(never_ran)
     no_state = invoke("state", "list", names.app())
-    assert no_state.exit_code == 4 and "no state for app" in one_line_error(no_state)
+    assert no_state.exit_code == 4 and "no sqlite state for app" in one_line_error(no_state)
 
 
 def test_run_without_a_state_dir_uses_the_user_data_dir_and_says_so(

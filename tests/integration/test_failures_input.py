@@ -23,7 +23,7 @@ from pspf import App, BrokerError, Context, RetryPolicy, Settings, Worker
 from pspf.failures import DeadLetter
 from pspf.keys import partition_for, stream_key
 from tests.conftest import pspf_command, subprocess_env
-from tests.integration.failures_support import assert_drained, dead_by_entry, read_state
+from tests.integration.failures_support import assert_drained, dead_by_entry, dead_letters, read_state
 
 pytestmark = pytest.mark.integration
 
@@ -333,3 +333,56 @@ def test_the_wrong_type_error_names_the_key(
     with pytest.raises(BrokerError) as caught:
         Worker(app, settings).run(until_idle=True)
     assert bad_key in str(caught.value), f"the error does not name {bad_key}: {caught.value}"
+
+
+#: entries a redis-cli or another language's producer could write: (XADD field list, DLQ message)
+UNREADABLE: dict[str, tuple[list[bytes], str]] = {
+    "headers not JSON": (
+        [b"key", b"h1", b"value", b'{"n": 1}', b"headers", b"source=cli"],
+        "cannot decode headers",
+    ),
+    "headers a JSON list": (
+        [b"key", b"h2", b"value", b'{"n": 1}', b"headers", b"[]"],
+        "cannot decode headers",
+    ),
+    "value twice": (
+        [b"key", b"v1", b"value", b'{"n": 1}', b"value", b'{"n": 2}'],
+        "field 'value' appears twice",
+    ),
+    "value twice, no key": ([b"value", b'{"n": 1}', b"value", b'{"n": 2}'], "field 'value' appears twice"),
+    "key twice": ([b"key", b"k1", b"key", b"k2", b"value", b'{"n": 1}'], "field 'key' appears twice"),
+    "headers twice": (
+        [b"key", b"h3", b"value", b'{"n": 1}', b"headers", b"{}", b"headers", b'{"a": "b"}'],
+        "field 'headers' appears twice",
+    ),
+}
+
+
+def test_unreadable_headers_and_repeated_fields_are_dead_lettered_as_decode_errors(
+    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Any, rclient: Any
+) -> None:
+    """The handler never reads ctx.headers: the entry is refused when it is decoded all the same."""
+    topic, app_name = make_topic(1), names.app()
+    stream = stream_key(topic, 0)
+    written = {
+        kind: rclient.execute_command("XADD", stream, "*", *fields)
+        for kind, (fields, _) in UNREADABLE.items()
+    }
+    rclient.xadd(stream, {b"key": b"good", b"value": b'{"n": 5}', b"headers": b'{"source": "cli"}'})
+    app = App(app_name)
+    seen: list[str] = []
+
+    @app.handler(topic)
+    def add(value: dict[str, int], ctx: Context) -> None:
+        seen.append(ctx.key)
+        ctx.state["n"] = ctx.state.get("n", 0) + value["n"]
+
+    summary = Worker(app, make_settings()).run(until_idle=True)
+    dead = {record.source_id: record for record in dead_letters(rclient, topic, 1)}
+    for kind, entry_id in written.items():
+        record = dead.get(entry_id.decode())
+        assert record is not None, f"{kind}: not in the DLQ"
+        assert (record.error_type, record.attempts) == ("DecodeError", 1), kind
+        assert UNREADABLE[kind][1] in record.message, (kind, record.message)
+    assert seen == ["good"] and summary.dead_lettered == len(UNREADABLE)
+    assert read_state(make_settings().state.dir, app_name, 1) == {"good": {"n": 5}}

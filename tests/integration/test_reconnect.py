@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -15,12 +16,12 @@ import pytest
 from pspf import App, Context, Producer, Settings, Worker
 from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound
-from pspf.keys import StreamId, stream_key
+from pspf.keys import StreamId, backup_meta_key, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store
 from pspf.worker import RunSummary
 from tests.conftest import RedisServer
-from tests.integration.failures_support import WorkerThread, read_state, wait_until
+from tests.integration.failures_support import WorkerThread, read_state, summing_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -242,3 +243,30 @@ def test_entries_below_the_checkpoint_read_as_new_stop_the_worker_without_a_reco
     assert "below the app's checkpoint" in str(runner.error)
     group = rclient.xinfo_groups(stream)[0]
     assert group["pending"] + len(rclient.xrange(stream, f"({group['last-delivered-id'].decode()}")) == 10
+
+
+def test_a_backup_that_went_back_under_its_owner_is_logged_as_that_not_as_a_lost_lease(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Any,
+    rclient: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The backup's identity is not the one this worker left (as after a fail-over that lost writes)."""
+    topic, app = make_topic(1), names.app()
+    meta = backup_meta_key(topic, 0, app)
+    produce(topic, [("k", {"n": 1})] * 10)
+    caplog.set_level(logging.WARNING, logger="pspf")
+
+    def refusals() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "BACKUP_WENT_BACK" in r.getMessage()]
+
+    with WorkerThread(summing_app(app, topic), make_settings()):
+        wait_until(lambda: rclient.hget(meta, "identity"), 15, "the first batch in the backup")
+        rclient.hset(meta, "identity", "written-by-no-one")
+        produce(topic, [("k", {"n": 1})])
+        wait_until(refusals, 15, "the refused acknowledgement")
+    for message in refusals():
+        assert "lease lost" not in message, message
+        assert "the state backup went back" in message, message

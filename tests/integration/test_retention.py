@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ from click.testing import CliRunner, Result
 
 from pspf import Settings, Worker, worker
 from pspf.cli import cli
-from pspf.errors import ConfigError
-from pspf.keys import stream_key
+from pspf.errors import BrokerError, ConfigError, NotFound
+from pspf.keys import partition_for, stream_key
 from pspf.retention import Retention
 from pspf.service import Service
 from tests.conftest import Names
@@ -186,3 +187,100 @@ def test_the_cli_sets_shows_and_trims(
     bad = pspf("topic", "retention", topic, "--max-age", "soon")
     assert bad.exit_code == 2 and "invalid duration 'soon'" in bad.output
     assert pspf("topic", "retention", topic, "--clear").output.strip().endswith("none (never trimmed)")
+
+
+def key_on(partition: int, partitions: int) -> str:
+    """A key of that partition."""
+    return next(f"k{i}" for i in range(1000) if partition_for(f"k{i}".encode(), partitions) == partition)
+
+
+def total(service: Service, app: str, key: str) -> int:
+    try:
+        return int(service.state_get(app, key).get("total", 0))
+    except NotFound:  # the worker has not registered the app yet, or the key has no state
+        return 0
+
+
+def test_a_quiet_partition_trimmed_empty_by_retention_stops_nothing(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    service: Service,
+    names: Names,
+    rclient: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An emptied stream keeps its last generated id: its reads are empty, not gone back."""
+    monkeypatch.setattr(worker, "TRIM_EVERY_S", 0.0)
+    topic, app = make_topic(2), names.app()
+    quiet, busy = key_on(0, 2), key_on(1, 2)
+    service.set_retention(topic, Retention(max_age_ms=300))
+    produce(topic, [(quiet, {"n": 1})] * 50)
+    # bursts of one full batch: the next read is sent ahead (lua/read.lua) and comes back empty
+    with WorkerThread(summing_app(app, topic), make_settings(PSPF_BATCH_SIZE=10)) as runner:
+        wait_until(lambda: rclient.xlen(stream_key(topic, 0)) == 0, 15, "the quiet partition trimmed empty")
+        sent = 0
+        for burst in range(8):  # empty reads of both partitions come between the bursts
+            produce(topic, [(busy, {"n": burst * 10 + i}) for i in range(10)])
+            sent += sum(burst * 10 + i for i in range(10))
+            time.sleep(0.15)
+            runner.check()
+        produce(topic, [(quiet, {"n": 1000})])
+        wait_until(lambda: runner.check() or total(service, app, quiet) == 1050, 15, "the later entry")
+        wait_until(lambda: total(service, app, busy) == sent, 15, "the busy partition")
+        runner.check()
+        assert runner.alive()
+
+
+def test_trimming_a_quiet_partition_empty_from_the_cli_under_a_running_worker(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    service: Service,
+    names: Names,
+    redis_url: str,
+    rclient: Any,
+) -> None:
+    topic, app = make_topic(1), names.app()
+    produce_n(produce, topic, 0, 40)
+    with WorkerThread(summing_app(app, topic), make_settings()) as runner:
+        wait_until(lambda: total(service, app, "k0") == sum(range(0, 40, 5)), 15, "the first entries")
+        time.sleep(0.2)
+        done = CliRunner().invoke(cli, ["topic", "trim", topic, "--max-age", "100ms", "--broker", redis_url])
+        assert done.exit_code == 0 and f"trimmed 40 entries from topic {topic}" in done.output, done.output
+        time.sleep(0.5)  # several empty reads of the emptied stream
+        runner.check()
+        produce_n(produce, topic, 40, 10)
+        wait_until(lambda: runner.check() or total(service, app, "k0") == sum(range(0, 50, 5)), 15, "later")
+        assert runner.alive()
+
+
+def test_a_stream_deleted_and_created_again_empty_under_a_worker_is_still_refused(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    service: Service,
+    names: Names,
+    rclient: Any,
+) -> None:
+    """Its last generated id is 0-0, below the checkpoint: new entries could land below it."""
+    topic, app = make_topic(1), names.app()
+    stream = stream_key(topic, 0)
+    produce_n(produce, topic, 0, 20)
+    with WorkerThread(summing_app(app, topic), make_settings()) as runner:
+        wait_until(lambda: total(service, app, "k0") == sum(range(0, 20, 5)), 15, "the first entries")
+        with rclient.pipeline(transaction=True) as pipe:
+            pipe.delete(stream)
+            pipe.xgroup_create(stream, app, id="0", mkstream=True)
+            pipe.execute()
+        wait_until(lambda: not runner.alive(), 15, "the worker to stop")
+    assert isinstance(runner.error, BrokerError), runner.error
+    message = str(runner.error)
+    assert "its last generated id 0-0 is below the app's checkpoint" in message, message
+    checkpoint = message.split("checkpoint ")[1].split(" ")[0]
+    assert f"`XSETID {stream} {checkpoint}`" in message
+    # the advice works on the empty stream: after it a worker takes the partition and goes on
+    rclient.execute_command("XSETID", stream, checkpoint)
+    produce_n(produce, topic, 20, 5)
+    run_until_idle(app, topic, make_settings())
+    assert total(service, app, "k0") == sum(range(0, 25, 5))

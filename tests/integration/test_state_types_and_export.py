@@ -181,3 +181,29 @@ def test_export_of_a_running_app_is_a_consistent_snapshot(
     finally:
         thread.join(timeout=60)
     assert snapshots > 0
+
+
+def test_reading_a_rocksdb_state_dir_as_sqlite_names_both_engines(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    redis_url: str,
+    names: Any,
+    tmp_path: Path,
+) -> None:
+    topic = make_topic(2)
+    produce(topic, [(f"u{i % 10}", {"amount": i}) for i in range(50)])
+    app = typed_app(names.app(), topic)
+    state_dir = tmp_path / "rocks"
+    Worker(app, make_settings(PSPF_STORE="rocksdb", PSPF_STATE_DIR=str(state_dir))).run(until_idle=True)
+    env = {"PSPF_BROKER": redis_url}
+    hint = f"no sqlite state for app {app.name!r}"
+    for command in (["list", app.name], ["export", app.name], ["get", app.name, "u3"]):
+        read = CliRunner().invoke(cli, ["state", *command, "--state-dir", str(state_dir)], env=env)
+        assert read.exit_code == 4, (command, read.output)
+        assert hint in read.output and "a rocksdb store is there: add --store rocksdb" in read.output, (
+            read.output
+        )
+    right = ["state", "get", app.name, "u3", "--state-dir", str(state_dir), "--store", "rocksdb", "--json"]
+    read = CliRunner().invoke(cli, right, env=env)
+    assert read.exit_code == 0 and json.loads(read.output)["totals"]["count"] == 5, read.output

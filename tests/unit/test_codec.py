@@ -65,3 +65,11 @@ def test_encode_value() -> None:
 
 def test_values_are_any_typed_by_default() -> None:
     assert ValueDecoder().value_type is Any
+
+
+def test_a_field_name_given_more_than_once_is_marked_and_named() -> None:
+    plain = codec.entry_fields_of([b"key", b"k", b"value", b"1", b"headers", b"{}"])
+    assert type(plain) is dict and plain == {b"key": b"k", b"value": b"1", b"headers": b"{}"}
+    repeated = codec.entry_fields_of([b"a", b"1", b"value", b"2", b"a", b"3", b"value", b"4", b"a", b"5"])
+    assert isinstance(repeated, codec.RepeatedFields) and repeated == {b"a": b"5", b"value": b"4"}
+    assert repeated.problem.startswith("the field 'a' appears 3 times in the entry")

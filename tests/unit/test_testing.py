@@ -301,3 +301,25 @@ def test_keyless_entries_go_to_the_partitions_in_turn() -> None:
             t.send("in", n)
         assert [e["from"] for e in t.emitted("out")] == [0, 1, 2, 0, 1, 2]
         assert [e.partition for e in t.emitted_entries("out")] == [0, 1, 2, 0, 1, 2]
+
+
+def test_headers_that_are_not_a_json_object_of_strings_go_to_the_dlq_unread() -> None:
+    """Checked when the entry is decoded, as the worker does, not when a handler reads them."""
+    app = App("headers")
+
+    @app.handler("in")
+    def handle(value: dict, ctx: Context) -> None:
+        ctx.state["n"] = value["n"]
+
+    with TestApp(app) as t:
+        for key, headers in (
+            ("a", b"not json"),
+            ("b", b'["a list"]'),
+            ("c", b'{"n": 1}'),
+            ("d", b'{"ok": "1"}'),
+        ):
+            t.send_fields("in", {b"key": key.encode(), b"value": b'{"n": 1}', b"headers": headers})
+        dead = t.dead_letters()
+        assert [(d.key, d.error_type, d.attempts) for d in dead] == [(k, "DecodeError", 1) for k in "abc"]
+        assert all(d.message.startswith("cannot decode headers") for d in dead), [d.message for d in dead]
+        assert [t.state(k) for k in "abcd"] == [{}, {}, {}, {"n": 1}]

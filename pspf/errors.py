@@ -106,6 +106,8 @@ class BackupDamaged(LeaseLost):
     partition up like a lost lease.
     """
 
+    what = "the state backup lost its values (deleted or evicted)"
+
 
 class StateError(PSPFError):
     """A state store cannot be opened, read or committed."""

@@ -12,7 +12,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))
 local present = 0
 if expiry and expiry > now and redis.call('ZSCORE', KEYS[2], ARGV[1])
-    and redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
+    and redis.call('HGET', KEYS[3], ARGV[1]) then
   present = 1
 end
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)

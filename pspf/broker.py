@@ -22,7 +22,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
@@ -32,8 +39,10 @@ from pspf.errors import (
     BackupDamaged,
     BackupWentBack,
     BrokerError,
+    BrokerOutOfMemory,
     BrokerUnavailable,
     ConfigError,
+    EvictingPolicy,
     GroupMissing,
     LeaseLost,
     MemoryFull,
@@ -58,6 +67,8 @@ MEMORY_PAUSE_S = 1.0
 #: Updates a state backup's log keeps (about): a store or standby at most this many updates
 #: behind catches up from the log; further behind, it restores the whole backup.
 BACKUP_LOG_LENGTH = 1000
+#: What the server's refusal of a write for memory says (``OOM command not allowed when ...``).
+_OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 
 
 class BackupUpdate(NamedTuple):
@@ -331,6 +342,12 @@ class Broker:
             raise BrokerUnavailable(f"the cluster at {self.url} is changing: {exc}") from exc
         except redis.ResponseError as exc:
             text = str(exc)
+            # redis-py strips the OOM prefix; an older server's script error keeps it in its text
+            if isinstance(exc, OutOfMemoryError) or _OOM_TEXT in text:
+                raise BrokerOutOfMemory(
+                    f"the server at {self.url} refuses writes: it is out of memory (maxmemory reached, "
+                    f"maxmemory-policy noeviction): {text.rstrip('.')}"
+                ) from exc
             if text.startswith("LEASE_LOST"):
                 raise LeaseLost(text) from exc
             if "NOGROUP" in text:
@@ -379,6 +396,34 @@ class Broker:
             where = "" if not self.cluster else f"node {_node_name(server)}: "
             warnings += [where + warning for warning in _guarantee_warnings(server)]
         return ServerInfo(", ".join(sorted(set(versions))), warnings)
+
+    def check_eviction(self) -> bool:
+        """Raise EvictingPolicy when a server may evict keys; False when its policy cannot be read.
+
+        Any ``maxmemory-policy`` but ``noeviction`` may evict PSPF's keys, the ``volatile-*`` ones
+        too (leases and markers have a TTL). One cheap ``CONFIG GET`` per server; where CONFIG is
+        renamed or refused by an ACL the policy is unchecked.
+        """
+        checked = True
+        for server in self._servers():
+            try:
+                with self.translate_errors():
+                    reply = server.config_get("maxmemory-policy")
+            except (BrokerUnavailable, AuthenticationFailed):
+                raise
+            except BrokerError:
+                checked = False
+                continue
+            policy = _text(next(iter(reply.values()), None)) or "noeviction"
+            if policy != "noeviction":
+                where = self.url if not self.cluster else f"{self.url} (node {_node_name(server)})"
+                raise EvictingPolicy(
+                    f"the server at {where} has maxmemory-policy {policy}: it may evict PSPF's streams, "
+                    "state backups and leases, so exactly-once cannot hold and the worker stops before "
+                    "acknowledging anything more; fix: CONFIG SET maxmemory-policy noeviction (and set "
+                    "it in the server's configuration file)"
+                )
+        return checked
 
     def _servers(self) -> list[redis.Redis]:
         """Every server PSPF's keys live on: the one, or a cluster's primaries."""
@@ -1121,21 +1166,26 @@ class Broker:
 
     def member_heartbeat(
         self, app: str, member: str, ttl_ms: int, info: bytes, stay: bool = True
-    ) -> tuple[int, list[tuple[str, int, int, bytes]]]:
-        """Renew (or end) a worker's membership; the server's time and the live members.
+    ) -> tuple[int, bool, list[tuple[str, int, int, bytes]]]:
+        """Renew (or end) a worker's membership; the server's time, whether it was a member, the live.
 
-        Each member as (id, joined ms, expiry ms, info), in id order.
+        Each member as (id, joined ms, expiry ms, info), in id order. "Was a member": its entries
+        were there and unexpired before this call.
         """
         member_keys = [keys.members_key(app), keys.joined_key(app), keys.member_info_key(app)]
         with self.translate_errors(member_keys[0]):
             reply = self._member_heartbeat(
                 keys=member_keys, args=[member, ttl_ms, info, "1" if stay else "0"]
             )
-        now, rest = int(reply[0]), reply[1:]
-        return now, [
-            (_text(rest[i]), int(float(rest[i + 1])), int(float(rest[i + 2])), bytes(rest[i + 3]))
-            for i in range(0, len(rest), 4)
-        ]
+        now, present, rest = int(reply[0]), int(reply[1]) == 1, reply[2:]
+        return (
+            now,
+            present,
+            [
+                (_text(rest[i]), int(float(rest[i + 1])), int(float(rest[i + 2])), bytes(rest[i + 3]))
+                for i in range(0, len(rest), 4)
+            ],
+        )
 
     def members(self, app: str) -> tuple[int, list[tuple[str, int, int, bytes]]]:
         """The server's time and the live members as ``member_heartbeat`` gives them (a read only)."""
@@ -1700,10 +1750,7 @@ def _guarantee_warnings(server: redis.Redis) -> list[str]:
         warnings.append(
             "the server persists nothing (appendonly no, no save points): a server restart loses every stream"
         )
-    policy = text.get("maxmemory-policy", "noeviction")
-    if policy != "noeviction":
-        warnings.append(f"maxmemory-policy is {policy}: the server may evict streams")
-    return warnings
+    return warnings  # an evicting maxmemory-policy is a refusal, not a warning: check_eviction
 
 
 def _node_name(server: redis.Redis) -> str:

@@ -58,6 +58,23 @@ class BrokerUnavailable(BrokerError):
     """The connection to Redis failed or timed out; a worker reconnects with backoff."""
 
 
+class BrokerOutOfMemory(BrokerUnavailable):
+    """The server refused a write because it reached its maxmemory (policy ``noeviction``).
+
+    A temporary outage for a worker: it backs off and retries, as after a lost connection, until
+    memory is freed. A refused call wrote nothing (Redis refuses a script or a MULTI before its
+    first write), so the batch in hand stays committed locally and pending in Redis.
+    """
+
+
+class EvictingPolicy(BrokerError):
+    """The server's ``maxmemory-policy`` may evict keys: PSPF's streams, backups and leases may vanish.
+
+    Not retried: exactly-once cannot hold on such a server, so a worker stops before it
+    acknowledges anything more.
+    """
+
+
 class AuthenticationFailed(BrokerError):
     """The server refused the login: a wrong password or user name, or none where one is needed.
 

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 
 import msgspec
 
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: Lease rounds (a third of the lease TTL each) a new member waits before it counts.
 JOIN_DELAY = 1
+#: A lease or membership gone sooner than this share of its TTL after its last renewal did not
+#: expire by time: its keys vanished (evicted or deleted). The margin covers clocks that drift.
+VANISHED_WITHIN = 0.9
 
 
 class MemberInfo(msgspec.Struct, frozen=True):
@@ -107,10 +111,34 @@ class Membership:
         self._target: set[int] | None = None
         #: whether the last ``target`` differed from the one before
         self.changed = False
+        #: when the last renewal that went through was sent (monotonic); None before the first
+        self._renewed_at: float | None = None
 
     def heartbeat(self) -> list[Member]:
-        """Renew this worker's membership; the live members."""
-        now, found = self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info)
+        """Renew this worker's membership; the live members.
+
+        A membership gone before its TTL could run out since the last renewal was evicted or
+        deleted under the worker: that is an error. One that expired because the worker did not
+        renew it in time (a stall, a server refusing writes) is a warning. Either way the worker
+        joins again.
+        """
+        asked = time.monotonic()
+        now, present, found = self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info)
+        if not present and self._renewed_at is not None:
+            since = time.monotonic() - self._renewed_at
+            if since < self.ttl_ms / 1000 * VANISHED_WITHIN:
+                log.error(
+                    "PSPF keys vanished under the running worker (evicted or deleted): its membership "
+                    "of app %s was gone %.1fs after its last renewal, before its TTL of %.1fs; joining again",
+                    self.app,
+                    since,
+                    self.ttl_ms / 1000,
+                )
+            else:
+                log.warning(
+                    "membership of app %s expired (not renewed for %.1fs): joining again", self.app, since
+                )
+        self._renewed_at = asked
         self.members = [_member(*row) for row in found]
         self._now = now
         return self.members

@@ -7,7 +7,8 @@ pays nothing for them. ``MetricsServer`` serves ``GET /metrics`` (Prometheus tex
 ``GET /healthz`` (JSON, 200 when healthy, 503 otherwise) from a daemon thread.
 
 Health rules: a worker is ``broker_unavailable`` while its loop waits to reconnect to Redis or
-when the health check cannot reach Redis itself; it is ``stuck`` when it owns a partition with
+when the health check cannot reach Redis itself; ``broker_out_of_memory`` while the server refuses
+its writes for memory (maxmemory reached) and it waits to retry; it is ``stuck`` when it owns a partition with
 lag and has not committed anything for it for ``stuck_after_s`` (counted from when it took the
 partition if it never did); otherwise it is ``ok``, also as a standby that owns nothing.
 """
@@ -63,7 +64,7 @@ DURATION_BUCKETS = (
     10.0,
 )
 
-Status = Literal["ok", "stuck", "broker_unavailable"]
+Status = Literal["ok", "stuck", "broker_unavailable", "broker_out_of_memory"]
 
 
 class WorkerHealth(msgspec.Struct, frozen=True):
@@ -196,6 +197,19 @@ class WorkerMetrics(ProcessorHooks):
         self._outbox_dead = Counter(
             "pspf_outbox_dead", "Outbox rows that became DEAD (attempts exhausted).", ("app",), registry=r
         ).labels(app)
+        self._out_of_memory = Gauge(
+            "pspf_broker_out_of_memory",
+            "1 while the server refuses this worker's writes for memory (maxmemory reached) and the "
+            "worker waits to retry, else 0.",
+            ("app",),
+            registry=r,
+        ).labels(app)
+        self._refused = Counter(
+            "pspf_broker_refused_calls",
+            "Calls of this worker the server refused for memory (each is retried after a backoff).",
+            ("app",),
+            registry=r,
+        ).labels(app)
         self._series: dict[tuple[str, int], _Series] = {}
         self._lock = threading.Lock()
         #: owned partition -> unix time it was taken
@@ -204,6 +218,7 @@ class WorkerMetrics(ProcessorHooks):
         self._progress: dict[int, float] = {}
         self._last_commit = 0.0
         self._broker_lost = False
+        self._refusing = False
         r.register(_ScrapeCollector(self))
 
     # -- what the worker reports ----------------------------------------------------------------
@@ -233,6 +248,13 @@ class WorkerMetrics(ProcessorHooks):
     def broker_lost(self, lost: bool) -> None:
         """The worker's loop is (True) or is no longer (False) waiting to reconnect to Redis."""
         self._broker_lost = lost
+
+    def out_of_memory(self, refused: bool) -> None:
+        """A call was refused for memory (True), or the worker's calls go through again (False)."""
+        if refused:
+            self._refused.inc()
+        self._refusing = refused
+        self._out_of_memory.set(1 if refused else 0)
 
     # -- processor hooks ------------------------------------------------------------------------
 
@@ -352,7 +374,8 @@ class WorkerMetrics(ProcessorHooks):
             lag[partition] > 0 and now - progress.get(partition, since) > self.stuck_after_s
             for partition, since in taken.items()
         )
-        return WorkerHealth("stuck" if stuck else "ok", len(taken), age, sum(lag.values()))
+        status: Status = "broker_out_of_memory" if self._refusing else "stuck" if stuck else "ok"
+        return WorkerHealth(status, len(taken), age, sum(lag.values()))
 
 
 class _ScrapeCollector(Collector):

@@ -32,6 +32,7 @@ from pspf.broker import Broker
 from pspf.errors import (
     BrokerDataLost,
     BrokerError,
+    BrokerOutOfMemory,
     BrokerUnavailable,
     ConfigError,
     GroupMissing,
@@ -41,7 +42,7 @@ from pspf.errors import (
     StoreLocked,
 )
 from pspf.failures import policy_from
-from pspf.membership import Membership
+from pspf.membership import VANISHED_WITHIN, Membership
 from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory, check_partition_count
 from pspf.processor import BatchProcessor, Counts, ProcessorHooks
@@ -61,6 +62,45 @@ _IDLE_POLL_S = 0.05
 TRIM_EVERY_S = 10.0
 #: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
 _METRICS_REDIS_TIMEOUT_S = 2.0
+
+
+class MemoryEpisode:
+    """An out-of-memory episode: a time the server refuses the worker's writes for memory.
+
+    Logged once when it starts and once when it ends (not per retry), and exported in the
+    metrics while it lasts.
+    """
+
+    def __init__(self, metrics: WorkerMetrics | None) -> None:
+        self.metrics = metrics
+        self.since: float | None = None
+        self.refused = 0
+
+    def refusal(self, exc: BrokerOutOfMemory, retry_in_s: float) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.error(
+                "%s; the worker keeps its leases where it can, acknowledges nothing that is not "
+                "committed and retries (every %.1fs at most) until memory is freed",
+                exc,
+                retry_in_s,
+            )
+        self.refused += 1
+        if self.metrics is not None:
+            self.metrics.out_of_memory(True)
+
+    def over(self) -> None:
+        """The worker's calls went through again: the episode (if any) ends."""
+        if self.since is None:
+            return
+        log.warning(
+            "the server accepts writes again after %.1fs out of memory (%s calls refused)",
+            time.monotonic() - self.since,
+            self.refused,
+        )
+        self.since, self.refused = None, 0
+        if self.metrics is not None:
+            self.metrics.out_of_memory(False)
 
 
 class RunSummary(Counts, kw_only=True):
@@ -152,6 +192,12 @@ class Worker:
         self._renewed_at = 0.0
         #: Set by a lost connection: the next lease round checks the owned streams again.
         self._recheck_streams = False
+        self._memory_episode = MemoryEpisode(self.metrics)
+        #: held partition -> when its lease's last renewal (or its acquisition) that went through
+        #: was sent (monotonic): a lease gone sooner than its TTL after that vanished
+        self._confirmed: dict[int, float] = {}
+        #: the server's maxmemory-policy cannot be read (said once)
+        self._policy_unchecked = False
         self._signals = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -235,6 +281,8 @@ class Worker:
         info = self.broker.check_server()
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
+        # check_server warned already when CONFIG cannot be read
+        self._policy_unchecked = not self.broker.check_eviction()
         counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.topics}
         if len(set(counts.values())) > 1:
             raise ConfigError(
@@ -338,27 +386,24 @@ class Worker:
                 finished = until_idle and result.idle and self._others_drained()
                 if failures and self.metrics is not None:
                     self.metrics.broker_lost(False)
+                self._memory_episode.over()
                 failures = 0
             except GroupMissing as exc:
+                with suppress(BrokerUnavailable):  # an evicting server stops us: no group made again
+                    self._check_policy()
                 log.error("%s: giving the partitions up to take them again", exc)
                 for partition in list(self._held):
                     self._drop(partition, release=True)
                 next_lease_round = 0.0
                 continue
             except BrokerUnavailable as exc:
-                if self.metrics is not None:
-                    self.metrics.broker_lost(True)
                 failures += 1
-                delay = min(_RECONNECT_MAX_S, _RECONNECT_MIN_S * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)
-                log.warning("Redis unavailable, retrying in %.1fs: %s", delay, exc)
-                self.processor.rewind_all()
-                self._recheck_streams = True
+                self._wait_for_broker(exc, failures)
                 next_lease_round = 0.0
-                self._stopping.wait(delay)
                 continue
             summary.cycles += 1
             summary.add(result)
+            self._vanished(result.lost_partitions, look=True)
             for partition in result.lost_partitions:
                 # releasing is a no-op for a lease that moved on, and frees one whose backup went back
                 self._drop(partition, release=True)
@@ -366,6 +411,29 @@ class Worker:
                 return
             if until_idle and result.read == 0:
                 self._stopping.wait(_IDLE_POLL_S)
+
+    def _wait_for_broker(self, exc: BrokerUnavailable, failures: int) -> None:
+        """Back off after a lost connection or a write refused for memory, then go on.
+
+        Nothing read is trusted again: the batch in hand is committed (or not) locally, its entries
+        stay pending, and the next cycle re-reads them and acknowledges those at or below the
+        checkpoint. A server out of memory still answers: the wait stays under a lease round, so
+        the leases are renewed (renewals write nothing new) while it refuses writes.
+        """
+        delay = min(_RECONNECT_MAX_S, _RECONNECT_MIN_S * 2 ** (failures - 1))
+        delay *= random.uniform(0.5, 1.0)
+        self.processor.rewind_all()
+        if isinstance(exc, BrokerOutOfMemory):
+            delay = min(delay, self.settings.consumer.lease_ttl_ms / 3000)
+            self._memory_episode.refusal(
+                exc, min(_RECONNECT_MAX_S, self.settings.consumer.lease_ttl_ms / 3000)
+            )
+        else:
+            if self.metrics is not None:
+                self.metrics.broker_lost(True)
+            log.warning("Redis unavailable, retrying in %.1fs: %s", delay, exc)
+            self._recheck_streams = True
+        self._stopping.wait(delay)
 
     def _shutdown(self) -> None:
         if self.standby is not None:
@@ -385,17 +453,17 @@ class Worker:
     def _lease_round(self) -> None:
         """Renew held leases, give up lost partitions, take free ones, claim idle entries.
 
-        Also checks that the owned stores are still in place (a worker with nothing to commit
-        notices a deleted state dir too) and, after a lost connection, the owned streams.
+        Also checks the server's eviction policy (every round, so after a reconnect too), that the
+        owned stores are still in place (a worker with nothing to commit notices a deleted state
+        dir too) and, after a lost connection, the owned streams.
         """
+        self._check_policy()  # first: after a reconnect too, before anything is written
         for owned in self.processor.owned.values():
             owned.store.check_in_place()
         if self._recheck_streams:
             self._recheck_after_reconnect()
             self._recheck_streams = False
-        self._renewed_at = time.monotonic()
-        for partition in self.leases.renew(self._held):
-            self._drop(partition, release=False)
+        self._renew(self._held)
         members = self.membership.heartbeat()
         target = self.membership.target(self._partitions)
         if self.metrics is not None:
@@ -457,6 +525,7 @@ class Worker:
         """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""
         for partition in self.leases.takeable(sorted(target - set(self._held))):
             self._renew_if_due()  # the partitions taken before may have taken long to restore
+            asked = time.monotonic()
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue
@@ -464,6 +533,7 @@ class Worker:
                 if self.standby is not None:
                     self.standby.release(partition)
                 self._take(partition, leases)
+                self._confirmed[partition] = asked
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
                 self.leases.release(partition, leases)
@@ -516,16 +586,65 @@ class Worker:
         """
         if time.monotonic() - self._renewed_at < self.settings.consumer.lease_ttl_ms / 3000:
             return []
-        self._renewed_at = time.monotonic()
         self.membership.heartbeat()
-        lost = self.leases.renew({**self._held, **(taking or {})})
+        return self._renew({**self._held, **(taking or {})})
+
+    def _renew(self, leases: dict[int, Leases]) -> list[int]:
+        """Renew ``leases``; drop the held partitions whose lease is gone and return them all."""
+        self._renewed_at = asked = time.monotonic()
+        lost = self.leases.renew(leases)
+        self._confirmed.update((p, asked) for p in leases if p in self._held and p not in lost)
+        self._vanished(lost)
         for partition in lost:
             if partition in self._held:
                 self._drop(partition, release=False)
         return lost
 
+    def _vanished(self, partitions: list[int], look: bool = False) -> None:
+        """Say loudly when held leases are gone before their TTL could run out since their renewal.
+
+        Such a lease did not expire (a stalled worker's does, and that stays a warning): its key
+        was evicted or deleted under the running worker. An evicting server stops the worker here.
+        With ``look`` the leases are read first: an acknowledgement refused for another reason (a
+        backup that went back) leaves the lease in place.
+        """
+        ttl_s = self.settings.consumer.lease_ttl_ms / 1000
+        now = time.monotonic()
+        recent = [
+            p
+            for p in partitions
+            if p in self._held and now - self._confirmed.get(p, -ttl_s) < ttl_s * VANISHED_WITHIN
+        ]
+        if look and recent:
+            held = [
+                (p, keys.lease_key(topic, p, self.app.name), v)
+                for p in recent
+                for topic, v in self._held[p].items()
+            ]
+            try:
+                values = self.broker.lease_values([key for _, key, _ in held])
+            except BrokerUnavailable:
+                return  # cannot tell now: the next lease round renews (or misses) the others
+            recent = sorted({p for (p, _, v), now_v in zip(held, values, strict=True) if now_v != v})
+        if not recent:
+            return
+        self._check_policy()
+        log.error(
+            "PSPF keys vanished under the running worker (evicted or deleted): the leases of partitions "
+            "%s were gone before their TTL of %.1fs ran out since their last renewal; taking them again",
+            recent,
+            ttl_s,
+        )
+
+    def _check_policy(self) -> None:
+        """Stop (EvictingPolicy, exit 3) on a server that may evict keys; warn once where unchecked."""
+        if not self.broker.check_eviction() and not self._policy_unchecked:
+            self._policy_unchecked = True
+            log.warning("weaker guarantee: cannot read the server's maxmemory-policy; eviction is unchecked")
+
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)
+        self._confirmed.pop(partition, None)
         if self.metrics is not None:
             self.metrics.partition_released(partition)
         if partition in self.processor.owned:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ def host_settings(make_settings: Callable[..., Settings], tmp_path: Path, host: 
     return make_settings(PSPF_STATE_DIR=str(tmp_path / host), PSPF_LEASE_TTL_MS=1000)
 
 
-def send(settings: Settings, topic: str, n: int, start: int = 0) -> None:
+def send(settings: Settings, topic: str, n: int, start: int = 0, every: int = 1) -> None:
+    """``n`` entries to the keys ``k{i % APP_KEYS}`` for i from ``start``, stepping by ``every``."""
     with Producer(settings=settings) as producer:
-        for i in range(start, start + n):
+        for i in range(start, start + n * every, every):
             producer.send(topic, {"n": 1}, key=f"k{i % APP_KEYS}")
 
 
@@ -239,3 +241,39 @@ def partition_state(settings: Settings, app: str, partition: int) -> dict[str, A
         return {}
     with open_store("sqlite", settings.state.dir, app, partition, readonly=True) as store:
         return dict(iter_state(store))
+
+
+def test_a_slow_cleanup_deleting_the_meta_then_the_values_under_a_running_owner_loses_nothing(
+    make_settings: Callable[..., Settings],
+    tmp_path: Path,
+    make_topic: Callable[[int], str],
+    rclient: Any,
+    names: Any,
+) -> None:
+    """A cleanup script deletes the backup's meta, then 1.5 s later its values, while the owner
+    applies a steady flow: the owner notices each (the meta: the backup went back; the values:
+    damaged) and uploads its store again, so another host then restores every entry's effect,
+    also of the keys no batch changed after the values went."""
+    topic, name = make_topic(1), names.app()
+    a, b = (host_settings(make_settings, tmp_path, h) for h in ("a", "b"))
+    backup = backup_keys(topic, 0, name)
+    sent = 0
+    with WorkerThread(summing_app(name, topic), a) as runner:
+        for step in range(30):
+            if step <= 20:
+                send(a, topic, 50, start=sent)
+            else:  # after the values went, one key only: the others are in no batch's changes
+                send(a, topic, 50, start=0, every=APP_KEYS)
+            sent += 50
+            if step in (10, 20):  # once the entries so far are in (the next batches change k0 only)
+                wait_until(lambda n=sent: applied(a, name) == n, 10, "the entries so far applied")
+                time.sleep(0.3)
+                rclient.delete(backup.meta if step == 10 else backup.values)
+            time.sleep(0.1)
+            runner.check()
+        wait_until(lambda: applied(a, name) == sent, 30, "every entry applied")
+        wait_until(lambda: rclient.hget(backup.meta, "identity") is not None, 10, "the backup uploaded again")
+    run(summing_app(name, topic), a)  # until idle: the last acknowledgement and its backup update
+    run(summing_app(name, topic), b)
+    assert applied(b, name) == sent == 1500
+    assert len(read_state(b.state.dir, name, 1)) == APP_KEYS

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -65,6 +65,155 @@ DURATION_BUCKETS = (
 )
 
 Status = Literal["ok", "stuck", "broker_unavailable", "broker_out_of_memory"]
+
+
+_ENTRY = ("app", "topic", "partition")
+_APP = ("app",)
+
+
+class _Instruments(NamedTuple):
+    """A worker's series; per entry ones are labelled (app, topic, partition), the rest by app."""
+
+    processed: Counter
+    skipped: Counter
+    failed: Counter
+    retried: Counter
+    dead_lettered: Counter
+    late: Counter
+    batch_size: Histogram
+    commit_duration: Histogram
+    ack_duration: Histogram
+    members: Gauge
+    rebalances: Counter
+    outbox_rows: Gauge
+    outbox_published: Counter
+    outbox_latency: Histogram
+    outbox_failed: Counter
+    outbox_dead: Counter
+    out_of_memory: Gauge
+    refused: Counter
+
+
+#: Per series (a field of ``_Instruments``): its kind, name, help, labels and histogram buckets.
+#: A series labelled by app alone is bound to the worker's app at once.
+_SERIES: dict[str, tuple[type[Counter | Gauge | Histogram], str, str, tuple[str, ...], tuple[float, ...]]] = {
+    "processed": (Counter, "pspf_entries_processed", "Entries a handler completed, committed.", _ENTRY, ()),
+    "skipped": (
+        Counter,
+        "pspf_entries_skipped",
+        "Entries acknowledged without a handler: at or below the checkpoint, or redriven for another app.",
+        _ENTRY,
+        (),
+    ),
+    "failed": (
+        Counter,
+        "pspf_entries_failed",
+        "Failed attempts, undecodable and poison entries included.",
+        _ENTRY,
+        (),
+    ),
+    "retried": (Counter, "pspf_entries_retried", "Failed entries that will be tried again.", _ENTRY, ()),
+    "dead_lettered": (Counter, "pspf_entries_dead_lettered", "Entries moved to the DLQ.", _ENTRY, ()),
+    "late": (
+        Counter,
+        "pspf_window_late_entries",
+        "Entries of a window aggregation that came after all their windows closed: not applied.",
+        _ENTRY,
+        (),
+    ),
+    "batch_size": (
+        Histogram,
+        "pspf_batch_size_entries",
+        "Entries read per cycle that read any.",
+        _APP,
+        BATCH_BUCKETS,
+    ),
+    "commit_duration": (
+        Histogram,
+        "pspf_commit_duration_seconds",
+        "Duration of one state store transaction (a partition's batch).",
+        _APP,
+        DURATION_BUCKETS,
+    ),
+    "ack_duration": (
+        Histogram,
+        "pspf_ack_duration_seconds",
+        "Duration of a cycle's acknowledging round trip to Redis.",
+        _APP,
+        DURATION_BUCKETS,
+    ),
+    "members": (Gauge, "pspf_members", "Live workers of the app, as this worker last saw them.", _APP, ()),
+    "rebalances": (
+        Counter,
+        "pspf_rebalances",
+        "Changes of the partitions this worker should own (members joined or left).",
+        _APP,
+        (),
+    ),
+    "outbox_rows": (
+        Gauge,
+        "pspf_outbox_rows",
+        "Outbox rows of an owned partition by state.",
+        ("app", "partition", "state"),
+        (),
+    ),
+    "outbox_published": (
+        Counter,
+        "pspf_outbox_published",
+        "Outbox rows published (emitted entries added to their topics).",
+        _APP,
+        (),
+    ),
+    "outbox_latency": (
+        Histogram,
+        "pspf_outbox_publish_latency_seconds",
+        "From an emitting batch's commit to its row's publish.",
+        _APP,
+        DURATION_BUCKETS,
+    ),
+    "outbox_failed": (
+        Counter,
+        "pspf_outbox_failed_attempts",
+        "Publish attempts of outbox rows that failed.",
+        _APP,
+        (),
+    ),
+    "outbox_dead": (
+        Counter,
+        "pspf_outbox_dead",
+        "Outbox rows that became DEAD (attempts exhausted).",
+        _APP,
+        (),
+    ),
+    "out_of_memory": (
+        Gauge,
+        "pspf_broker_out_of_memory",
+        "1 while the server refuses this worker's writes for memory (maxmemory reached) and the "
+        "worker waits to retry, else 0.",
+        _APP,
+        (),
+    ),
+    "refused": (
+        Counter,
+        "pspf_broker_refused_calls",
+        "Calls of this worker the server refused for memory (each is retried after a backoff).",
+        _APP,
+        (),
+    ),
+}
+
+
+def _instruments(registry: CollectorRegistry, app: str) -> _Instruments:
+    """Declare every series of ``_SERIES`` in ``registry``."""
+    made: dict[str, Any] = {}
+    for field, (kind, name, text, labels, buckets) in _SERIES.items():
+        series: Counter | Gauge | Histogram
+        if kind is Histogram:
+            series = Histogram(name, text, labels, registry=registry, buckets=buckets)
+        else:
+            series = kind(name, text, labels, registry=registry)
+        made[field] = series.labels(app) if labels == _APP else series
+    return _Instruments(**made)
 
 
 class WorkerHealth(msgspec.Struct, frozen=True):
@@ -109,107 +258,7 @@ class WorkerMetrics(ProcessorHooks):
         self.stuck_after_s = stuck_after_s
         self._clock = clock
         self.registry = CollectorRegistry()
-        labels = ("app", "topic", "partition")
-        r = self.registry
-        self._processed = Counter(
-            "pspf_entries_processed", "Entries a handler completed, committed.", labels, registry=r
-        )
-        self._skipped = Counter(
-            "pspf_entries_skipped",
-            "Entries acknowledged without a handler: at or below the checkpoint, or redriven for "
-            "another app.",
-            labels,
-            registry=r,
-        )
-        self._failed = Counter(
-            "pspf_entries_failed",
-            "Failed attempts, undecodable and poison entries included.",
-            labels,
-            registry=r,
-        )
-        self._retried = Counter(
-            "pspf_entries_retried", "Failed entries that will be tried again.", labels, registry=r
-        )
-        self._dead_lettered = Counter(
-            "pspf_entries_dead_lettered", "Entries moved to the DLQ.", labels, registry=r
-        )
-        self._late = Counter(
-            "pspf_window_late_entries",
-            "Entries of a window aggregation that came after all their windows closed: not applied.",
-            labels,
-            registry=r,
-        )
-        self._batch_size = Histogram(
-            "pspf_batch_size_entries",
-            "Entries read per cycle that read any.",
-            ("app",),
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        ).labels(app)
-        self._commit_duration = Histogram(
-            "pspf_commit_duration_seconds",
-            "Duration of one state store transaction (a partition's batch).",
-            ("app",),
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        ).labels(app)
-        self._ack_duration = Histogram(
-            "pspf_ack_duration_seconds",
-            "Duration of a cycle's acknowledging round trip to Redis.",
-            ("app",),
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        ).labels(app)
-        self._members = Gauge(
-            "pspf_members", "Live workers of the app, as this worker last saw them.", ("app",), registry=r
-        ).labels(app)
-        self._rebalances = Counter(
-            "pspf_rebalances",
-            "Changes of the partitions this worker should own (members joined or left).",
-            ("app",),
-            registry=r,
-        ).labels(app)
-        self._outbox_rows = Gauge(
-            "pspf_outbox_rows",
-            "Outbox rows of an owned partition by state.",
-            ("app", "partition", "state"),
-            registry=r,
-        )
-        self._outbox_published = Counter(
-            "pspf_outbox_published",
-            "Outbox rows published (emitted entries added to their topics).",
-            ("app",),
-            registry=r,
-        ).labels(app)
-        self._outbox_latency = Histogram(
-            "pspf_outbox_publish_latency_seconds",
-            "From an emitting batch's commit to its row's publish.",
-            ("app",),
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        ).labels(app)
-        self._outbox_failed = Counter(
-            "pspf_outbox_failed_attempts",
-            "Publish attempts of outbox rows that failed.",
-            ("app",),
-            registry=r,
-        ).labels(app)
-        self._outbox_dead = Counter(
-            "pspf_outbox_dead", "Outbox rows that became DEAD (attempts exhausted).", ("app",), registry=r
-        ).labels(app)
-        self._out_of_memory = Gauge(
-            "pspf_broker_out_of_memory",
-            "1 while the server refuses this worker's writes for memory (maxmemory reached) and the "
-            "worker waits to retry, else 0.",
-            ("app",),
-            registry=r,
-        ).labels(app)
-        self._refused = Counter(
-            "pspf_broker_refused_calls",
-            "Calls of this worker the server refused for memory (each is retried after a backoff).",
-            ("app",),
-            registry=r,
-        ).labels(app)
+        self.m = _instruments(self.registry, app)
         self._series: dict[tuple[str, int], _Series] = {}
         self._lock = threading.Lock()
         #: owned partition -> unix time it was taken
@@ -219,7 +268,7 @@ class WorkerMetrics(ProcessorHooks):
         self._last_commit = 0.0
         self._broker_lost = False
         self._refusing = False
-        r.register(_ScrapeCollector(self))
+        self.registry.register(_ScrapeCollector(self))
 
     # -- what the worker reports ----------------------------------------------------------------
 
@@ -237,13 +286,13 @@ class WorkerMetrics(ProcessorHooks):
             self._progress.pop(partition, None)
         for state in RowState:
             with suppress(KeyError):
-                self._outbox_rows.remove(self.app, str(partition), str(state))
+                self.m.outbox_rows.remove(self.app, str(partition), str(state))
 
     def members_seen(self, members: int, rebalanced: bool) -> None:
         """The live members at a lease round, and whether this worker's target changed."""
-        self._members.set(members)
+        self.m.members.set(members)
         if rebalanced:
-            self._rebalances.inc()
+            self.m.rebalances.inc()
 
     def broker_lost(self, lost: bool) -> None:
         """The worker's loop is (True) or is no longer (False) waiting to reconnect to Redis."""
@@ -252,14 +301,14 @@ class WorkerMetrics(ProcessorHooks):
     def out_of_memory(self, refused: bool) -> None:
         """A call was refused for memory (True), or the worker's calls go through again (False)."""
         if refused:
-            self._refused.inc()
+            self.m.refused.inc()
         self._refusing = refused
-        self._out_of_memory.set(1 if refused else 0)
+        self.m.out_of_memory.set(1 if refused else 0)
 
     # -- processor hooks ------------------------------------------------------------------------
 
     def on_read(self, entries: int) -> None:
-        self._batch_size.observe(entries)
+        self.m.batch_size.observe(entries)
 
     def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
         series = self._counters(topic, partition)
@@ -273,7 +322,7 @@ class WorkerMetrics(ProcessorHooks):
                 self._progress[partition] = now
 
     def on_commit(self, partition: int, seconds: float) -> None:
-        self._commit_duration.observe(seconds)
+        self.m.commit_duration.observe(seconds)
         now = self._clock()
         with self._lock:
             self._last_commit = now
@@ -281,7 +330,7 @@ class WorkerMetrics(ProcessorHooks):
                 self._progress[partition] = now
 
     def on_ack(self, seconds: float) -> None:
-        self._ack_duration.observe(seconds)
+        self.m.ack_duration.observe(seconds)
 
     def on_failure(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
         self._counters(topic, partition).failed.inc()
@@ -293,35 +342,35 @@ class WorkerMetrics(ProcessorHooks):
         self._counters(record.source_topic, record.source_partition).dead_lettered.inc()
 
     def on_late(self, topic: str, partition: int, entries: int) -> None:
-        self._late.labels(self.app, topic, str(partition)).inc(entries)
+        self.m.late.labels(self.app, topic, str(partition)).inc(entries)
 
     def on_outbox_settled(
         self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]
     ) -> None:
         if published:
-            self._outbox_published.inc(len(published))
+            self.m.outbox_published.inc(len(published))
             for created_ms, published_ms in published:
-                self._outbox_latency.observe(max(0, published_ms - created_ms) / 1000)
+                self.m.outbox_latency.observe(max(0, published_ms - created_ms) / 1000)
         if failed:
-            self._outbox_failed.inc(len(failed))
+            self.m.outbox_failed.inc(len(failed))
             dead = sum(1 for row in failed if row.state is RowState.DEAD)
             if dead:
-                self._outbox_dead.inc(dead)
+                self.m.outbox_dead.inc(dead)
 
     def on_outbox_rows(self, partition: int, counts: dict[RowState, int]) -> None:
         for state, count in counts.items():
-            self._outbox_rows.labels(self.app, str(partition), str(state)).set(count)
+            self.m.outbox_rows.labels(self.app, str(partition), str(state)).set(count)
 
     def _counters(self, topic: str, partition: int) -> _Series:
         series = self._series.get((topic, partition))
         if series is None:
             values = (self.app, topic, str(partition))
             series = self._series[(topic, partition)] = _Series(
-                self._processed.labels(*values),
-                self._skipped.labels(*values),
-                self._failed.labels(*values),
-                self._retried.labels(*values),
-                self._dead_lettered.labels(*values),
+                self.m.processed.labels(*values),
+                self.m.skipped.labels(*values),
+                self.m.failed.labels(*values),
+                self.m.retried.labels(*values),
+                self.m.dead_lettered.labels(*values),
             )
         return series
 

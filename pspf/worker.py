@@ -114,6 +114,36 @@ def default_consumer_name() -> str:
     return socket.gethostname()
 
 
+def _worker_metrics(app: App, settings: Settings) -> WorkerMetrics | None:
+    """The worker's counters and health (with a broker of their own), when a port is set."""
+    if settings.metrics.port is None:
+        return None
+    timeout_s = min(settings.redis.connect_timeout_s, _METRICS_REDIS_TIMEOUT_S)
+    broker = Broker(
+        msgspec.structs.replace(settings.redis, connect_timeout_s=timeout_s),
+        socket_timeout_s=_METRICS_REDIS_TIMEOUT_S,
+    )
+    return WorkerMetrics(app.name, app.topics, broker, settings.metrics.stuck_after_s)
+
+
+def _processor(
+    app: App, settings: Settings, broker: Broker, consumer: str, hooks: ProcessorHooks | None
+) -> BatchProcessor:
+    run_policy = policy_from(settings.retry)
+    return BatchProcessor(
+        app,
+        broker,
+        consumer,
+        batch_size=settings.consumer.batch_size,
+        # Leases are renewed between reads: a read must never outlast a third of their TTL.
+        block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
+        policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
+        hooks=hooks,
+        outbox=settings.outbox,
+        idle_close_s=settings.time.idle_close_ms / 1000,
+    )
+
+
 class Worker:
     """Runs one app: owns what partitions it can, processes them, and stops cleanly."""
 
@@ -140,29 +170,11 @@ class Worker:
         )
         hooks = hooks if hooks is not None else app.hooks
         #: Counters and health, when the settings ask for a metrics port.
-        self.metrics: WorkerMetrics | None = None
+        self.metrics = _worker_metrics(app, settings)
         self._metrics_server: MetricsServer | None = None
-        if settings.metrics.port is not None:
-            timeout_s = min(settings.redis.connect_timeout_s, _METRICS_REDIS_TIMEOUT_S)
-            metrics_broker = Broker(
-                msgspec.structs.replace(settings.redis, connect_timeout_s=timeout_s),
-                socket_timeout_s=_METRICS_REDIS_TIMEOUT_S,
-            )
-            self.metrics = WorkerMetrics(app.name, app.topics, metrics_broker, settings.metrics.stuck_after_s)
+        if self.metrics is not None:
             hooks = self.metrics if hooks is None else HookChain(self.metrics, hooks)
-        run_policy = policy_from(settings.retry)
-        self.processor = BatchProcessor(
-            app,
-            self.broker,
-            self.consumer,
-            batch_size=settings.consumer.batch_size,
-            # Leases are renewed between reads: a read must never outlast a third of their TTL.
-            block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
-            policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
-            hooks=hooks,
-            outbox=settings.outbox,
-            idle_close_s=settings.time.idle_close_ms / 1000,
-        )
+        self.processor = _processor(app, settings, self.broker, self.consumer, hooks)
         self._store_factory = store_factory or self._open_store
         self.partitions = Partitions(
             self.broker,
@@ -173,16 +185,7 @@ class Worker:
             backup=settings.state.backup == "on",
         )
         #: Follows the partitions this worker does not own (``--standby``).
-        self.standby: Standby | None = None
-        if settings.state.standby:
-            if settings.state.backup != "on":
-                raise ConfigError("--standby follows the state backup: it needs --state-backup on")
-            self.standby = Standby(
-                Broker(settings.redis, socket_timeout_s=socket_timeout_s),
-                app.name,
-                app.topics,
-                self._store_factory,
-            )
+        self.standby = self._standby(socket_timeout_s)
         self._held: dict[int, Leases] = {}
         self._partitions = 0
         self._stopping = threading.Event()
@@ -199,6 +202,15 @@ class Worker:
         #: the server's maxmemory-policy cannot be read (said once)
         self._policy_unchecked = False
         self._signals = 0
+
+    def _standby(self, socket_timeout_s: float) -> Standby | None:
+        state = self.settings.state
+        if not state.standby:
+            return None
+        if state.backup != "on":
+            raise ConfigError("--standby follows the state backup: it needs --state-backup on")
+        broker = Broker(self.settings.redis, socket_timeout_s=socket_timeout_s)
+        return Standby(broker, self.app.name, self.app.topics, self._store_factory)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from pspf.cli.main import (
     store_option,
 )
 from pspf.errors import ConfigError
-from pspf.service import AppLag, parse_position
+from pspf.service import AppLag, ReplayResult, parse_position
 from pspf.wording import counted
 
 
@@ -180,7 +180,11 @@ def replay(
         result = preview
     if as_json:
         print_json(result)
-        return
+    else:
+        _say_replayed(result, dry_run)
+
+
+def _say_replayed(result: ReplayResult, dry_run: bool) -> None:
     verb = "would move" if dry_run else "moved"
     click.echo(
         f"{verb} app {result.app} to {result.position} in {', '.join(result.topics)} "

@@ -252,7 +252,7 @@ def check_partition_count(
         f"topic {names} has {count} partitions now: the count was changed behind PSPF's back (a "
         "topic deleted and created again). Keys would land in partitions whose state does not "
         f"hold them, so nothing was processed. Create the topic again with {int(recorded)} "
-        "partitions, or replay the app (pspf replay) to rebuild its state"
+        "partitions"
     )
 
 

@@ -724,39 +724,23 @@ class Service:
         self._refuse_if_running(app, read, partitions)
         self._refuse_moving_forward(app, chosen, partitions, position)
         state = self.settings.state
-        if not (Path(state.dir) / app).is_dir():
-            raise NotFound(
-                f"no state of app {app!r} under {state.dir}: replay resets the app's checkpoints "
-                "there, give the app's state directory (--state-dir)"
-            )
-        stored = stored_partitions(state.engine, state.dir, app)
-        stores = []
+        self._need_state_dir(app, "replay resets the app's checkpoints there")
+        stores: dict[int, StateStore] = {}
         try:
-            for partition in stored:  # locks them: a worker starting now waits for us
-                stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
-            self._refuse_if_running(app, read, partitions)
+            for partition in stored_partitions(state.engine, state.dir, app):  # locks them: a worker
+                stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+            self._refuse_if_running(app, read, partitions)  # starting now waits for us
             marks = self._superseded(app, chosen, partitions, position)
             streams = [keys.stream_key(t, p) for t in chosen for p in range(partitions)]
             if not dry_run:
-                for partition in sorted(set(marks) - set(stored)):  # the marks need a store
-                    stores.append(open_store(state.engine, state.dir, app, partition, state.durability))
-                    stored.append(partition)
+                for partition in sorted(set(marks) - set(stores)):  # the marks need a store
+                    stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
                 for stream in streams:
                     self.broker.reset_group(stream, app, str(position))
-                checkpoint = None if position == keys.ZERO_ID else position
-                clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE}
-                clear |= set() if keep_state else {STATE_NAMESPACE}
-                identity = f"replay{int(time.time() * 1000)}-0"
-                for partition, store in zip(stored, stores, strict=True):
-                    values = {
-                        **marks.get(partition, {}),
-                        (BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode(),
-                    }
-                    store.rewind(clear, {topic: checkpoint for topic in chosen}, values)
-                self._rewind_backups(app, partitions, clear, {t: checkpoint for t in chosen}, marks, identity)
+                self._rewind(app, stores, chosen, partitions, position, marks, keep_state)
             entries = sum(self._entries_after(stream, position) for stream in streams)
         finally:
-            for store in stores:
+            for store in stores.values():
                 store.close()
         return ReplayResult(
             app=app,
@@ -768,6 +752,34 @@ class Service:
             state_reset=not keep_state,
             dry_run=dry_run,
         )
+
+    def _need_state_dir(self, app: str, why: str) -> None:
+        state = self.settings.state
+        if not (Path(state.dir) / app).is_dir():
+            raise NotFound(
+                f"no state of app {app!r} under {state.dir}: {why}, "
+                "give the app's state directory (--state-dir)"
+            )
+
+    def _rewind(
+        self,
+        app: str,
+        stores: dict[int, StateStore],
+        topics: list[str],
+        partitions: int,
+        position: StreamId,
+        marks: dict[int, dict[tuple[str, str], bytes]],
+        keep_state: bool,
+    ) -> None:
+        """Rewind the stores here, then the backups, to ``position`` under one new identity."""
+        checkpoint = None if position == keys.ZERO_ID else position
+        clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE}
+        clear |= set() if keep_state else {STATE_NAMESPACE}
+        identity = f"replay{int(time.time() * 1000)}-0"
+        for partition, store in stores.items():
+            values = {**marks.get(partition, {}), (BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}
+            store.rewind(clear, {topic: checkpoint for topic in topics}, values)
+        self._rewind_backups(app, partitions, clear, {t: checkpoint for t in topics}, marks, identity)
 
     def _superseded(
         self, app: str, topics: list[str], partitions: int, position: StreamId

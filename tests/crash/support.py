@@ -10,7 +10,6 @@ import signal
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -120,17 +119,6 @@ class WorkerProcess:
         assert found, f"no summary line in the log\n{self.tail()}"
         handled, skipped, dead, retried = found[-1]
         return int(handled), int(skipped), int(dead) + int(retried)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # -- leases -------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from pspf.broker import AckRequest, BackupUpdate, Broker
 from pspf.service import Service
 from tests.conftest import pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
-from tests.crash.support import assert_exact, order_records, wait_until
+from tests.crash.support import assert_exact, order_records
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

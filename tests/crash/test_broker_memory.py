@@ -32,8 +32,8 @@ from tests.crash.support import (
     assert_no_ack_before_commit,
     order_records,
     view_all,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash, standalone_only]
 

@@ -16,7 +16,8 @@ import pytest
 from pspf import App, Context, Settings, Worker
 from pspf.keys import stream_key
 from tests.conftest import pspf_command, subprocess_env
-from tests.crash.support import assert_exact, leases, order_records, wait_until
+from tests.crash.support import assert_exact, leases, order_records
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

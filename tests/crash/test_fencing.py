@@ -15,14 +15,8 @@ from pspf.broker import AckRequest, Broker
 from pspf.errors import LeaseLost
 from pspf.keys import StreamId, fence_key, lease_key, stream_key
 from pspf.state_stores import open_store
-from tests.crash.support import (
-    assert_exact,
-    backup_checkpoint,
-    order_records,
-    read_store,
-    view_all,
-    wait_until,
-)
+from tests.crash.support import assert_exact, backup_checkpoint, order_records, read_store, view_all
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -56,8 +56,8 @@ from tests.crash.support import (
     held_by,
     no_leases,
     process_state,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -23,8 +23,8 @@ from tests.crash.support import (
     no_leases,
     order_records,
     view_all,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

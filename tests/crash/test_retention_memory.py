@@ -18,7 +18,8 @@ from pspf.keys import backup_log_key, stream_key
 from pspf.retention import Retention
 from pspf.service import Service
 from tests.conftest import RedisServer, standalone_only
-from tests.integration.failures_support import WorkerThread, wait_until
+from tests.integration.failures_support import WorkerThread
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash, standalone_only]
 

@@ -30,7 +30,8 @@ from pspf.keys import stream_key
 from pspf.service import Service
 from tests.conftest import Names, server_binary_under_test
 from tests.crash.conftest import Spawner
-from tests.crash.support import all_state, backup_applied, order_records, wait_until
+from tests.crash.support import all_state, backup_applied, order_records
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -13,7 +13,8 @@ import pytest
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, backup_meta_key
 from pspf.state_stores import open_store
 from tests.crash.conftest import Spawner
-from tests.crash.support import assert_exact, held_by, order_records, wait_until
+from tests.crash.support import assert_exact, held_by, order_records
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

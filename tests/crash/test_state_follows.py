@@ -41,8 +41,8 @@ from tests.crash.support import (
     read_store,
     state_get_from_backup,
     store_identity,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

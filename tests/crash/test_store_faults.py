@@ -20,7 +20,8 @@ import pytest
 from pspf.keys import dlq_key, stream_key
 from pspf.state_stores import open_store, store_path
 from tests.crash.conftest import Spawner
-from tests.crash.support import ENGINES, held_by, leases, order_records, read_store, wait_until
+from tests.crash.support import ENGINES, held_by, leases, order_records, read_store
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -22,7 +22,8 @@ from pspf.state_stores import open_store
 from pspf.state_stores import store_path as store_location
 from tests.conftest import pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
-from tests.crash.support import ENGINES, expected_state, held_by, order_records, read_store, wait_until
+from tests.crash.support import ENGINES, expected_state, held_by, order_records, read_store
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

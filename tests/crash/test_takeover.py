@@ -19,8 +19,8 @@ from tests.crash.support import (
     leases,
     order_records,
     view_all,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

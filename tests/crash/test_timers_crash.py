@@ -32,8 +32,9 @@ from pspf.keys import SCHEDULES_NAMESPACE, stream_key
 from pspf.state_stores import open_store
 from tests.crash.apps_timers import TICK_MS, tick_keys
 from tests.crash.conftest import Spawner
-from tests.crash.support import WorkerProcess, backup_state, held_by, read_store, wait_until
+from tests.crash.support import WorkerProcess, backup_state, held_by, read_store
 from tests.reminders import Entries, simulate
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

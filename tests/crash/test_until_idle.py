@@ -9,15 +9,8 @@ from typing import Any
 import pytest
 
 from tests.crash.conftest import Spawner
-from tests.crash.support import (
-    assert_exact,
-    backup_applied,
-    held_by,
-    leases,
-    order_records,
-    view_all,
-    wait_until,
-)
+from tests.crash.support import assert_exact, backup_applied, held_by, leases, order_records, view_all
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -55,10 +55,10 @@ from tests.crash.support import (
     no_leases,
     read_store,
     store_identity,
-    wait_until,
 )
 from tests.crash.test_outbox_crash import Apps, outbox_rows, outputs, states
 from tests.integration.test_windows import MINUTE_MS, clicks, reference
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -42,8 +42,8 @@ from tests.crash.support import (
     leases,
     order_records,
     process_state,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +75,6 @@ def assert_drained(client: Any, state_dir: Path | str, topic: str, app: str, par
             checkpoint = store.checkpoints().get(topic)
         last = StreamId.parse(client.xinfo_stream(stream)["last-generated-id"])
         assert checkpoint == last, f"partition {p}: checkpoint {checkpoint} != last id {last}"
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def summing_app(name: str, topic: str) -> App:

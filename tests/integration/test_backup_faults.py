@@ -23,7 +23,8 @@ from pspf.keys import backup_keys, stream_key, topic_key
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
 from tests.conftest import pspf_command, subprocess_env
-from tests.integration.failures_support import WorkerThread, read_state, summing_app, wait_until
+from tests.integration.failures_support import WorkerThread, read_state, summing_app
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

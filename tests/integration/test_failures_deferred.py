@@ -21,8 +21,8 @@ from tests.integration.failures_support import (
     dead_by_entry,
     read_state,
     stream_entries,
-    wait_until,
 )
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ import pytest
 from pspf import App, Context, Settings, Worker
 from pspf.keys import lease_key, stream_key
 from tests.crash.support import assert_exact, order_records, view_all
-from tests.integration.failures_support import WorkerThread, read_state, wait_until
+from tests.integration.failures_support import WorkerThread, read_state
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

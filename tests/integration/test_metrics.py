@@ -25,7 +25,8 @@ from pspf import App, Context, Producer, Settings, Worker
 from pspf.keys import REDRIVE_APP_HEADER, partition_for, stream_key
 from pspf.service import Service
 from tests.conftest import ROOT, RedisServer, pspf_command, subprocess_env
-from tests.integration.failures_support import WorkerThread, wait_until
+from tests.integration.failures_support import WorkerThread
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,8 @@ from pspf.service import Service
 from pspf.state_stores import open_store
 from pspf.worker import RunSummary
 from tests.conftest import RedisServer
-from tests.integration.failures_support import WorkerThread, read_state, summing_app, wait_until
+from tests.integration.failures_support import WorkerThread, read_state, summing_app
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

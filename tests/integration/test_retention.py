@@ -18,7 +18,8 @@ from pspf.keys import partition_for, stream_key
 from pspf.retention import Retention
 from pspf.service import Service
 from tests.conftest import Names
-from tests.integration.failures_support import WorkerThread, summing_app, wait_until
+from tests.integration.failures_support import WorkerThread, summing_app
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

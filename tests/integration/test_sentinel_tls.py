@@ -24,12 +24,13 @@ from pspf.embedded import LocalSentinel
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
-from tests.crash.support import all_state, backup_applied, expected_state, order_records, wait_until
+from tests.crash.support import all_state, backup_applied, expected_state, order_records
 from tests.crash.test_sentinel_failover import PARTITIONS, caught_up, held_on
 from tests.integration import test_tls
 from tests.integration.test_acl import ACL_RULES, OPTIONAL_RULES
 from tests.integration.test_tls import Certs, Pspf
 from tests.integration.test_url_secrets import COMMANDS
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 

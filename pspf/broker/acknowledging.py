@@ -1,0 +1,380 @@
+"""Acknowledging batches under their leases, with the state backup update in the same call.
+
+A batch's acknowledgement, its dead entries' moves to the DLQ and its partition's backup update
+(values, checkpoints, one log entry) are applied together or not at all, and only while the
+partition's lease is held and the backup is where the update follows on (``BackupUpdate.follows``):
+one MULTI/EXEC with the leases and backup metas WATCHed in the common case, else ``lua/ack.lua``
+per partition, which refuses only the partition whose lease is lost. ``_backup_commands`` and
+``lua/ack.lua`` must keep the same effects. Also here: the leases and memberships that fence these
+calls, and the reads and rewrites of a state backup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, cast
+
+import msgspec
+import redis
+
+from pspf import keys
+from pspf.broker.connection import Connection
+from pspf.broker.records import _CLAIM_COUNT, Fields, _text
+from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost
+
+#: Updates a state backup's log keeps (about): a store or standby at most this many updates
+#: behind catches up from the log; further behind, it restores the whole backup.
+BACKUP_LOG_LENGTH = 1000
+
+
+class BackupUpdate(NamedTuple):
+    """Writes to a partition's state backup, made in the call that acknowledges its batch."""
+
+    keys: keys.BackupKeys
+    #: the new batch identity; "" leaves it (a later part of an upload)
+    identity: str
+    checkpoints: Mapping[str, str]
+    #: fields and values to set, flat: field, value, field, value, ... (as the call sends them)
+    sets: Sequence[bytes]
+    deletes: Sequence[bytes]
+    #: "update" (logged), "replace" (the first part of a whole upload: the backup is emptied
+    #: first) or "upload" (a later part); uploads are not logged
+    mode: str = "update"
+    #: an update's fence: the identities the backup may hold now (empty: not checked); any other
+    #: means the backup went back (a fail-over lost writes) and nothing is done
+    follows: Collection[str] = ()
+
+
+class AckRequest(NamedTuple):
+    """Entries of one topic partition to acknowledge, and dead ones to move, under a lease."""
+
+    stream: str
+    group: str
+    lease_key: str
+    lease_value: str
+    ids: Sequence[bytes]
+    dlq: str = ""
+    #: (entry id, DLQ entry fields) of entries to move to the DLQ
+    dead: Sequence[tuple[bytes, Fields]] = ()
+    #: the partition's backup update, carried by the call of the app's first topic
+    backup: BackupUpdate | None = None
+
+
+class Acknowledging(Connection):
+    """The fenced acknowledgement with its backup update, leases, memberships, and backup reads."""
+
+    def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
+        """Acknowledge several partitions' batches (and update their backups) under their leases.
+
+        Usually one MULTI/EXEC with the leases WATCHed (``_ack_in_transaction``). With DLQ moves,
+        an upload, or a lease not held, each partition's call runs in a Lua call that checks its
+        lease (one pipelined round trip), so one lost lease refuses only that partition's
+        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack
+        when the backup is not where the update follows on: ``BackupUpdate.follows``).
+        """
+        if not requests:
+            return []
+        common = all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests)
+        if common and not self.cluster:  # one MULTI cannot span a cluster's partitions
+            done = self._ack_in_transaction(requests)
+            if done is not None:
+                return done
+        results: list[tuple[int, int] | LeaseLost] = []
+        calls = [_ack_call(r) for r in requests]
+        for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False, then=self._wait):
+            if isinstance(reply, redis.ResponseError):
+                if str(reply).startswith("LEASE_LOST"):
+                    results.append(LeaseLost(str(reply)))
+                    continue
+                if str(reply).startswith("BACKUP_WENT_BACK"):
+                    results.append(BackupWentBack(str(reply)))
+                    continue
+                if str(reply).startswith("BACKUP_DAMAGED"):
+                    results.append(BackupDamaged(str(reply)))
+                    continue
+                with self.translate_errors():
+                    raise reply
+            results.append((int(reply[0]), int(reply[1])))
+        return results
+
+    def _ack_in_transaction(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost] | None:
+        """The common acknowledgement (no DLQ moves, no upload) as plain commands in MULTI/EXEC.
+
+        Same effects as ``lua/ack.lua``, fenced the way reads are: the leases (and backup metas)
+        are WATCHed and checked first, so EXEC applies nothing if any of them changed or expired
+        meanwhile. A batch's values travel as command arguments, which Redis takes far faster than
+        a script's. None when a lease is not held or changed: then the script decides, per
+        partition.
+        """
+        leases = [r.lease_key for r in requests]
+        fenced = [r.backup for r in requests if r.backup is not None]
+        backup_keys = [key for b in fenced for key in (b.keys.meta, b.keys.values)]
+        with self._raw_connection(cast(redis.Redis, self.client)) as send:
+            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
+            reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
+            reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
+            replies = send(reads)
+            held, heads, marks = replies[1], replies[2 : 2 + len(fenced)], replies[2 + len(fenced) :]
+            identities = [identity for identity, _ in heads]
+            if (
+                any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
+                or any(
+                    b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
+                )
+                or any(
+                    marked and mark != identity for (identity, marked), mark in zip(heads, marks, strict=True)
+                )
+            ):  # the script says which: a lost lease, a backup gone back or damaged
+                send([("UNWATCH",)])
+                return None
+            commands: list[tuple[Any, ...]] = [("MULTI",)]
+            acks: list[int | None] = []
+            prevs = iter(identities)
+            for r in requests:
+                if r.backup is not None:
+                    commands += _backup_commands(r.backup, _text(next(prevs)))
+                acks.append(len(commands) - 1 if r.ids else None)
+                if r.ids:
+                    commands.append(("XACK", r.stream, r.group, *r.ids))
+            replies = send([*commands, ("EXEC",), *([self._wait] if self._wait else [])])
+        if self._wait:
+            self._replicated(replies.pop())
+        done = replies[-1]  # after OK and QUEUED..., EXEC's
+        if done is None:
+            return None  # a lease or backup changed under us: nothing was applied
+        for reply in done:
+            if isinstance(reply, redis.ResponseError):
+                with self.translate_errors():
+                    raise reply
+        return [(0, 0) if at is None else (int(done[at]), 0) for at in acks]
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def acquire_lease(self, lease_key: str, fence_key: str, owner: str, ttl_ms: int) -> str | None:
+        """Take a free lease; its value (owner and fencing token), or None when it is held."""
+        with self.translate_errors():
+            value = self._lease_acquire(keys=[lease_key, fence_key], args=[owner, ttl_ms])
+        return None if value is None else bytes(value).decode()
+
+    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_ms: int) -> list[bool]:
+        """Extend leases (key, value) in one round trip; False where a lease is lost."""
+        calls = [([key], [value, ttl_ms]) for key, value in leases]
+        return [bool(r) for r in self._eval_pipelined(self._lease_renew, calls)]
+
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
+        """Give leases up so a standby takes the partitions at once."""
+        self._eval_pipelined(self._lease_release, [([key], [value]) for key, value in leases])
+
+    def lease_values(self, lease_keys: Sequence[str]) -> list[str | None]:
+        """Each lease's value (``consumer/pid/nonce|token``), None where it is free."""
+        with self.translate_errors():
+            if not lease_keys:
+                values = []
+            elif self.cluster:  # the leases of several partitions are in several slots
+                values = self.client.mget_nonatomic(lease_keys)
+            else:
+                values = self.client.mget(lease_keys)
+        return [None if v is None else _text(v) for v in values]
+
+    def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
+        """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
+        return [None if v is None else v.rpartition("|")[0] for v in self.lease_values(lease_keys)]
+
+    # -- members --------------------------------------------------------------------------------
+
+    def member_heartbeat(
+        self, app: str, member: str, ttl_ms: int, info: bytes, stay: bool = True
+    ) -> tuple[int, bool, list[tuple[str, int, int, bytes]]]:
+        """Renew (or end) a worker's membership; the server's time, whether it was a member, the live.
+
+        Each member as (id, joined ms, expiry ms, info), in id order. "Was a member": its entries
+        were there and unexpired before this call.
+        """
+        member_keys = [keys.members_key(app), keys.joined_key(app), keys.member_info_key(app)]
+        with self.translate_errors(member_keys[0]):
+            reply = self._member_heartbeat(
+                keys=member_keys, args=[member, ttl_ms, info, "1" if stay else "0"]
+            )
+        now, present, rest = int(reply[0]), int(reply[1]) == 1, reply[2:]
+        return (
+            now,
+            present,
+            [
+                (_text(rest[i]), int(float(rest[i + 1])), int(float(rest[i + 2])), bytes(rest[i + 3]))
+                for i in range(0, len(rest), 4)
+            ],
+        )
+
+    def members(self, app: str) -> tuple[int, list[tuple[str, int, int, bytes]]]:
+        """The server's time and the live members as ``member_heartbeat`` gives them (a read only)."""
+        with self.translate_errors(keys.members_key(app)):
+            pipe = self._on(keys.members_key(app)).pipeline(transaction=True)
+            pipe.time()
+            pipe.zrange(keys.members_key(app), 0, -1, withscores=True)
+            pipe.zrange(keys.joined_key(app), 0, -1, withscores=True)
+            pipe.hgetall(keys.member_info_key(app))
+            (seconds, micros), expiries, joined, info = pipe.execute()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        since = {_text(m): int(score) for m, score in joined}
+        return now, [
+            (_text(m), since.get(_text(m), now), int(expiry), bytes(info.get(m, b"{}")))
+            for m, expiry in expiries
+            if expiry > now
+        ]
+
+    # -- state backup ---------------------------------------------------------------------------
+
+    def backup_meta(self, meta_key: str) -> dict[str, str]:
+        """A backup's identity and checkpoints (``cp:TOPIC``); empty when there is no backup."""
+        with self.translate_errors(meta_key):
+            raw = self.client.hgetall(meta_key)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    def set_backup_field(self, meta_key: str, name: str, value: str) -> None:
+        """Record a fact about a backup in its meta (its partition count)."""
+        with self.translate_errors(meta_key):
+            self.client.hset(meta_key, name, value)
+
+    def backup_head(self, backup: keys.BackupKeys) -> tuple[dict[str, str], bytes | None]:
+        """A backup's meta and the id of its log's last entry, read in one atomic step."""
+        with self.translate_errors(backup.meta):
+            pipe = self._on(backup.meta).pipeline(transaction=True)
+            pipe.hgetall(backup.meta)
+            pipe.xrevrange(backup.log, "+", "-", count=1)
+            raw, last = pipe.execute()
+        return {_text(k): _text(v) for k, v in raw.items()}, (bytes(last[0][0]) if last else None)
+
+    def backup_log(self, log_key: str, after: bytes, count: int) -> list[tuple[bytes, Fields]]:
+        """Up to ``count`` log entries after the id ``after``, oldest first."""
+        with self.translate_errors(log_key):
+            reply = cast(list[Any], self.client.xread({log_key: after}, count=count))
+        return [(bytes(entry_id), fields) for _, entries in reply for entry_id, fields in entries]
+
+    def backup_log_before(self, log_key: str, before: bytes | None, count: int) -> list[tuple[bytes, Fields]]:
+        """Up to ``count`` log entries before the id ``before`` (all when None), newest first."""
+        if before is None:
+            top = "+"
+        else:
+            parsed = keys.StreamId.parse(before)
+            if parsed == keys.ZERO_ID:
+                return []
+            top = str(parsed.previous())
+        with self.translate_errors(log_key):
+            entries = cast(list[tuple[bytes, Fields]], self.client.xrevrange(log_key, top, "-", count=count))
+        return [(bytes(entry_id), fields) for entry_id, fields in entries]
+
+    def backup_values(
+        self, key: str, count: int = 10_000, match: bytes | None = None
+    ) -> Iterator[list[tuple[bytes, bytes]]]:
+        """A backup's fields and values (those ``match`` selects), in pages of about ``count`` (HSCAN)."""
+        cursor = 0
+        while True:
+            with self.translate_errors(key):
+                cursor, page = cast(
+                    tuple[int, dict[bytes, bytes]],
+                    self.client.hscan(key, cursor, match=match, count=count),
+                )
+            page.pop(keys.BACKUP_MARK, None)
+            if page:
+                yield list(page.items())
+            if cursor == 0:
+                return
+
+    def backup_value(self, key: str, field: bytes) -> bytes | None:
+        with self.translate_errors(key):
+            value = cast(bytes | None, self.client.hget(key, field))
+        return value
+
+    def rewind_backup(
+        self,
+        backup: keys.BackupKeys,
+        clear: Collection[str],
+        checkpoints: Mapping[str, keys.StreamId | None],
+        values: Mapping[bytes, bytes],
+        identity: str,
+    ) -> bool:
+        """Rewind a backup as ``StateStore.rewind`` does a store, under a new identity.
+
+        For a stopped app; one MULTI. The log goes: it no longer leads to this state. False
+        when there is no backup.
+        """
+        if not self.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
+            return False
+        prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
+        gone = [f for page in self.backup_values(backup.values) for f, _ in page if f.startswith(prefixes)]
+        with self.translate_errors(backup.values):
+            pipe = self._on(backup.values).pipeline(transaction=True)
+            for start in range(0, len(gone), _CLAIM_COUNT):
+                pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
+            pipe.hset(backup.values, mapping={**values, keys.BACKUP_MARK: identity.encode()})  # type: ignore[dict-item]
+            dropped = [f"cp:{topic}" for topic, cid in checkpoints.items() if cid is None]
+            if dropped:
+                pipe.hdel(backup.meta, *dropped)
+            meta: dict[str | bytes, str | bytes] = {keys.BACKUP_IDENTITY: identity, keys.BACKUP_MARKED: "1"}
+            meta.update({f"cp:{topic}": str(cid) for topic, cid in checkpoints.items() if cid is not None})
+            pipe.hset(backup.meta, mapping=meta)  # type: ignore[arg-type]
+            pipe.delete(backup.log)
+            pipe.execute()
+        return True
+
+    def delete_backup(self, backup: keys.BackupKeys) -> None:
+        with self.translate_errors(backup.values):
+            self.client.delete(*backup)
+
+
+def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
+    """The keys and arguments of ``lua/ack.lua`` for one request."""
+    b = r.backup
+    mode = "" if b is None else b.mode
+    args: list[Any] = [
+        r.group,
+        r.lease_value,
+        len(r.ids),
+        len(r.dead),
+        mode,
+        BACKUP_LOG_LENGTH,
+        "" if b is None else ",".join(b.follows),
+        *r.ids,
+    ]
+    for entry_id, fields in r.dead:
+        args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+    if b is not None:
+        args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
+        for topic, checkpoint in b.checkpoints.items():
+            args += [topic, checkpoint]
+        args += b.sets
+        args += b.deletes
+        args.append(log_data(b) if b.mode == "update" else b"")
+    backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
+    return [r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args
+
+
+_log_encoder = msgspec.msgpack.Encoder()
+
+
+def log_data(b: BackupUpdate) -> bytes:
+    """An update as its log entry's ``data``: (checkpoints, flat sets, deleted fields), msgpack.
+
+    One field, not a field per value: Redis builds a stream entry by appending to one buffer, so
+    an entry of many fields costs far more than one of a single value of the same size.
+    """
+    return _log_encoder.encode((b.checkpoints, b.sets, b.deletes))
+
+
+def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
+    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry."""
+    commands: list[tuple[Any, ...]] = []
+    if b.deletes:
+        commands.append(("HDEL", b.keys.values, *b.deletes))
+    sets = [*b.sets, keys.BACKUP_MARK, b.identity] if b.identity else b.sets
+    if sets:
+        commands.append(("HSET", b.keys.values, *sets))
+    meta: list[Any] = [x for topic, checkpoint in b.checkpoints.items() for x in ("cp:" + topic, checkpoint)]
+    if b.identity:
+        meta += ["identity", b.identity, keys.BACKUP_MARKED, "1"]
+    if meta:
+        commands.append(("HSET", b.keys.meta, *meta))
+    if BACKUP_LOG_LENGTH > 0:
+        head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
+        commands.append((*head, "id", b.identity or prev, "data", log_data(b)))
+    return commands

@@ -1,0 +1,243 @@
+"""Writing entries: producers' XADDs, the outbox's publishing calls, sinks' chunks, the memory guard.
+
+Every write first passes ``guard_memory``: near the servers' maxmemory producers slow down, and
+at ``memory_fail_at`` they stop (MemoryFull) before the server evicts or refuses writes.
+Publishing calls (``lua/publish.lua``) add each producer's row at most once; ``send_publish``
+sends them in one write and ``SentCalls`` reads their replies later, sending again only the calls
+the server refused for a lost script cache, so nothing runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import hiredis
+import redis
+from redis.exceptions import NoScriptError
+
+from pspf import keys
+from pspf.broker.connection import Connection
+from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
+from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
+
+log = logging.getLogger(__name__)
+
+
+class PublishCall(NamedTuple):
+    """One publishing call (``lua/publish.lua``): rows of one shape to one target partition."""
+
+    target: tuple[str, int]
+    #: the sequence number the producer's record there must have reached before it runs (0: none)
+    prev: int
+    #: the rows' sequence numbers as runs, "first:count,..."
+    seqs: str
+    names: tuple[bytes, ...]
+    #: the headers' JSON up to the source entry id, the last value of each row (b"": the last
+    #: value is the headers whole)
+    head: bytes
+    #: each row's values, one after another
+    values: list[bytes]
+
+
+class Publishing(Connection):
+    """Producers' and the outbox's writes, held back near the servers' maxmemory."""
+
+    def guard_memory(self) -> None:
+        """Producers' brake: pause near the servers' maxmemory, and refuse (MemoryFull) at it.
+
+        Above ``memory_slow_at`` of maxmemory a write waits, the longer the fuller the server
+        (up to MEMORY_PAUSE_S), so workers can drain and retention trim; above ``memory_fail_at``
+        it fails, before the server evicts keys or refuses writes. No limit without maxmemory.
+        """
+        checked, used = self._memory
+        if used > 0 or time.monotonic() - checked >= MEMORY_CHECK_S:  # with a limit, before each write
+            used = 0.0
+            for server in self._servers():
+                with self.translate_errors():
+                    info = server.info("memory")
+                limit = int(info.get("maxmemory", 0))
+                if limit:
+                    used = max(used, int(info["used_memory"]) / limit)
+            self._memory = (time.monotonic(), used)
+        slow_at, fail_at = self._memory_limits
+        if used >= fail_at:
+            raise MemoryFull(
+                f"the server at {self.url} uses {used:.0%} of its maxmemory: producing stops before it "
+                f"evicts or refuses writes (PSPF_MEMORY_FAIL_AT={fail_at}); let the apps catch up and "
+                "trim the topics (pspf topic trim), or give the server more memory"
+            )
+        if used >= slow_at:
+            if not self._slowed:  # said once per stretch
+                log.warning(
+                    "the server at %s uses %.0f%% of its maxmemory: producing slows down",
+                    self.url,
+                    100 * used,
+                )
+            self._slowed = True
+            time.sleep(MEMORY_PAUSE_S * min(1.0, (used - slow_at) / max(fail_at - slow_at, 1e-9)))
+        else:
+            self._slowed = False
+
+    def add_entries(
+        self, entries: Sequence[tuple[str, Fields]], maxlen: str = "", minid: str = ""
+    ) -> list[bytes]:
+        """XADD many entries in one pipelined round trip; their ids, in order.
+
+        ``maxlen`` or ``minid`` trim each stream approximately as it grows. Held back near the
+        server's maxmemory (``guard_memory``).
+        """
+        self.guard_memory()
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for stream, fields in entries:
+                pipe.xadd(
+                    stream,
+                    fields,
+                    maxlen=int(maxlen) if maxlen else None,
+                    minid=minid or None,
+                    approximate=True,
+                )
+            return list(pipe.execute())
+
+    def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
+        """Append a producer's rows to a topic partition, each at most once; how many were new.
+
+        Rows are (sequence, fields), the same field names in each; this waits for the reply (see
+        ``lua/publish.lua``).
+        """
+        names = tuple(rows[0][1]) if rows else ()
+        seqs = ",".join(f"{seq}:1" for seq, _ in rows)
+        values = [value for _, fields in rows for value in fields.values()]
+        (reply,) = self.send_publish(
+            producer, [PublishCall((topic, partition), 0, seqs, names, b"", values)]
+        ).replies()
+        if isinstance(reply, BaseException):
+            raise reply
+        return int(reply[0])
+
+    def send_publish(self, producer: str, calls: Sequence[PublishCall]) -> SentCalls:
+        """Send publishing calls (``lua/publish.lua``) in one write; their replies are read later.
+
+        The server runs them while this process goes on; ``SentCalls.replies`` reads them. On a
+        cluster the calls run at once, one round trip per node.
+        """
+        scripted = [
+            (
+                [keys.stream_key(*call.target), keys.producers_key(*call.target)],
+                [producer, call.prev, call.seqs, len(call.names), *call.names, call.head, *call.values],
+            )
+            for call in calls
+        ]
+        if self.cluster:
+            try:
+                replies = self._eval_pipelined(self._publish, scripted, raise_on_error=False)
+            except BrokerError as exc:
+                return SentCalls.failed(len(calls), exc)
+            return SentCalls(self, None, scripted, [self._error(r) for r in replies])
+        pool = self.client.connection_pool
+        try:
+            with self.translate_errors():
+                connection = pool.get_connection()
+                try:
+                    packed = [
+                        hiredis.pack_command(("EVALSHA", self._publish.sha, 2, *k, *a)) for k, a in scripted
+                    ]
+                    connection.send_packed_command(packed)
+                except BaseException:
+                    connection.disconnect()
+                    pool.release(connection)
+                    raise
+        except BrokerError as exc:
+            return SentCalls.failed(len(calls), exc)
+        return SentCalls(self, connection, scripted)
+
+    def add_chunks(
+        self,
+        chunks: Sequence[tuple[str, str | None, list[Any]]],
+        marker_ttl_s: int,
+        maxlen: str = "",
+        minid: str = "",
+    ) -> list[int]:
+        """Add chunks of entries, one Lua call per chunk, all in one pipelined round trip.
+
+        Each chunk is (stream, marker or None, flat entries): per entry the number of field and
+        value arguments, then those arguments. A chunk's marker counts its entries already added,
+        which are skipped. Returns how many entries each chunk added. Held back near the server's
+        maxmemory (``guard_memory``).
+        """
+        self.guard_memory()
+        calls = [
+            ([stream] if marker is None else [stream, marker], [marker_ttl_s, maxlen, minid, *flat])
+            for stream, marker, flat in chunks
+        ]
+        return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+
+
+class SentCalls:
+    """Publishing calls sent (``Broker.send_publish``); their connection is theirs until read.
+
+    ``replies`` gives one reply per call, or the PSPF error of the call: a call that did not run
+    because the server had lost its scripts is sent again then; calls whose replies cannot be read
+    (a lost connection) are errors, whether or not they ran.
+    """
+
+    def __init__(
+        self,
+        broker: Publishing | None,
+        connection: Any,
+        calls: list[tuple[list[Any], list[Any]]],
+        replies: list[Any] | None = None,
+    ) -> None:
+        self.broker = broker
+        self._connection = connection
+        self._calls = calls
+        self._replies = replies
+
+    @classmethod
+    def failed(cls, count: int, error: BrokerError) -> SentCalls:
+        return cls(None, None, [], [error] * count)
+
+    def replies(self) -> list[Any]:
+        if self._replies is not None:
+            return self._replies
+        broker, connection = self.broker, self._connection
+        assert broker is not None and connection is not None
+        self._connection = None
+        replies: list[Any] = []
+        try:
+            with broker.translate_errors():
+                for _ in self._calls:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
+        except BrokerError as exc:
+            connection.disconnect()
+            replies += [exc] * (len(self._calls) - len(replies))
+        finally:
+            broker.client.connection_pool.release(connection)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            try:
+                again = broker._eval_pipelined(
+                    broker._publish, [self._calls[i] for i in missing], raise_on_error=False
+                )
+            except BrokerError as exc:
+                again = [exc] * len(missing)
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        self._replies = [broker._error(reply) for reply in replies]
+        return self._replies
+
+    def abandon(self) -> None:
+        """Close the connection unread (the calls may or may not have run)."""
+        if self._connection is not None and self.broker is not None:
+            self._connection.disconnect()
+            self.broker.client.connection_pool.release(self._connection)
+            self._connection = None
+            self._replies = [BrokerUnavailable("the connection of the publishing calls was closed")] * len(
+                self._calls
+            )

@@ -1,0 +1,104 @@
+"""The broker's shared vocabulary: entry shapes, the records its reads return, limits, parsers.
+
+Everything here is plain data or a pure function: no round trip, no client. Every family of the
+broker (connection, reading, acknowledging, publishing, admin) may import it; it imports none of
+them. Replies stay bytes until these parsers (or a family's method) turn them into text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pspf import codec
+
+Fields = dict[bytes, bytes]
+#: One entry as read: its id and its fields, or None for an entry deleted while pending.
+RawEntry = tuple[bytes, Fields | None]
+
+_CLAIM_COUNT = 1000
+#: How often a worker idle on a cluster looks for new entries (``Broker.wait_for_new``).
+CLUSTER_POLL_MS = 20
+#: How often producers look whether a server without maxmemory got one (``Broker.guard_memory``);
+#: with one, they read its memory use before each write.
+MEMORY_CHECK_S = 5.0
+#: The longest pause a producer takes per write when the server nears its maxmemory.
+MEMORY_PAUSE_S = 1.0
+
+
+class PendingEntry(NamedTuple):
+    """One entry of a group's pending list: who holds it, since when, how often delivered."""
+
+    id: bytes
+    consumer: str
+    idle_ms: int
+    deliveries: int
+
+
+class GroupInfo(NamedTuple):
+    """One consumer group of a stream, as XINFO GROUPS says."""
+
+    consumers: int
+    pending: int
+    last_delivered_id: bytes
+
+
+class StreamInfo(NamedTuple):
+    """A stream's length, last generated id and consumer groups by name (empty if absent)."""
+
+    length: int
+    last_id: bytes | None
+    groups: dict[str, GroupInfo]
+
+
+class ServerInfo(NamedTuple):
+    """What the connected server is and what it lacks for PSPF's guarantees."""
+
+    version: str
+    warnings: list[str]
+
+
+class GroupPosition(NamedTuple):
+    """Where a consumer group stands in one stream (what ``lag`` and the metrics report)."""
+
+    length: int
+    last_id: bytes | None
+    #: the group's last delivered id; None when the group does not exist
+    delivered_id: bytes | None
+    #: entries after ``delivered_id``; capped at LAG_COUNT_LIMIT where the server cannot say
+    undelivered: int
+    pending: int
+    oldest_pending_id: bytes | None
+    consumers: int
+
+    @property
+    def lag(self) -> int:
+        """Entries the group has not acknowledged: not yet delivered, or delivered and pending."""
+        return self.undelivered + self.pending
+
+
+#: Without XINFO GROUPS' ``lag`` field (Redis 6.2, or after deletions) lag is counted with XRANGE
+#: up to this many entries per stream, and reported as this number beyond it.
+LAG_COUNT_LIMIT = 100_000
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entries(raw: list[Any]) -> list[RawEntry]:
+    """Parse XREADGROUP's entry list; a pending entry deleted from the stream has no fields.
+
+    An entry that gives a field name twice keeps a mark of it (``codec.RepeatedFields``).
+    """
+    parsed: list[RawEntry] = []
+    append = parsed.append
+    for entry_id, flat in raw:
+        if flat is None:
+            append((entry_id, None))
+        elif len(flat) == 4 and flat[0] != flat[2]:  # the common key + value entry, built directly
+            append((entry_id, {flat[0]: flat[1], flat[2]: flat[3]}))
+        else:
+            append((entry_id, codec.entry_fields_of(flat)))
+    return parsed

@@ -18,11 +18,10 @@ import msgspec
 from pspf import codec, keys
 from pspf.broker import Fields
 from pspf.codec import StateDecoder
-from pspf.context import Emitted
+from pspf.emit import Emitted, Emitter
 from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
-from pspf.outbox import Emitter
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows

@@ -13,13 +13,8 @@ from pspf.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
-    from pspf.outbox import Emitter
+    from pspf.emit import Emitted, Emitter
     from pspf.timers import PartitionTimers
-    from pspf.windows import Change, PartitionWindows
-
-#: An emitted entry, as ``pspf.outbox`` stores it: (topic, partition, key or None, value, source
-#: topic, source entry id, headers or None: only when the handler gave some).
-Emitted = tuple[str, int, bytes | None, bytes, str, bytes, bytes | None]
 
 
 class StateSource(Protocol):
@@ -29,7 +24,12 @@ class StateSource(Protocol):
     def emitter(self) -> Emitter: ...
 
     @property
-    def windows(self) -> PartitionWindows: ...
+    def windows(self) -> Any:
+        """The partition's open windows, a ``pspf.windows.PartitionWindows``.
+
+        Typed by name only: that module's window aggregations take a ``Context``, so this module
+        cannot import it; only their handler uses this, and it names the type where it does.
+        """
 
     @property
     def timers(self) -> PartitionTimers | None: ...
@@ -85,8 +85,9 @@ class Context:
         self._state: dict[str, Any] | None = None
         self._base: bytes | None = None
         self._emits: list[Emitted] | None = None
-        #: what a window aggregation's entry changes in its windows (``pspf.windows.Change``)
-        self._windowed: Change | None = None
+        #: what a window aggregation's entry changes in its windows (a ``pspf.windows.Change``;
+        #: typed by name only, as ``StateSource.windows`` is)
+        self._windowed: Any = None
         self._schedules: list[ScheduledCall] | None = None
         #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
         self._time_ms: int | None = None
@@ -123,7 +124,7 @@ class Context:
             EmitError: no such topic, or a value, key or header that cannot be encoded; the
                 entry fails like on any handler error (retries, then the DLQ).
         """
-        entry = self._source.emitter.entry(self, topic, value, key, headers)
+        entry = self._source.emitter.entry(self.topic, self.partition, self._id, topic, value, key, headers)
         if self._emits is None:
             self._emits = [entry]
         else:
@@ -194,7 +195,11 @@ class TimerContext:
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
         """Emit an entry as ``ctx.emit`` does (its source id is ``timer:NAME:TIME_MS``)."""
-        self._emits.append(self._source.emitter.entry(self._emitting, topic, value, key, headers))
+        source = self._emitting
+        entry = self._source.emitter.entry(
+            source.topic, source.partition, source._id, topic, value, key, headers
+        )
+        self._emits.append(entry)
 
     def __repr__(self) -> str:
         return f"TimerContext(name={self.name!r}, partition={self.partition}, time_ms={self.time_ms})"

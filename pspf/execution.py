@@ -19,10 +19,10 @@ import msgspec
 from pspf import codec, keys
 from pspf.app import Handler
 from pspf.codec import StateDecoder
-from pspf.context import Context, Emitted, StateSource
+from pspf.context import Context, StateSource
+from pspf.emit import Emitted, Emitter
 from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
-from pspf.outbox import Emitter
 from pspf.timers import PartitionTimers, ScheduledCall
 from pspf.windows import PartitionWindows
 
@@ -218,7 +218,8 @@ class _ChainSource:
 
     @property
     def windows(self) -> PartitionWindows:
-        return self.source.windows
+        windows: PartitionWindows = self.source.windows
+        return windows
 
     @property
     def timers(self) -> PartitionTimers | None:

@@ -35,8 +35,9 @@ from pspf import keys
 from pspf.broker import Broker, GroupPosition
 from pspf.errors import BrokerError, ConfigError
 from pspf.failures import DeadLetter, Failure
-from pspf.outbox import OutboxRow, RowState, call_hook
+from pspf.outbox import OutboxRow, RowState
 from pspf.processor import ProcessorHooks
+from pspf.relay import call_hook
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from pspf.broker import Broker, Fields, StreamInfo
 from pspf.errors import BrokerDataLost, BrokerError, StateError
 from pspf.failures import Failure
 from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, ZERO_ID, StreamId
-from pspf.outbox import PartitionOutbox
+from pspf.partition_outbox import PartitionOutbox
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 

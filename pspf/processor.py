@@ -22,7 +22,7 @@ the module that holds it:
    updates the partitions' state backups and moves dead entries to the DLQ, under the leases
    (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that checks its lease token);
    it happens only after step 5 returned;
-7. publish (``outbox``): the relay publishes the rows whose acknowledgement succeeded, each at
+7. publish (``relay``): the relay publishes the rows whose acknowledgement succeeded, each at
    most once on its target; acknowledging never waits for it.
 
 After the cycle, ``timekeeping`` runs what the clock calls for (timers, windows of idle
@@ -49,12 +49,14 @@ from pspf.app import App
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest, Broker, Fields
 from pspf.delivery import Delivery, Read, parked
+from pspf.emit import Emitter
 from pspf.errors import BackupDamaged, LeaseLost
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.keys import StreamId, entry_name
-from pspf.outbox import Emitter, Relay, RelayHooks, RowState, call_hook
+from pspf.outbox import RowState
 from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.relay import Relay, RelayHooks, call_hook
 from pspf.settings import OutboxSettings
 from pspf.timekeeping import TimeKeeping
 

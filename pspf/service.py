@@ -14,6 +14,7 @@ import msgspec
 from pspf import codec, keys, retention
 from pspf.backup import field, snapshot, split_field
 from pspf.broker import Broker
+from pspf.emit import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER
 from pspf.errors import (
     AppRunning,
     BrokerError,
@@ -40,14 +41,7 @@ from pspf.keys import (
     StreamId,
 )
 from pspf.membership import live_members
-from pspf.outbox import (
-    SOURCE_ID_HEADER,
-    SOURCE_TOPIC_HEADER,
-    OutboxRow,
-    RowState,
-    rows_in_backup,
-    rows_in_store,
-)
+from pspf.outbox import OutboxRow, RowState, rows_in_backup, rows_in_store
 from pspf.ownership import check_partition_count
 from pspf.producer import Producer
 from pspf.retention import PartitionTrim, Retention

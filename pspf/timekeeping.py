@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 from pspf import codec
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.context import Context, TimerContext
+from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost
 from pspf.execution import UNCHANGED, Entry, state_result
 from pspf.keys import StreamId
-from pspf.outbox import Emitter, call_hook
 from pspf.ownership import OwnedPartition
+from pspf.relay import call_hook
 from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
 from pspf.windows import PartitionWindows
 

@@ -48,8 +48,8 @@ from pspf.errors import ConfigError, LateEntry
 from pspf.keys import StreamId
 
 if TYPE_CHECKING:
-    from pspf.context import Context, Emitted
-    from pspf.outbox import Emitter
+    from pspf.context import Context
+    from pspf.emit import Emitted, Emitter
     from pspf.state_stores import StateStore
 
 Kind = Literal["tumbling", "hopping", "sliding", "session"]
@@ -184,7 +184,7 @@ class Aggregation:
 
         The changes join the partition's windows only if this returns (as ``ctx.state`` writes do).
         """
-        windows = ctx._source.windows
+        windows: PartitionWindows = ctx._source.windows
         ts = self.event_time(value, ctx)
         change = windows.change(self, ctx.key, ts, value, ctx._id)
         if change.late and self.late == "dlq":

@@ -29,7 +29,7 @@ Configured by environment variables, read when a factory is called:
     every row it claimed is in the target, none is marked PUBLISHED;
   - ``sent-first:N``: SIGKILL in ``on_outbox_sent`` of the first publishing call of the N-th step
     that needs several calls (to several target partitions, or more rows than
-    ``pspf.outbox.PUBLISH_CHUNK`` to one): mid-settle, one call's reply read, the others' not
+    ``pspf.relay.PUBLISH_CHUNK`` to one): mid-settle, one call's reply read, the others' not
     (``unread`` rows);
   - ``stop-claimed:N``: no crash: in ``on_outbox_claimed`` of the N-th step the process stops
     itself with SIGSTOP (the marker is written first) and publishes its claimed rows when the

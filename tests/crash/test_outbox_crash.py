@@ -34,16 +34,16 @@ from typing import Any, NamedTuple
 import pytest
 
 from pspf import codec
-from pspf.errors import NotFound
-from pspf.keys import partition_for, stream_key
-from pspf.outbox import (
-    PUBLISH_CHUNK,
+from pspf.emit import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
     SOURCE_PARTITION_HEADER,
     SOURCE_TOPIC_HEADER,
-    RowState,
 )
+from pspf.errors import NotFound
+from pspf.keys import partition_for, stream_key
+from pspf.outbox import RowState
+from pspf.relay import PUBLISH_CHUNK
 from pspf.service import OutboxRowInfo, Service
 from pspf.settings import Settings
 from tests.conftest import pspf_command, subprocess_env

@@ -10,18 +10,17 @@ import msgspec
 import pytest
 
 from pspf import keys
+from pspf.emit import SOURCE_APP_HEADER, SOURCE_ID_HEADER
 from pspf.outbox import (
-    SOURCE_APP_HEADER,
-    SOURCE_ID_HEADER,
     TRANSITIONS,
     OutboxRow,
-    PartitionOutbox,
     RowState,
     TransitionRefused,
     move,
     rows_in_store,
     watermark_key,
 )
+from pspf.partition_outbox import PartitionOutbox
 from pspf.state_stores import MemoryStore
 
 ALLOWED = {

@@ -12,9 +12,10 @@ from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Broker
 from pspf.codec import StateDecoder
 from pspf.delivery import Delivery, Read
+from pspf.emit import Emitter
 from pspf.keys import StreamId
-from pspf.outbox import Emitter, PartitionOutbox
 from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores import MemoryStore
 

@@ -126,8 +126,8 @@ from benchmarks.throughput import (  # noqa: E402
 )
 from pspf import App, Producer, Settings, Worker  # noqa: E402
 from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary  # noqa: E402
+from pspf.hooks import ProcessorHooks  # noqa: E402
 from pspf.keys import lease_key, stream_key  # noqa: E402
-from pspf.processor import ProcessorHooks  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
 PRELOAD_CHUNK = 5_000

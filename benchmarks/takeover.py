@@ -76,8 +76,8 @@ from restore import key_name, state_of  # noqa: E402
 from throughput import cleanup, own_redis_server  # noqa: E402
 
 from pspf import App, Context, Producer, Settings  # noqa: E402
+from pspf.hooks import ProcessorHooks  # noqa: E402
 from pspf.keys import STATE_NAMESPACE, lease_key, stream_key  # noqa: E402
-from pspf.processor import ProcessorHooks  # noqa: E402
 from pspf.service import Service  # noqa: E402
 from pspf.settings import mask_url  # noqa: E402
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any, TextIO
@@ -95,11 +95,14 @@ def child_program(supervisor_pid: int) -> list[str]:
     Independent of PATH and of how the supervisor itself was started (console script,
     ``python -c``, a test runner).
     """
-    return [sys.executable, "-c", f"from pspf.cli.supervisor import child_main; child_main({supervisor_pid})"]
+    # The child imports the whole CLI itself: this module stays below it (no import circle).
+    start = "from pspf.cli import cli; from pspf.cli.supervisor import child_main; "
+    start += f"child_main({supervisor_pid}, cli)"
+    return [sys.executable, "-c", start]
 
 
-def child_main(supervisor_pid: int) -> None:
-    """Run ``pspf`` as a child that stops gracefully when its supervisor dies (even by SIGKILL)."""
+def child_main(supervisor_pid: int, cli: Callable[..., Any]) -> None:
+    """Run ``cli`` (``pspf``) as a child that stops gracefully when its supervisor dies (even by SIGKILL)."""
 
     def watch() -> None:
         # Polled, not PR_SET_PDEATHSIG: that fires once per exiting thread of the supervisor, and
@@ -111,8 +114,6 @@ def child_main(supervisor_pid: int) -> None:
 
     main = threading.get_ident()
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
-    from pspf.cli import cli
-
     cli(prog_name="pspf")
 
 

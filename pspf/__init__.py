@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         WrongPartition,
     )
     from pspf.failures import RetryPolicy
-    from pspf.processor import ProcessorHooks
+    from pspf.hooks import ProcessorHooks
     from pspf.producer import Producer
     from pspf.settings import Settings
     from pspf.worker import Worker
@@ -41,7 +41,7 @@ _WHERE = {
     "NonRetryableError": "pspf.errors",
     "NotFound": "pspf.errors",
     "PSPFError": "pspf.errors",
-    "ProcessorHooks": "pspf.processor",
+    "ProcessorHooks": "pspf.hooks",
     "Producer": "pspf.producer",
     "RetryPolicy": "pspf.failures",
     "Settings": "pspf.settings",

@@ -23,7 +23,7 @@ from pspf.timers import Timer, check_callback, ms_of
 from pspf.windows import Aggregation, LatePolicy, TimestampFunc, WindowSpec
 
 if TYPE_CHECKING:
-    from pspf.processor import ProcessorHooks
+    from pspf.hooks import ProcessorHooks
 
 HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
 TimerFunc = Callable[[TimerContext], None]

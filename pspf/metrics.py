@@ -35,9 +35,8 @@ from pspf import keys
 from pspf.broker import Broker, GroupPosition
 from pspf.errors import BrokerError, ConfigError
 from pspf.failures import DeadLetter, Failure
+from pspf.hooks import ProcessorHooks
 from pspf.outbox import OutboxRow, RowState
-from pspf.processor import ProcessorHooks
-from pspf.relay import call_hook
 
 log = logging.getLogger(__name__)
 
@@ -466,26 +465,6 @@ class _ScrapeCollector(Collector):
             pending.add_metric([m.app, topic, str(partition)], position.pending)
         yield lag
         yield pending
-
-
-class HookChain(ProcessorHooks):
-    """Several hooks as one: each is called, also when an earlier one fails."""
-
-    def __init__(self, *hooks: ProcessorHooks) -> None:
-        self.hooks = hooks
-
-
-def _chained(name: str) -> Callable[..., None]:
-    def call(self: HookChain, *args: Any) -> None:
-        for hooks in self.hooks:
-            call_hook(getattr(hooks, name), *args)
-
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-for _name in [name for name in dir(ProcessorHooks) if name.startswith("on_")]:
-    setattr(HookChain, _name, _chained(_name))
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -53,97 +53,15 @@ from pspf.emit import Emitter
 from pspf.errors import BackupDamaged, LeaseLost
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
+from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import RowState
 from pspf.ownership import OwnedPartition, StreamCursor
-from pspf.relay import Relay, RelayHooks, call_hook
+from pspf.relay import Relay
 from pspf.settings import OutboxSettings
 from pspf.timekeeping import TimeKeeping
 
 log = logging.getLogger(__name__)
-
-
-class Counts(msgspec.Struct, kw_only=True):
-    """Entries by what became of them: of one cycle, or of a whole run."""
-
-    read: int = 0
-    skipped: int = 0
-    handled: int = 0
-    failed: int = 0
-    retried: int = 0
-    parked: int = 0
-    dead_lettered: int = 0
-    lost_entries: int = 0
-    #: outbox rows published, and publish attempts that failed
-    published: int = 0
-    publish_failed: int = 0
-    #: entries whose windows had all closed (not applied), and windows closed
-    late: int = 0
-    windows_closed: int = 0
-    #: scheduled callbacks and timer periods that ran, and those that raised (dropped)
-    callbacks_run: int = 0
-    callbacks_failed: int = 0
-    timers_run: int = 0
-    timers_failed: int = 0
-
-    def add(self, other: Counts) -> None:
-        for name in Counts.__struct_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-class CycleResult(Counts, kw_only=True):
-    """What one cycle did."""
-
-    lost_partitions: list[int] = msgspec.field(default_factory=list)
-    idle: bool = False
-
-
-class ProcessorHooks(RelayHooks):
-    """Extension points (metrics, audit); the defaults do nothing. A failing hook is logged.
-
-    Hooks run on the worker's thread. The success path calls them per cycle, partition or stream,
-    never per entry, so they stay cheap; only failures are reported entry by entry.
-    """
-
-    def on_read(self, entries: int) -> None:
-        """A cycle read ``entries`` entries (> 0) over all owned streams."""
-
-    def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
-        """A stream's batch is committed and about to be acknowledged.
-
-        ``handled``: entries its handler completed; ``skipped``: entries that needed no handler
-        (at or below the checkpoint, or redriven for another app). Also called when the batch
-        needed no store write, if it handled or skipped anything.
-        """
-
-    def on_commit(self, partition: int, seconds: float) -> None:
-        """One store transaction of a partition's batch took ``seconds``."""
-
-    def on_acknowledging(self, entries: dict[str, int]) -> None:
-        """Every batch of the cycle is committed; acknowledging is about to be sent.
-
-        ``entries``: per stream, the entries to acknowledge or move to the DLQ (only streams
-        with some).
-        """
-
-    def on_ack(self, seconds: float) -> None:
-        """The cycle's acknowledging round trip (acks and DLQ moves) took ``seconds``."""
-
-    def on_failure(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
-        """An attempt failed: a handler error, an undecodable entry or a poison entry.
-
-        ``on_retry`` follows if it will be tried again; otherwise the entry goes to the DLQ and
-        ``on_dead_letter`` is called once the move is acknowledged.
-        """
-
-    def on_retry(self, topic: str, partition: int, entry_id: str, failure: Failure) -> None:
-        """An entry failed and will be tried again (ordered retry or parked)."""
-
-    def on_dead_letter(self, record: DeadLetter) -> None:
-        """An entry was moved to the DLQ."""
-
-    def on_late(self, topic: str, partition: int, entries: int) -> None:
-        """``entries`` of a window aggregation came after all their windows closed: not applied."""
 
 
 class BatchProcessor:

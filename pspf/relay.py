@@ -3,7 +3,7 @@
 One ``Relay.step`` per partition and round: settle the publishing calls of the step before
 (mark their rows PUBLISHED, or back to PENDING with backoff, or DEAD after their attempts),
 expire claims, claim the due rows, send the next calls without waiting for their replies, and
-prune pages published longer than the retention ago. ``RelayHooks`` are its extension points.
+prune pages published longer than the retention ago. Its extension points are ``hooks.RelayHooks``.
 
 Publishing (step 7) is idempotent on the target: each (app, source partition) is a producer that
 numbers its rows; ``lua/publish.lua`` on the target partition's hash tag appends only rows whose
@@ -29,11 +29,12 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pspf import codec, keys
 from pspf.broker import PublishCall
 from pspf.failures import RetryPolicy
+from pspf.hooks import RelayHooks, call_hook
 from pspf.outbox import (
     DONE_PREFIX,
     OutboxRow,
@@ -72,35 +73,6 @@ PRUNE_EVERY_S = 1.0
 _KEYED = (codec.KEY, codec.VALUE, codec.HEADERS)
 _UNKEYED = (codec.VALUE, codec.HEADERS)
 _item_page = operator.itemgetter(2)
-
-
-class RelayHooks:
-    """The relay's extension points (``ProcessorHooks`` has them too); the defaults do nothing."""
-
-    def on_outbox_claimed(self, partition: int, rows: int) -> None:
-        """A partition's relay claimed ``rows`` rows (durably) and is about to publish them."""
-
-    def on_outbox_sent(self, partition: int, stream: str, rows: int, appended: int) -> None:
-        """One publishing call to ``stream`` returned: ``appended`` of its ``rows`` were new there."""
-
-    def on_outbox_settled(
-        self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]
-    ) -> None:
-        """The claimed rows are marked: published, or back to pending / dead after a failure.
-
-        ``published`` has (created_ms, published_ms) of each row published.
-        """
-
-    def on_outbox_rows(self, partition: int, counts: dict[RowState, int]) -> None:
-        """A partition's outbox rows by state, after a relay step."""
-
-
-def call_hook(hook: Any, *args: Any) -> None:
-    """Call a hook; a failing hook is logged, never the worker's failure."""
-    try:
-        hook(*args)
-    except Exception:
-        log.exception("a hook failed: %s", getattr(hook, "__qualname__", hook))
 
 
 class Relay:

@@ -38,10 +38,10 @@ from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost, NotFound
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, decide, policy_from
+from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
 from pspf.ownership import OwnedPartition, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
-from pspf.processor import Counts, CycleResult, ProcessorHooks
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.timekeeping import Clock, TimeKeeping

@@ -20,15 +20,14 @@ from pspf.context import Context, TimerContext
 from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost
 from pspf.execution import UNCHANGED, Entry, state_result
+from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
 from pspf.ownership import OwnedPartition
-from pspf.relay import call_hook
 from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
     from pspf.app import App
-    from pspf.processor import CycleResult, ProcessorHooks
 
 log = logging.getLogger(__name__)
 

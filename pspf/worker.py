@@ -42,10 +42,11 @@ from pspf.errors import (
     StoreLocked,
 )
 from pspf.failures import policy_from
+from pspf.hooks import Counts, HookChain, ProcessorHooks
 from pspf.membership import VANISHED_WITHIN, Membership
-from pspf.metrics import HookChain, MetricsServer, WorkerMetrics
+from pspf.metrics import MetricsServer, WorkerMetrics
 from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory, check_partition_count
-from pspf.processor import BatchProcessor, Counts, ProcessorHooks
+from pspf.processor import BatchProcessor
 from pspf.settings import Settings
 from pspf.standby import Standby
 

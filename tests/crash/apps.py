@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from pspf import App, Context
-from pspf.processor import ProcessorHooks
+from pspf.hooks import ProcessorHooks
 
 
 class Order(msgspec.Struct):

@@ -50,8 +50,8 @@ from typing import Any
 import msgspec
 
 from pspf import App, Context
+from pspf.hooks import ProcessorHooks
 from pspf.outbox import OutboxRow
-from pspf.processor import ProcessorHooks
 
 CRASH_POINTS = ("claimed", "sent-last", "sent-first", "stop-claimed", "stop-settled")
 

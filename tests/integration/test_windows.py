@@ -23,8 +23,8 @@ from pspf import App, Settings, Worker, windows
 from pspf.admin_api import create_app
 from pspf.cli import cli
 from pspf.errors import NotFound
+from pspf.hooks import ProcessorHooks
 from pspf.keys import stream_key
-from pspf.processor import ProcessorHooks
 from pspf.service import Service
 from tests.conftest import Names
 from tests.integration.test_emit import outputs

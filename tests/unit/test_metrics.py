@@ -14,8 +14,9 @@ from pspf import ProcessorHooks, Settings
 from pspf.broker import GroupPosition
 from pspf.errors import BrokerUnavailable, ConfigError
 from pspf.failures import Failure
+from pspf.hooks import HookChain
 from pspf.keys import stream_key
-from pspf.metrics import HookChain, WorkerHealth, WorkerMetrics
+from pspf.metrics import WorkerHealth, WorkerMetrics
 
 
 class FakeBroker:

@@ -1,0 +1,82 @@
+"""Operations the CLI, the admin API and its web page share, written once, returning msgspec records.
+
+The CLI and the admin API are thin faces over ``Service``; each operation lives here once. The
+operations come in families, one module each, composed into one ``Service`` over the shared
+``ServiceBase`` (settings, broker, shared checks); importers use ``Service``, the records and the
+parsers re-exported here, never the families:
+
+- ``topics``: create, list, describe, retention and trimming of topics; producing; health;
+- ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
+- ``apps``: the apps that ran, their lag, owners and members;
+- ``replay``: delivering a stopped app's entries again, rewinding its state to match;
+- ``state``: an app's state: get, windows, keys, export, import, adopt;
+- ``outbox``: an app's outbox rows: list, show, replay.
+
+The records they return live in ``pspf.records``.
+"""
+
+from __future__ import annotations
+
+from pspf.records import (
+    AdoptResult,
+    AppLag,
+    AppMember,
+    DeadLetterDetail,
+    DeadLetterInfo,
+    DlqChange,
+    ExportCheckpoints,
+    ExportValue,
+    GroupInfo,
+    Health,
+    ImportResult,
+    OutboxReplay,
+    OutboxRowDetail,
+    OutboxRowInfo,
+    PartitionInfo,
+    PartitionLag,
+    ReplayResult,
+    TopicDescription,
+    TopicInfo,
+    TopicTrim,
+)
+from pspf.service.apps import Apps
+from pspf.service.base import ServiceBase, parse_duration_ms
+from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
+from pspf.service.outbox import OutboxRows, parse_row_id
+from pspf.service.replay import Replaying, parse_position
+from pspf.service.state import State
+from pspf.service.topics import Topics
+
+__all__ = [
+    "AdoptResult",
+    "AppLag",
+    "AppMember",
+    "DeadLetterCounts",
+    "DeadLetterDetail",
+    "DeadLetterInfo",
+    "DlqChange",
+    "ExportCheckpoints",
+    "ExportValue",
+    "GroupInfo",
+    "Health",
+    "ImportResult",
+    "OutboxReplay",
+    "OutboxRowDetail",
+    "OutboxRowInfo",
+    "PartitionInfo",
+    "PartitionLag",
+    "ReplayResult",
+    "Service",
+    "ServiceBase",
+    "TopicDescription",
+    "TopicInfo",
+    "TopicTrim",
+    "parse_dlq_id",
+    "parse_duration_ms",
+    "parse_position",
+    "parse_row_id",
+]
+
+
+class Service(Topics, DeadLetters, Apps, Replaying, State, OutboxRows):
+    """Topic, produce and state operations over one broker and one state directory."""

@@ -1,0 +1,93 @@
+"""What every family of the service stands on: its settings, its broker, and the shared checks.
+
+``ServiceBase`` holds the settings, whether state is read from the stores here instead of the
+backups in Redis (``local_state``), and one ``Broker`` (connected on first use; one pool, shared by
+the admin API's request threads). The checks more than one family makes live here: a topic's or
+app's partition count, a partition's state backup keys, refusing while the app runs. So do the
+helpers several families use: reading a whole stream by pages, parsing a duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+from pspf import keys
+from pspf.broker import Broker
+from pspf.errors import AppRunning, NotFound, ParameterError
+from pspf.keys import BACKUP_IDENTITY, StreamId
+from pspf.settings import Settings
+
+#: Any JSON value (a produced line, an owner's reply to an outbox replay).
+json_any = msgspec.json.Decoder()
+
+
+class ServiceBase:
+    """The service's state and the checks its families share; ``Service`` composes the families."""
+
+    def __init__(self, settings: Settings, local_state: bool = False) -> None:
+        self.settings = settings
+        #: Read state from the stores under the state directory, not from the backups in Redis.
+        self.local_state = local_state
+        # Connects on first use; one pool, shared by the admin API's request threads.
+        self.broker = Broker(settings.redis)
+
+    def close(self) -> None:
+        self.broker.close()
+
+    def _partitions(self, topic: str) -> int:
+        """The partition count of a topic named by a user: a malformed name is their mistake."""
+        return self.broker.topic_partitions(keys.check_name("topic", topic))
+
+    def _app_partitions(self, app: str) -> int:
+        """The app's partition count, 0 when it never ran against this broker."""
+        try:
+            return self.broker.app_partitions(app)
+        except NotFound:
+            return 0
+
+    def _backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
+        """The keys of a partition's state backup, None when it has none (the backup is off)."""
+        first = self.broker.app_topic_list(app)[:1]
+        if not first:
+            return None
+        backup = keys.backup_keys(first[0], partition, app)
+        return backup if self.broker.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
+
+    def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
+        leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
+        held = self.broker.lease_holders(leases)
+        owners = sorted({owner for owner in held if owner is not None})
+        if owners:
+            raise AppRunning(f"app {app!r} is running ({', '.join(owners)} holds leases): stop it first")
+
+
+def stream_entries(
+    broker: Broker, stream: str, after: StreamId | None = None, page_size: int = 500
+) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of one stream (a DLQ, or a partition's), after ``after``, in id order.
+
+    ``Broker.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
+    """
+    start = "-" if after is None or after == keys.ZERO_ID else str(after.next())
+    while True:
+        page = broker.dlq_range(stream, start, "+", page_size)
+        yield from page
+        if len(page) < page_size:
+            return
+        start = str(StreamId.parse(page[-1][0]).next())
+
+
+def parse_duration_ms(text: str, param: str) -> int:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or ``"500ms"`` in milliseconds.
+
+    ``param`` names the parameter that gave ``text``, for the error.
+    """
+    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+    for unit in ("ms", "s", "m", "h", "d"):
+        number = text[: -len(unit)]
+        if text.endswith(unit) and number.isdigit():
+            return int(number) * units[unit]
+    problem = f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)"
+    raise ParameterError.invalid(param, problem)

@@ -1,0 +1,328 @@
+"""An app's state: read a key or its windows, list keys, export, import and adopt stores.
+
+Reads come from the partitions' state backups in Redis (any machine), unless the service reads
+local state or a partition has no backup (it is off): then from its store here, read without
+locking it. Export lines are NDJSON (``ExportCheckpoints`` then ``ExportValue`` per partition);
+import loads them into empty stores and drops the backups; adopt takes the stores here as the
+state on a server that lost its groups and backups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any
+
+import msgspec
+
+from pspf import codec, keys
+from pspf.backup import field, snapshot, split_field
+from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
+from pspf.keys import STATE_NAMESPACE, StreamId
+from pspf.ownership import check_partition_count
+from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult
+from pspf.service.base import ServiceBase
+from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
+
+_export_encoder = msgspec.json.Encoder()
+_export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec.json.Decoder(
+    ExportCheckpoints | ExportValue
+)
+
+
+class State(ServiceBase):
+    """State operations."""
+
+    def _no_state(self, app: str) -> str:
+        """What was looked for and not found: the backups (unless read locally) and the stores here."""
+        state = self.settings.state
+        text = missing_state(state.engine, state.dir, app)
+        return text if self.local_state else f"no state backup of app {app!r} in Redis, and {text}"
+
+    def state_get(self, app: str, key: str) -> dict[str, Any]:
+        """The state of ``key`` in ``app``, from the partition's backup in Redis (any machine).
+
+        Without a backup (it is off), from the partition's store here, read without locking it.
+        """
+        keys.check_name("app", app)
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        if backup is not None:
+            raw = self.broker.backup_value(backup.values, field(STATE_NAMESPACE, key))
+        else:
+            with open_store(
+                self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
+            ) as store:
+                raw = store.get(STATE_NAMESPACE, key)
+        if raw is None:
+            raise NotFound(f"app {app!r} has no state for key {key!r}")
+        return _shown_state(key, raw)
+
+    def state_windows(self, app: str, key: str) -> list[dict[str, Any]]:
+        """The open windows of ``key`` in ``app``'s window aggregations, oldest first.
+
+        From the partition's backup in Redis, or without one from its store here, as
+        ``state_get``; each is ``{"topic", "start", "end", "value"}`` (the accumulator so far).
+        """
+        keys.check_name("app", app)
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        found: list[tuple[str, bytes]] = []
+        if backup is not None:
+            pattern = field(keys.WINDOWS_NAMESPACE, "*/" + _glob_escape(key))
+            for page in self.broker.backup_values(backup.values, match=pattern):
+                found += ((split_field(name)[1], raw) for name, raw in page)
+        else:
+            with open_store(
+                self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
+            ) as store:
+                found = list(store.items(keys.WINDOWS_NAMESPACE))
+        windows = []
+        for name, raw in found:
+            topic, kind, window_key, start, end = keys.split_window_key(name)
+            if kind == "w" and window_key == key:
+                value = msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True)
+                windows.append({"topic": topic, "start": start, "end": int(end), "value": value})
+        if not windows:
+            raise NotFound(f"app {app!r} has no open window for key {key!r}")
+        return sorted(windows, key=lambda w: (w["start"], w["end"], w["topic"]))
+
+    def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
+        """The keys that have state in ``app``, over every partition store found, sorted."""
+        keys.check_name("app", app)
+        state = self.settings.state
+        backups = {}
+        if not self.local_state:
+            backups = {p: b for p in range(self._app_partitions(app)) if (b := self._backup_keys(app, p))}
+        partitions = sorted({*backups, *stored_partitions(state.engine, state.dir, app)})
+        if not partitions:
+            raise NotFound(self._no_state(app))
+        found: list[str] = []
+        head = field(STATE_NAMESPACE, prefix)
+        for partition in partitions:
+            if partition in backups:
+                found.extend(
+                    name.decode()[len(STATE_NAMESPACE) + 1 :]
+                    for page in self.broker.backup_values(backups[partition].values)
+                    for name, _ in page
+                    if name.startswith(head)
+                )
+                continue
+            with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                found.extend(key for key, _ in store.items(STATE_NAMESPACE, prefix))
+        found.sort()
+        return found if limit is None else found[:limit]
+
+    def state_export(
+        self, app: str, partition: int | None = None, warn: Callable[[str], None] | None = None
+    ) -> Iterator[bytes]:
+        """NDJSON lines of an app's state: per partition its checkpoints, then every value.
+
+        From the partitions' backups in Redis (any machine) unless the service reads local
+        state; a partition without a backup (it is off) from its store here. Each partition is
+        one consistent snapshot (a running app keeps committing meanwhile). ``value`` is the
+        stored msgpack, base64: exact; ``state`` repeats a state value readably. A state value
+        that cannot be shown is exported all the same, with ``error`` instead of ``state``, and
+        ``warn`` hears of it: a backup must not stop at a value the app cannot read either.
+        """
+        keys.check_name("app", app)
+        state = self.settings.state
+        backups: dict[int, keys.BackupKeys] = {}
+        if not self.local_state:
+            wanted = range(self._app_partitions(app)) if partition is None else [partition]
+            backups = {p: b for p in wanted if (b := self._backup_keys(app, p))}
+        stored = stored_partitions(state.engine, state.dir, app)
+        partitions = sorted({*backups, *stored}) if partition is None else [partition]
+        if not partitions:
+            raise NotFound(self._no_state(app))
+        for p in partitions:
+            if p in backups:
+                copy = snapshot(self.broker, backups[p])
+                if copy is not None:
+                    checkpoints, values = copy
+                    sorted_rows = ((ns, key, value) for (ns, key), value in sorted(values.items()))
+                    yield from _export_lines(app, p, checkpoints, sorted_rows, warn)
+                    continue
+            with open_store(state.engine, state.dir, app, p, readonly=True) as store:
+                checkpoints, rows = store.dump()
+                try:
+                    yield from _export_lines(app, p, checkpoints, rows, warn)
+                finally:
+                    # Ends the snapshot while the store is open, also when the reader stops early
+                    # (a closed pipe): closed later, by the garbage collector, it fails.
+                    _close(rows)
+
+    def state_adopt(
+        self, app: str, partitions: Sequence[int] = (), topics: Sequence[str] = ()
+    ) -> AdoptResult:
+        """Take the stores here as an app's state on a server that lost its groups and backups.
+
+        For each partition with a store here (and each of ``partitions`` without one, which
+        starts anew): its consumer groups are created at the store's checkpoints, past which the
+        streams' last ids are moved, and the app is recorded with its partition count. The next
+        worker uploads each store as the backup. Partitions whose group or backup the server
+        still has are left alone: their state is there. The app must be stopped.
+        """
+        keys.check_name("app", app)
+        state = self.settings.state
+        local = stored_partitions(state.engine, state.dir, app)
+        stores: dict[int, tuple[dict[str, StreamId], int | None]] = {}
+        for partition in local:
+            with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                built = store.get(keys.BACKUP_NAMESPACE, keys.BACKUP_PARTITIONS)
+                stores[partition] = store.checkpoints(), None if built is None else int(built)
+        read = sorted(
+            {*topics, *self.broker.app_topics(app), *(t for cps, _ in stores.values() for t in cps)}
+        )
+        if not read:
+            raise ParameterError(
+                "no store of app {app} under {dir} and no topic named: give the app's topics with {topics}",
+                app=repr(app),
+                dir=state.dir,
+            )
+        counts = {topic: self.broker.topic_partitions(topic) for topic in read}
+        count = next(iter(counts.values()))
+        if len(set(counts.values())) > 1:
+            raise ConfigError(f"the topics of app {app!r} must have the same partition count: {counts}")
+        for partition, (_, recorded) in stores.items():
+            check_partition_count(app, read, recorded, count, f"the store of partition {partition}")
+        self._refuse_if_running(app, read, count)
+        adopted: dict[int, dict[str, str]] = {}
+        kept: list[int] = []
+        for partition in sorted({*local, *partitions}):
+            if partition >= count:
+                raise ParameterError.invalid(
+                    "partitions", f"{partition} is not one of the {count} partitions"
+                )
+            if not self._lost(app, read, partition):
+                kept.append(partition)
+                continue
+            checkpoints = stores.get(partition, ({}, None))[0]
+            adopted[partition] = {}
+            for topic in read:
+                stream, start = keys.stream_key(topic, partition), checkpoints.get(topic)
+                self.broker.ensure_group(stream, app, str(start or "0"))  # creates the stream
+                last = self.broker.last_id(stream)
+                if start is not None and (last is None or StreamId.parse(last) < start):
+                    self.broker.move_last_id(stream, str(start))
+                self.broker.record_group_start(app, topic, partition, stream)
+                adopted[partition][topic] = str(start or "0")
+        self.broker.register_app(app, read, count)
+        return AdoptResult(app=app, adopted=adopted, kept=kept)
+
+    def _lost(self, app: str, topics: list[str], partition: int) -> bool:
+        """Whether the server has neither the partition's groups nor its state backup."""
+        if self._backup_keys(app, partition) is not None:
+            return False
+        return all(app not in self.broker.stream_info(keys.stream_key(t, partition)).groups for t in topics)
+
+    def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
+        """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
+        keys.check_name("app", app)
+        state = self.settings.state
+        partitions = values = 0
+        current: tuple[int, StateStore, StoreTransaction] | None = None
+        try:
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                line = _parse_export_line(number, raw)
+                if current is None or current[0] != line.partition:
+                    if current is not None:
+                        current[2].commit()
+                        current[1].close()
+                        current = None
+                    store = open_store(
+                        state.engine, state.dir, app, line.partition, durability=state.durability
+                    )
+                    current = (line.partition, store, store.transaction())
+                    if store.checkpoints() or _has_values(store):
+                        raise ConfigError(
+                            f"app {app!r} partition {line.partition} already has state under {state.dir}: "
+                            "import into an empty state directory"
+                        )
+                    partitions += 1
+                if isinstance(line, ExportCheckpoints):
+                    for topic, entry_id in line.checkpoints.items():
+                        current[2].set_checkpoint(topic, StreamId.parse(entry_id))
+                else:
+                    current[2].set(line.namespace, line.key, line.value)
+                    values += 1
+            if current is not None:
+                current[2].commit()
+        finally:
+            if current is not None:
+                current[1].close()
+        # The imported stores are the state now: their backups go, and the next worker to take
+        # each partition uploads its store.
+        first = self.broker.app_topic_list(app)[:1]
+        for topic in first:
+            for partition in range(self.broker.app_partitions(app)):
+                self.broker.delete_backup(keys.backup_keys(topic, partition, app))
+        return ImportResult(partitions=partitions, values=values)
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob pattern (HSCAN MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _shown_state(key: str, raw: bytes) -> dict[str, Any]:
+    """A stored state value as JSON shows it; StateValueError when it cannot be decoded or shown.
+
+    Such a value can predate the check when a handler writes it, or be written by hand.
+    """
+    try:
+        value = codec.state_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise StateValueError(f"stored state of key {key!r} cannot be decoded: {exc}") from None
+    try:
+        shown: dict[str, Any] = msgspec.to_builtins(value, str_keys=True)
+    except (TypeError, RecursionError) as exc:
+        raise StateValueError(f"stored state of key {key!r} cannot be shown as JSON: {exc}") from None
+    return shown
+
+
+def _has_values(store: StateStore) -> bool:
+    rows = store.dump()[1]
+    try:
+        return next(rows, None) is not None
+    finally:
+        _close(rows)
+
+
+def _close(rows: Iterator[Any]) -> None:
+    """End a store snapshot's rows (``StateStore.dump``) before the store closes."""
+    if isinstance(rows, Generator):
+        rows.close()
+
+
+def _export_lines(
+    app: str,
+    partition: int,
+    checkpoints: dict[str, StreamId],
+    rows: Iterator[tuple[str, str, bytes]],
+    warn: Callable[[str], None] | None,
+) -> Iterator[bytes]:
+    """The export lines of one store snapshot (see ``Service.state_export``)."""
+    yield _export_encoder.encode(
+        ExportCheckpoints(partition=partition, checkpoints={t: str(c) for t, c in checkpoints.items()})
+    )
+    for namespace, key, value in rows:
+        if namespace == keys.BACKUP_NAMESPACE:
+            continue  # which backup this store matches: meaningless in another store
+        line = ExportValue(partition=partition, namespace=namespace, key=key, value=value)
+        if namespace == STATE_NAMESPACE:
+            try:
+                line = msgspec.structs.replace(line, state=_shown_state(key, value))
+            except StateValueError as exc:
+                line = msgspec.structs.replace(line, error=str(exc))
+                if warn is not None:
+                    warn(f"app {app!r} partition {partition}: {exc}; exported exactly, with state null")
+        yield _export_encoder.encode(line)
+
+
+def _parse_export_line(number: int, raw: bytes) -> ExportCheckpoints | ExportValue:
+    try:
+        return _export_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"line {number}: not a `pspf state export` line: {exc}") from None

@@ -53,6 +53,7 @@ from pspf.keys import (
     BACKUP_MARK,
     BACKUP_MARKED,
     BACKUP_NAMESPACE,
+    BACKUP_PARTITIONS,
     ZERO_ID,
     BackupKeys,
     StreamId,
@@ -293,12 +294,21 @@ class PartitionBackup:
     """The backup of one owned partition: its journal and its next update."""
 
     def __init__(
-        self, broker: Broker, group: str, topic: str, partition: int, lease_key: str, lease_value: str
+        self,
+        broker: Broker,
+        group: str,
+        topic: str,
+        partition: int,
+        lease_key: str,
+        lease_value: str,
+        partitions: int | None = None,
     ) -> None:
         self.broker = broker
         self.group = group
         self.topic = topic
         self.partition = partition
+        #: the partition count the state is built for, recorded in the meta by every upload
+        self.partitions = partitions
         self.stream = keys.stream_key(topic, partition)
         self.keys = keys.backup_keys(topic, partition, group)
         self.lease_key = lease_key
@@ -504,6 +514,8 @@ class PartitionBackup:
                 AckRequest(self.stream, self.group, self.lease_key, self.lease_value, [], "", (), update)
             )
         self.held = {identity.decode()}
+        if self.partitions is not None:  # the first page emptied the meta
+            self.broker.set_backup_field(self.keys.meta, BACKUP_PARTITIONS, str(self.partitions))
         return sum(len(page) for page in pages) // 2
 
     def _send(self, request: AckRequest) -> None:

@@ -256,6 +256,15 @@ def check_partition_count(
     )
 
 
+def adopt_remedy(app: str) -> str:
+    """What an operator does when Redis lost an app's data (``BrokerDataLost``)."""
+    return (
+        "Nothing was processed. To keep the stores' state and go on with what the server holds "
+        f"now, run `pspf state adopt {app}` on every machine that holds stores of the app, then "
+        "start the workers"
+    )
+
+
 def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
     """Refuse a stream whose last generated id is below the checkpoint, before anything more is acknowledged.
 
@@ -312,7 +321,7 @@ class Partitions:
         store = self.open_store(self.group, partition)
         try:
             self._check_count(store.get(BACKUP_NAMESPACE, BACKUP_PARTITIONS), count, "its store")
-            backup, done = self._reconcile(store, partition, leases, keep_alive)
+            backup, done = self._reconcile(store, partition, leases, count, keep_alive)
             checkpoints = store.checkpoints()
             streams = {}
             for topic, lease_value in leases.items():
@@ -370,7 +379,12 @@ class Partitions:
                 )
 
     def _reconcile(
-        self, store: StateStore, partition: int, leases: Leases, keep_alive: Callable[[], None]
+        self,
+        store: StateStore,
+        partition: int,
+        leases: Leases,
+        count: int,
+        keep_alive: Callable[[], None],
     ) -> tuple[PartitionBackup | None, Restored]:
         """Make the store equal to the partition's backup (see ``pspf.backup``).
 
@@ -387,6 +401,7 @@ class Partitions:
             partition,
             keys.lease_key(topic, partition, self.group),
             leases[topic],
+            count,
         )
         done = backup.reconcile(store, self.topics, keep_alive)
         store.journal = backup.journal
@@ -410,10 +425,11 @@ class Partitions:
                     backup.partition,
                 )
             done = backup.upload(store, keep_alive)
-        meta = self.broker.backup_meta(backup.keys.meta)
-        self._check_count(meta.get(BACKUP_PARTITIONS), count, "its state backup")
-        if BACKUP_PARTITIONS not in meta:
-            self.broker.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
+        else:  # refused when built for another count; one from before counts were kept gets it
+            meta = self.broker.backup_meta(backup.keys.meta)
+            self._check_count(meta.get(BACKUP_PARTITIONS), count, "its state backup")
+            if BACKUP_PARTITIONS not in meta:
+                self.broker.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
         detail = {
             "in sync": "(the store matches it: nothing to restore)",
             "caught up": f"updates={done.amount} (from its log: no full restore)",
@@ -474,10 +490,8 @@ class Partitions:
             raise BrokerDataLost(
                 f"the server no longer has app {self.group!r}'s consumer group on {stream} nor the "
                 f"partition's state backup ({held}): Redis lost its data (a restart without "
-                "persistence, a flush, eviction) or they were deleted. Nothing was processed. To "
-                "keep the stores' state and go on with what the server holds now, run `pspf state "
-                f"adopt {self.group}` on every machine that holds stores of the app, then start the "
-                "workers (see the README's guarantee section)"
+                f"persistence, a flush, eviction) or they were deleted. {adopt_remedy(self.group)} "
+                "(see the README's guarantee section)"
             )
         if self.group not in info.groups:
             start = str(checkpoint or "0")

@@ -45,7 +45,14 @@ from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
 from pspf.membership import VANISHED_WITHIN, Membership
 from pspf.metrics import MetricsServer, WorkerMetrics
-from pspf.ownership import Leases, PartitionLeases, Partitions, StoreFactory, check_partition_count
+from pspf.ownership import (
+    Leases,
+    PartitionLeases,
+    Partitions,
+    StoreFactory,
+    adopt_remedy,
+    check_partition_count,
+)
 from pspf.processor import BatchProcessor
 from pspf.settings import Settings
 from pspf.standby import Standby
@@ -353,11 +360,9 @@ class Worker:
             raise BrokerDataLost(
                 f"the server at {self.broker.url} has no record of app {self.app.name!r}, but "
                 f"{state.dir} holds its stores of partitions {stored}: Redis lost its data (a "
-                "restart without persistence, a flush, eviction) or the app was deleted there. "
-                "Nothing was processed. To keep the stores' state and go on with what the server "
-                f"holds now, run `pspf state adopt {self.app.name}` on every machine that holds "
-                "stores of the app, then start the workers; to start the app anew, delete its "
-                f"stores ({Path(state.dir) / self.app.name})"
+                f"restart without persistence, a flush, eviction) or the app was deleted there. "
+                f"{adopt_remedy(self.app.name)}; to start the app anew, delete its stores "
+                f"({Path(state.dir) / self.app.name})"
             )
 
     def _check_topics(self) -> None:

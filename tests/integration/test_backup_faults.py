@@ -274,6 +274,9 @@ def test_a_slow_cleanup_deleting_the_meta_then_the_values_under_a_running_owner_
             runner.check()
         wait_until(lambda: applied(a, name) == sent, 30, "every entry applied")
         wait_until(lambda: rclient.hget(backup.meta, "identity") is not None, 10, "the backup uploaded again")
+        wait_until(
+            lambda: rclient.hget(backup.meta, "partitions") == b"1", 5, "the count in the uploaded backup"
+        )
     run(summing_app(name, topic), a)  # until idle: the last acknowledgement and its backup update
     run(summing_app(name, topic), b)
     assert applied(b, name) == sent == 1500

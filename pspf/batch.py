@@ -22,7 +22,7 @@ from pspf.emit import Emitted, Emitter
 from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
-from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, StreamCursor
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 

@@ -31,7 +31,7 @@ from pspf.broker import Broker, Fields, RawEntry, ReadAhead
 from pspf.execution import Entry
 from pspf.failures import Failure, RetryPolicy
 from pspf.keys import StreamId, entry_name
-from pspf.ownership import OwnedPartition, StreamCursor, check_tail
+from pspf.partition import OwnedPartition, StreamCursor, check_tail
 
 log = logging.getLogger(__name__)
 

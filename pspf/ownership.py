@@ -15,21 +15,16 @@ checkpoint). Only then does the batch processor get the partition.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import msgspec
 
 from pspf import keys
 from pspf.backup import PartitionBackup, Restored, delete_backup
-from pspf.broker import Broker, Fields, StreamInfo
-from pspf.errors import BrokerDataLost, BrokerError, StateError
-from pspf.failures import Failure
-from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, ZERO_ID, StreamId
+from pspf.broker import Broker, StreamInfo
+from pspf.errors import BrokerDataLost, StateError
+from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
+from pspf.partition import OwnedPartition, StreamCursor, check_tail
 from pspf.partition_outbox import PartitionOutbox
-from pspf.timers import PartitionTimers
-from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
@@ -40,9 +35,6 @@ log = logging.getLogger(__name__)
 Leases = dict[str, str]
 #: Opens the store of (app, partition).
 StoreFactory = Callable[[str, int], "StateStore"]
-
-_failure_decoder = msgspec.msgpack.Decoder(Failure)
-_fields_decoder = msgspec.msgpack.Decoder(dict[bytes, bytes])
 
 
 class PartitionLeases:
@@ -112,134 +104,6 @@ class PartitionLeases:
             )
 
 
-@dataclass(slots=True, eq=False)
-class Superseded:
-    """Entries of one stream that a redriven copy later in it replaces (mirrors SUPERSEDED_NAMESPACE).
-
-    A replay marks them; they are done without a handler. A mark is forgotten in the commit that
-    moves the checkpoint to or past it, not in the one that finishes the entry: an entry above
-    the checkpoint whose acknowledgement is lost is read again, and must still be skipped.
-    """
-
-    ids: set[bytes] = field(default_factory=set)
-    #: the same ids, largest first: the ones a checkpoint passes come off the end
-    order: list[StreamId] = field(default_factory=list)
-
-    def __contains__(self, entry_id: bytes) -> bool:
-        return entry_id in self.ids
-
-    def __bool__(self) -> bool:
-        return bool(self.ids)
-
-    def load(self, entry_ids: Iterable[bytes]) -> None:
-        self.ids.update(entry_ids)
-        self.order = sorted((StreamId.parse(e) for e in self.ids), reverse=True)
-
-    def passed(self, checkpoint: StreamId) -> list[bytes]:
-        """The marked ids at or below ``checkpoint``: a commit that moves it there forgets them."""
-        found = []
-        for entry_id in reversed(self.order):
-            if entry_id > checkpoint:
-                break
-            found.append(str(entry_id).encode())
-        return found
-
-    def forget(self, passed: list[bytes]) -> None:
-        """Drop what ``passed`` returned, once the commit that deleted those marks is done."""
-        if passed:
-            del self.order[-len(passed) :]
-            self.ids.difference_update(passed)
-
-
-@dataclass(slots=True, eq=False)
-class StreamCursor:
-    """Where this worker stands in one owned topic partition."""
-
-    topic: str
-    partition: int
-    stream: str
-    dlq: str
-    lease_key: str
-    lease_value: str
-    checkpoint: StreamId | None
-    #: Read own pending entries after this id before new ones; None once caught up.
-    pending_after: StreamId | None = ZERO_ID
-    #: After a failure, the stream is not read before this monotonic time.
-    retry_at: float = 0.0
-    #: The next pending read takes one entry: the one being retried.
-    isolate: bool = False
-    #: Deliveries this worker made that ended without an attempt (the stream stopped before
-    #: them): they explain part of an entry's delivery count, so they do not make it look poison.
-    unattempted: dict[bytes, int] = field(default_factory=dict)
-    #: Entries taken from foreign consumers (mirrors FOREIGN_NAMESPACE): never applied, even
-    #: at or below the checkpoint, so they are run.
-    foreign: set[bytes] = field(default_factory=set)
-    #: Entries a redriven copy replaces (a replay marked them): done without a handler.
-    superseded: Superseded = field(default_factory=Superseded)
-
-    def rewind(self) -> None:
-        """Re-read all own pending entries: after a failure or a lost connection.
-
-        From the start, not from the checkpoint: entries at or below it may be pending too when
-        their acknowledgement was lost; reading them again acknowledges them.
-        """
-        self.pending_after = ZERO_ID
-
-
-@dataclass(slots=True, eq=False)
-class OwnedPartition:
-    """A partition this worker holds the leases of, with its open store and bookkeeping."""
-
-    partition: int
-    store: StateStore
-    streams: dict[str, StreamCursor]
-    #: what the partition's handlers emitted, to publish
-    outbox: PartitionOutbox
-    cache: dict[str, bytes | None] = field(default_factory=dict)
-    failures: dict[str, Failure] = field(default_factory=dict)
-    dead: dict[str, Fields] = field(default_factory=dict)
-    consumers: set[str] = field(default_factory=set)
-    #: the partition's state backup in Redis; None when the backup is off
-    backup: PartitionBackup | None = None
-    #: the stream time and open windows (apps with windows or schedules; else None)
-    windows: PartitionWindows | None = None
-    #: schedules, timer periods and state expiry (apps with any of them; else None)
-    timers: PartitionTimers | None = None
-
-    def load_bookkeeping(self) -> None:
-        store = self.store
-        self.failures = {k: _failure_decoder.decode(v) for k, v in store.items(keys.FAILURES_NAMESPACE)}
-        self.dead = {k: _fields_decoder.decode(v) for k, v in store.items(keys.DEAD_NAMESPACE)}
-        self.consumers = {name for name, _ in store.items(keys.CONSUMERS_NAMESPACE)}
-        for cursor in self.streams.values():
-            cursor.foreign.update(self._marked(keys.FOREIGN_NAMESPACE, cursor.topic))
-            cursor.superseded.load(self._marked(keys.SUPERSEDED_NAMESPACE, cursor.topic))
-        self.outbox.load()
-
-    def _marked(self, namespace: str, topic: str) -> list[bytes]:
-        """The ids of ``topic`` that a namespace of ``entry_name`` keys marks."""
-        prefix = f"{topic}/"
-        return [name[len(prefix) :].encode() for name, _ in self.store.items(namespace, prefix)]
-
-    def mark_foreign(self, marks: dict[StreamCursor, list[bytes]], consumer: str | None = None) -> None:
-        """Record entries to run although at or below the checkpoint, before they are claimed.
-
-        With ``consumer``, also that this consumer's reads count here from now on.
-        """
-        if not any(marks.values()) and (consumer is None or consumer in self.consumers):
-            return
-        with self.store.transaction() as tx:
-            for cursor, ids in marks.items():
-                for entry_id in ids:
-                    tx.set(keys.FOREIGN_NAMESPACE, keys.entry_name(cursor.topic, entry_id), b"")
-            if consumer is not None:
-                tx.set(keys.CONSUMERS_NAMESPACE, consumer, b"")
-        for cursor, ids in marks.items():
-            cursor.foreign.update(ids)
-        if consumer is not None:
-            self.consumers.add(consumer)
-
-
 def check_partition_count(
     group: str, topics: list[str], recorded: bytes | str | int | None, count: int, where: str
 ) -> None:
@@ -262,25 +126,6 @@ def adopt_remedy(app: str) -> str:
         "Nothing was processed. To keep the stores' state and go on with what the server holds "
         f"now, run `pspf state adopt {app}` on every machine that holds stores of the app, then "
         "start the workers"
-    )
-
-
-def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
-    """Refuse a stream whose last generated id is below the checkpoint, before anything more is acknowledged.
-
-    Redis gives a new entry an id above the stream's last generated one (kept when trimming
-    empties the stream): once that is below the checkpoint, new entries can land at or below it
-    and would be skipped as done.
-    """
-    if checkpoint is None or last_id is None or StreamId.parse(last_id) >= checkpoint:
-        return
-    raise BrokerError(
-        f"stream {stream} went back: its last generated id {last_id.decode()} is below the app's "
-        f"checkpoint {checkpoint} (the topic was recreated, or Redis lost writes: a restart without "
-        "its data, a fail-over, a restore). Entries added now could get ids at or below the "
-        "checkpoint and be skipped as done, so nothing more is acknowledged. If the stream holds no "
-        f"entry added since (it may be empty), `XSETID {stream} {checkpoint}` moves the stream past "
-        "the checkpoint; otherwise replay the app (pspf replay)"
     )
 
 

@@ -56,7 +56,7 @@ from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
 from pspf.outbox import RowState
-from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, StreamCursor
 from pspf.relay import Relay
 from pspf.settings import OutboxSettings
 from pspf.timekeeping import TimeKeeping

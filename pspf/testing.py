@@ -40,7 +40,7 @@ from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, decide, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
-from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore

@@ -22,7 +22,7 @@ from pspf.errors import ConfigError, LeaseLost
 from pspf.execution import UNCHANGED, Entry, state_result
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
-from pspf.ownership import OwnedPartition
+from pspf.partition import OwnedPartition
 from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
 from pspf.windows import PartitionWindows
 

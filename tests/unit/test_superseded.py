@@ -14,7 +14,7 @@ from pspf.codec import StateDecoder
 from pspf.delivery import Delivery, Read
 from pspf.emit import Emitter
 from pspf.keys import StreamId
-from pspf.ownership import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores import MemoryStore

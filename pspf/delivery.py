@@ -29,9 +29,9 @@ from typing import NamedTuple
 from pspf import codec, keys
 from pspf.broker import Broker, Fields, RawEntry, ReadAhead
 from pspf.execution import Entry
-from pspf.failures import Failure, RetryPolicy
+from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
-from pspf.partition import OwnedPartition, StreamCursor, check_tail
+from pspf.partition import OwnedPartition, StreamCursor, check_tail, parked
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,6 @@ class Screened(NamedTuple):
     dead: list[tuple[bytes, Fields]]
     skipped: int
     lost: int
-
-
-def parked(failure: Failure | None) -> bool:
-    return failure is not None and failure.due_ms > 0
 
 
 class Delivery:
@@ -248,12 +244,7 @@ class Delivery:
             if not owned.failures:
                 continue
             for cursor in owned.streams.values():
-                prefix = f"{cursor.topic}/"
-                due = [
-                    name[len(prefix) :].encode()
-                    for name, failure in owned.failures.items()
-                    if failure.due_ms and failure.due_ms <= now_ms and name.startswith(prefix)
-                ][: self.batch_size]
+                due = owned.due(cursor.topic, now_ms, self.batch_size)
                 if not due:
                     continue
                 entries = self.broker.claim_entries(
@@ -268,9 +259,7 @@ class Delivery:
                         cursor.stream,
                         entry_id.decode(),
                     )
-                    owned.failures.pop(entry_name(cursor.topic, entry_id), None)
-                    with owned.store.transaction() as tx:
-                        tx.delete(keys.FAILURES_NAMESPACE, entry_name(cursor.topic, entry_id))
+                    owned.forget_failure(cursor.topic, entry_id)
                 if entries:
                     counts = self.broker.delivery_counts(
                         cursor.stream, self.group, [entry_id for entry_id, _ in entries]

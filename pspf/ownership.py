@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pspf import keys
 from pspf.backup import PartitionBackup, Restored, delete_backup
+from pspf.batch import flush
 from pspf.broker import Broker, StreamInfo
 from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
@@ -211,8 +212,7 @@ class Partitions:
             if cursor.checkpoint is not None and not legacy
         }
         owned.mark_foreign(marks, self.consumer)
-        if owned.backup is not None:
-            owned.backup.flush()  # the marks and our name, in the backup before anything is claimed
+        _flushed(owned)  # the marks and our name, in the backup before anything is claimed
         for cursor in owned.streams.values():
             claimed, _ = self.broker.claim_idle(cursor.stream, self.group, self.consumer, 0)
             if claimed:
@@ -374,8 +374,8 @@ class Partitions:
                 and StreamId.parse(p.id) <= checkpoint
             ]
             owned.mark_foreign({cursor: foreign})
-            if foreign and owned.backup is not None:
-                owned.backup.flush()
+            if foreign:
+                _flushed(owned)
             claimed = self.broker.claim_ids(
                 cursor.stream, self.group, self.consumer, min_idle_ms, [p.id for p in idle]
             )
@@ -387,3 +387,10 @@ class Partitions:
                 cursor.stream,
             )
             cursor.rewind()
+
+
+def _flushed(owned: OwnedPartition) -> None:
+    """The store's marks in the backup before Redis changes (a claim); LeaseLost if refused."""
+    refused = flush(owned)
+    if refused is not None:
+        raise refused[1]

@@ -125,6 +125,39 @@ class OwnedPartition:
     #: schedules, timer periods and state expiry (apps with any of them; else None)
     timers: PartitionTimers | None = None
 
+    @property
+    def keeps_time(self) -> bool:
+        """Whether the app has windows, schedules, timers or expiry here (time keeping's work)."""
+        return self.windows is not None or self.timers is not None
+
+    @property
+    def has_parked(self) -> bool:
+        """Whether an entry waits parked for its retry (deferred mode)."""
+        return any(parked(f) for f in self.failures.values())
+
+    def due(self, topic: str, now_ms: int, limit: int) -> list[bytes]:
+        """The ids of ``topic``'s parked entries whose retry is due at ``now_ms``, at most ``limit``."""
+        prefix = f"{topic}/"
+        return [
+            name[len(prefix) :].encode()
+            for name, failure in self.failures.items()
+            if failure.due_ms and failure.due_ms <= now_ms and name.startswith(prefix)
+        ][:limit]
+
+    def forget_failure(self, topic: str, entry_id: bytes) -> None:
+        """Drop an entry's retry bookkeeping outside a batch (the entry left its stream)."""
+        name = keys.entry_name(topic, entry_id)
+        self.failures.pop(name, None)
+        with self.store.transaction() as tx:
+            tx.delete(keys.FAILURES_NAMESPACE, name)
+
+    def rewind(self) -> None:
+        """Trust nothing read or sent (a lost connection): re-read every own pending entry."""
+        if self.outbox.sending is not None:
+            self.outbox.sending.sent.abandon()
+        for cursor in self.streams.values():
+            cursor.rewind()
+
     def load_bookkeeping(self) -> None:
         store = self.store
         self.failures = {k: _failure_decoder.decode(v) for k, v in store.items(keys.FAILURES_NAMESPACE)}
@@ -157,6 +190,11 @@ class OwnedPartition:
             cursor.foreign.update(ids)
         if consumer is not None:
             self.consumers.add(consumer)
+
+
+def parked(failure: Failure | None) -> bool:
+    """Whether a failed entry waits parked for its retry (deferred mode), not in its stream's way."""
+    return failure is not None and failure.due_ms > 0
 
 
 def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:

@@ -11,22 +11,25 @@ the module that holds it:
 2. skip done work (``delivery``): an entry at or below its stream's checkpoint was applied before
    a crash; it is acknowledged without running the handler (or, if it was judged dead, moved to
    the DLQ), unless a foreign consumer took it;
-3. decode and 4. handle (``execution``): the handler runs with a ``Context``; an entry's state
-   writes join the batch only if its handler returns. A failure is retried (ordered mode: the
-   stream waits), parked (deferred mode: the stream goes on) or dead-lettered (``failures``);
-5. commit (``batch``): ONE store transaction per partition holds the state writes, the new
-   checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
+3. decode and 4. handle (``attempts``, running ``execution``): the handler runs with a
+   ``Context``; an entry's state writes join the batch only if its handler returns. A failure is
+   retried (ordered mode: the stream waits), parked (deferred mode: the stream goes on) or
+   dead-lettered (``failures`` decides);
+5. commit (``batch.Durability``): ONE store transaction per partition holds the state writes,
+   the new checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
    (attempts, parked entries, dead-letter decisions), and what time did in the batch
    (``timekeeping``: windows stream time closed, scheduled callbacks, expired state);
-6. acknowledge (here, through ``Broker.ack``): ONE atomic call acknowledges every stream's batch,
-   updates the partitions' state backups and moves dead entries to the DLQ, under the leases
-   (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that checks its lease token);
-   it happens only after step 5 returned;
+6. acknowledge (``batch.Durability``, through ``Broker.ack``): ONE atomic call acknowledges
+   every stream's batch, updates the partitions' state backups and moves dead entries to the
+   DLQ, under the leases (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that
+   checks its lease token); it happens only after step 5 returned; then the outbox rows of the
+   partitions whose call succeeded may be published;
 7. publish (``relay``): the relay publishes the rows whose acknowledgement succeeded, each at
    most once on its target; acknowledging never waits for it.
 
 After the cycle, ``timekeeping`` runs what the clock calls for (timers, windows of idle
-partitions, expiry), each partition's committed and backed up like a batch of no entries.
+partitions, expiry) into a batch of no entries per partition, which ``batch.Durability`` commits
+and sends to the backup (``commit_alone``) before its emits are published.
 
 Invariants kept here: nothing is acknowledged before the commit that holds its effects; a stream
 is applied in id order by one owner, and an owner works through its own pending entries before it
@@ -38,23 +41,21 @@ fails stops the worker: it is never an entry's failure.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 import msgspec
 
-from pspf import keys
 from pspf.app import App
-from pspf.batch import PartitionBatch, StreamOutcome
-from pspf.broker import AckRequest, Broker, Fields
-from pspf.delivery import Delivery, Read, parked
+from pspf.attempts import Attempts
+from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.broker import Broker
+from pspf.delivery import Delivery, Read
 from pspf.emit import Emitter
-from pspf.errors import BackupDamaged, LeaseLost
-from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
-from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
+from pspf.errors import LeaseLost
+from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
-from pspf.keys import StreamId, entry_name
+from pspf.keys import StreamId
 from pspf.outbox import RowState
 from pspf.partition import OwnedPartition, StreamCursor
 from pspf.relay import Relay
@@ -93,8 +94,9 @@ class BatchProcessor:
         self.delivery = Delivery(
             broker, app.name, consumer, batch_size, block_ms, policies, self.owned, self._by_stream
         )
-        self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s, self._commit, self._lease_lost)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
+        self.attempts = Attempts(app, consumer, self.emitter, policies)
+        self.durability = Durability(broker, app.name, self.hooks)
 
     # -- ownership bookkeeping (called by the worker) -----------------------------------------
 
@@ -119,18 +121,13 @@ class BatchProcessor:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
         self.delivery.close()
         for owned in self.owned.values():
-            if owned.outbox.sending is not None:
-                owned.outbox.sending.sent.abandon()
-        for cursor in self._by_stream.values():
-            cursor.rewind()
+            owned.rewind()
 
     def close(self) -> None:
         self.delivery.close()
         for owned in self.owned.values():
             self.relay.finish(owned.outbox)
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        self.attempts.close()
 
     # -- the cycle ------------------------------------------------------------------------------
 
@@ -155,9 +152,9 @@ class BatchProcessor:
         for partition, partition_reads in by_partition.items():
             batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
-            if batch.owned.windows is not None or batch.owned.timers is not None:
+            if batch.owned.keeps_time:
                 self.time.advance(batch, result)
-            self._commit(batch, stream_outcomes)
+            self.durability.commit(batch, stream_outcomes)
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
         self._publish(result)
@@ -172,17 +169,15 @@ class BatchProcessor:
         result.idle = (
             result.read == 0
             and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
-            and not any(parked(f) for owned in self.owned.values() for f in owned.failures.values())
+            and not any(owned.has_parked for owned in self.owned.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
         )
-        self.time.passes(list(self.owned.values()), set(by_partition), result)
+        for batch in self.time.passes(list(self.owned.values()), set(by_partition), result):
+            self._given_up(self.durability.commit_alone(batch), result)
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
             for owned in self.owned.values():
                 if owned.backup is not None:
-                    try:
-                        owned.backup.flush()
-                    except LeaseLost as exc:
-                        self._lease_lost(owned.backup.stream, exc, result)
+                    self._given_up(flush(owned), result)
         return result
 
     def apply_outbox_replays(self) -> None:
@@ -196,13 +191,10 @@ class BatchProcessor:
                 log.error("unreadable outbox replay request dropped partition=%s: %r", partition, raw[:100])
                 ids = []
             replayed = owned.outbox.replay(ids)
-            if owned.backup is not None:
-                try:
-                    owned.backup.flush()
-                except LeaseLost as exc:  # the next lease round gives the partition up
-                    log.warning("outbox replay partition=%s not confirmed: %s", partition, exc)
-                    continue
-            owned.outbox.confirm()
+            refused = flush(owned)
+            if refused is not None:  # the next lease round gives the partition up
+                log.warning("outbox replay partition=%s not confirmed: %s", partition, refused[1])
+                continue
             outcome = {"requested": ids, "replayed": replayed, "at_ms": int(time.time() * 1000)}
             self.broker.finish_outbox_replay(self.app.name, partition, raw, msgspec.json.encode(outcome))
             log.info(
@@ -228,240 +220,45 @@ class BatchProcessor:
     def _handle(self, batch: PartitionBatch, read: Read, result: CycleResult) -> StreamOutcome:
         cursor = read.cursor
         screened = self.delivery.screen(batch.owned, read)
-        todo, done_ids, dead = screened.todo, screened.done_ids, screened.dead
+        todo = screened.todo
         result.skipped += screened.skipped
         result.lost_entries += screened.lost
-        decisions: dict[int, tuple[Outcome, Failure]] = {}
-        ran, errors = self._run(batch, read, todo, decisions, result)
-        owned = batch.owned
-        retry_in_s = None
-        if not errors:  # the common case, kept free of per-entry bookkeeping
-            ids = [id_b for id_b, _ in (todo if ran == len(todo) else todo[:ran])]
-            done_ids += ids
-            handled = ran
-            last_done = ids[-1] if ids else None
-            if owned.failures:
-                for id_b in ids:
-                    name = entry_name(cursor.topic, id_b)
-                    if batch.failure(name) is not None:
-                        batch.failures[name] = None
-        else:
-            handled, last_done, retry_in_s = self._settle(
-                batch, read, todo[:ran], errors, decisions, dead, done_ids, result
-            )
-        for id_b, _ in todo[ran:]:  # delivered, not attempted: it did not crash us
+        passed = None
+        if not self.app.handlers[cursor.topic].is_async:
+            passed = self.time.clock(batch, cursor.topic, result)
+        attempted = self.attempts.run(batch, read, todo, passed)
+        attempted.report(result, self.hooks, cursor.topic, cursor.partition)
+        for id_b, _ in todo[attempted.ran :]:  # delivered, not attempted: it did not crash us
             cursor.unattempted[id_b] = cursor.unattempted.get(id_b, 0) + 1
-        if owned.windows is not None or self.time.ttl:
-            self.time.entries_done(batch, cursor.topic, todo[:ran], last_done)
-        result.handled += handled
+        if batch.owned.windows is not None or self.time.ttl:
+            self.time.entries_done(batch, cursor.topic, todo[: attempted.ran], attempted.last_done)
+        last_done = attempted.last_done
         checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
         if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
             checkpoint = None  # only entries taken from other consumers, below the checkpoint
-        return StreamOutcome(cursor, checkpoint, done_ids, dead, retry_in_s, handled, screened.skipped)
-
-    def _run(
-        self,
-        batch: PartitionBatch,
-        read: Read,
-        todo: list[Entry],
-        decisions: dict[int, tuple[Outcome, Failure]],
-        result: CycleResult,
-    ) -> tuple[int, dict[int, BaseException]]:
-        """Run the handler over ``todo``; how many ran, their errors, and each failure's outcome.
-
-        A store that failed under a handler stops here, whatever the handler did with its error.
-        """
-        cursor = read.cursor
-        handler = self.app.handlers[cursor.topic]
-        policy = self.policies[cursor.topic]
-        meta = EntryMeta(
-            cursor.topic,
-            cursor.partition,
-            read.counts,
-            read.poison,
-            policy.max_deliveries or 1,
-            policy.timeout_ms,
-            self.emitter.partitions(cursor.topic),
+        return StreamOutcome(
+            cursor,
+            checkpoint,
+            screened.done_ids + attempted.handled,
+            screened.dead + attempted.dead,
+            attempted.retry_in_s,
+            len(attempted.handled),
+            screened.skipped,
         )
-
-        def stop(index: int, exc: BaseException) -> bool:
-            if batch.broken is not None:
-                raise batch.broken
-            id_b = todo[index][0]
-            outcome, failure = decide(
-                exc, batch.failure(entry_name(cursor.topic, id_b)), policy, handler.non_retryable, read.due
-            )
-            log.warning(
-                "entry failed topic=%s partition=%s id=%s attempt=%s error=%s: %s",
-                cursor.topic,
-                cursor.partition,
-                id_b.decode(),
-                failure.attempts,
-                failure.error_type,
-                failure.message,
-            )
-            decisions[index] = (outcome, failure)
-            return outcome is Outcome.RETRY
-
-        if handler.is_async:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            ran, errors = run_async_into(self._loop, handler, meta, todo, batch, stop)
-        else:
-            passed = self.time.clock(batch, cursor.topic, result)
-            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)
-        if batch.broken is not None:
-            raise batch.broken
-        return ran, errors
-
-    def _settle(
-        self,
-        batch: PartitionBatch,
-        read: Read,
-        ran: list[Entry],
-        errors: dict[int, BaseException],
-        decisions: dict[int, tuple[Outcome, Failure]],
-        dead: list[tuple[bytes, Fields]],
-        done_ids: list[bytes],
-        result: CycleResult,
-    ) -> tuple[int, bytes | None, float | None]:
-        """Apply each entry's outcome when some failed; (handled, last done id, retry delay)."""
-        cursor = read.cursor
-        handled = 0
-        last_done: bytes | None = None
-        for index, (id_b, fields) in enumerate(ran):
-            name = entry_name(cursor.topic, id_b)
-            if index not in errors:
-                if batch.failure(name) is not None:
-                    batch.failures[name] = None
-                done_ids.append(id_b)
-                handled += 1
-                last_done = id_b
-                continue
-            outcome, failure = decisions[index]
-            result.failed += 1
-            call_hook(self.hooks.on_failure, cursor.topic, cursor.partition, id_b.decode(), failure)
-            if outcome is not Outcome.DEAD:
-                batch.failures[name] = failure
-                call_hook(self.hooks.on_retry, cursor.topic, cursor.partition, id_b.decode(), failure)
-            if outcome is Outcome.RETRY:
-                result.retried += 1
-                return handled, last_done, self.policies[cursor.topic].delay_s(failure.attempts)
-            if outcome is Outcome.PARKED:
-                result.parked += 1
-            else:
-                record = DeadLetter.of(
-                    cursor.topic, cursor.partition, id_b, self.app.name, self.consumer, fields, failure
-                )
-                dlq_fields = record.to_fields()
-                batch.failures[name] = None
-                batch.dead[name] = dlq_fields
-                dead.append((id_b, dlq_fields))
-            last_done = id_b
-        return handled, last_done, None
-
-    # -- step 5: commit -----------------------------------------------------------------------
-
-    def _commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
-        """Step 5 for one partition; the seconds it took, None when there was nothing to write."""
-        took = batch.commit(outcomes)
-        if took is not None:
-            call_hook(self.hooks.on_commit, batch.owned.partition, took)
-        for o in outcomes:  # with nothing to write, the entries done are reported all the same
-            if took is not None or o.handled or o.skipped:
-                c = o.cursor
-                call_hook(self.hooks.on_batch_committed, c.topic, c.partition, o.handled, o.skipped)
-        return took
 
     # -- step 6: acknowledge ------------------------------------------------------------------
 
     def _acknowledge(
         self, outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]], result: CycleResult
     ) -> None:
-        """Acknowledge the cycle's batches; the state backup's update travels with the first call.
+        acked = self.durability.acknowledge(outcomes)
+        result.dead_lettered += acked.dead_lettered
+        for stream, exc in acked.lost.values():
+            self._lease_lost(stream, exc, result)
 
-        Per partition, the call of the backup's stream carries the backup update (also with
-        nothing to acknowledge). Where an app reads several topics, the other topics' calls go in
-        a second round trip, only for the partitions whose backup call succeeded.
-        """
-        merged: dict[str, tuple[list[bytes], list[tuple[bytes, Fields]]]] = {}
-        for _, stream_outcomes in outcomes:
-            for o in stream_outcomes:
-                ids, dead = merged.setdefault(o.cursor.stream, ([], []))
-                ids += o.ack_ids
-                dead += o.dead
-        first: list[AckRequest] = []
-        then: list[AckRequest] = []
-        for batch, _ in outcomes:
-            backup = batch.owned.backup
-            for c in batch.owned.streams.values():
-                ids, dead = merged.get(c.stream, ([], []))
-                if backup is not None and c.stream == backup.stream:
-                    request = backup.request(ids, c.dlq, dead)
-                elif ids or dead:
-                    request = AckRequest(
-                        c.stream, self.app.name, c.lease_key, c.lease_value, ids, c.dlq, dead
-                    )
-                else:
-                    continue
-                (then if backup is not None and c.stream != backup.stream else first).append(request)
-        first = [r for r in first if r.ids or r.dead or r.backup is not None]
-        if not first and not then:
-            return
-        call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]})
-        started = time.perf_counter()
-        lost = self._send_acks(first, result, backups=True)
-        for batch, _ in outcomes:
-            if batch.owned.partition not in lost:  # its rows are in the backup, under the lease
-                batch.owned.outbox.confirm()
-        self._send_acks([r for r in then if self._by_stream[r.stream].partition not in lost], result)
-        call_hook(self.hooks.on_ack, time.perf_counter() - started)
-
-    def _send_acks(self, requests: list[AckRequest], result: CycleResult, backups: bool = False) -> set[int]:
-        """One pipelined round trip of acknowledging calls; the partitions whose lease was lost."""
-        if not requests:
-            return set()
-        try:
-            replies = self.broker.ack(requests)
-        except BaseException:
-            if backups:  # the calls may not have run: their backup writes go again next time
-                for request in requests:
-                    owned = self.owned[self._by_stream[request.stream].partition]
-                    if request.backup is not None and owned.backup is not None:
-                        owned.backup.not_sent()
-            raise
-        lost = set()
-        for request, reply in zip(requests, replies, strict=True):
-            partition = self._by_stream[request.stream].partition
-            backup = self.owned[partition].backup
-            if isinstance(reply, BackupDamaged) and backup is not None:
-                reply = backup.repaired(request)
-            if isinstance(reply, LeaseLost):
-                self._lease_lost(request.stream, reply, result)
-                lost.add(partition)
-                continue
-            if request.backup is not None and backup is not None:
-                backup.sent()
-            if request.dead:
-                result.dead_lettered += reply[1]
-                self._forget_dead(self.owned[partition], request)
-        return lost
-
-    def _forget_dead(self, owned: OwnedPartition, request: AckRequest) -> None:
-        """The DLQ moves are confirmed: drop their records (a crash first only repeats a no-op)."""
-        topic = self._by_stream[request.stream].topic
-        with owned.store.transaction() as tx:
-            for entry_id, fields in request.dead:
-                tx.delete(keys.DEAD_NAMESPACE, entry_name(topic, entry_id))
-                owned.dead.pop(entry_name(topic, entry_id), None)
-                log.error(
-                    "entry moved to the DLQ topic=%s partition=%s id=%s error=%s",
-                    topic,
-                    owned.partition,
-                    entry_id.decode(),
-                    fields.get(b"error_type", b"").decode(),
-                )
-                call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
+    def _given_up(self, refused: tuple[str, LeaseLost] | None, result: CycleResult) -> None:
+        if refused is not None:
+            self._lease_lost(*refused, result)
 
     def _lease_lost(self, stream: str, exc: LeaseLost, result: CycleResult) -> None:
         """Give the partition up, logged as what refused it (a lost lease, a backup that went back)."""

@@ -22,10 +22,9 @@ as a worker would read them. For tests against a real server, the pytest plugin
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -33,11 +32,14 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.app import App
-from pspf.batch import PartitionBatch, StreamOutcome
+from pspf.attempts import Attempts
+from pspf.batch import Durability, PartitionBatch, StreamOutcome
+from pspf.broker import AckRequest
+from pspf.delivery import Read
 from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost, NotFound
-from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
-from pspf.failures import DeadLetter, Failure, Outcome, decide, policy_from
+from pspf.execution import Entry
+from pspf.failures import DeadLetter, Outcome, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
 from pspf.partition import OwnedPartition, StreamCursor
@@ -134,21 +136,16 @@ class TestApp:
         self._hooks = app.hooks or ProcessorHooks()
         self._emitter = Emitter(self._topics, app.name)
         self._time = TimeKeeping(
-            app,
-            self._emitter,
-            self._hooks,
-            settings.time.idle_close_ms / 1000,
-            self._commit,
-            _no_lease,
-            self._clock,
+            app, self._emitter, self._hooks, settings.time.idle_close_ms / 1000, self._clock
         )
+        self._attempts = Attempts(app, CONSUMER, self._emitter, self._policies)
+        self._acks = _Acknowledgements()
+        self._durability = Durability(self._acks, app.name, self._hooks)
         self._owned = {p: self._partition(p) for p in range(self.partitions)}
         self._round_robin = itertools.cycle(range(self.partitions))  # keyless entries, as Producer
         self._last_ids: dict[str, StreamId] = {}
         self._queue: deque[tuple[str, int, bytes, dict[bytes, bytes]]] = deque()
         self._emitted: dict[str, list[EmittedEntry]] = {}
-        self._dead: list[DeadLetter] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         #: what the run did: entries handled, failed attempts, dead letters, late entries, ...
         self.counts = Counts()
 
@@ -223,7 +220,8 @@ class TestApp:
         self._clock.now_ms = target
         for _ in range(_MAX_ROUNDS):
             result = CycleResult()
-            self._time.passes(list(self._owned.values()), set(), result)
+            for batch in self._time.passes(list(self._owned.values()), set(), result):
+                self._settle(batch, [], result)
             self.counts.add(result)
             self._drain()
             if not (result.timers_run or result.timers_failed):
@@ -251,12 +249,10 @@ class TestApp:
 
     def dead_letters(self, topic: str | None = None) -> list[DeadLetter]:
         """The DLQ records of the entries (of ``topic``, or all) that failed for good, in order."""
-        return [d for d in self._dead if topic is None or d.source_topic == topic]
+        return [d for d in self._acks.dead if topic is None or d.source_topic == topic]
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        self._attempts.close()
 
     def __enter__(self) -> TestApp:
         return self
@@ -287,84 +283,47 @@ class TestApp:
             self._handle(*self._queue.popleft())
 
     def _handle(self, topic: str, partition: int, id_b: bytes, fields: dict[bytes, bytes]) -> None:
-        """One entry as a batch of its own: attempts until it is handled or dead, then the commit."""
+        """One entry as a batch of its own, through the worker's attempt loop and commit.
+
+        A failed attempt is committed as a worker commits it, then tried again at once (a parked
+        entry as due) until it is handled or dead.
+        """
         owned = self._owned[partition]
-        result = CycleResult(read=1)
-        todo: list[Entry] = [(id_b, fields)]
-        dead: list[tuple[bytes, dict[bytes, bytes]]] = []
-        failure: Failure | None = None
-        attempt = 0
-        while True:
-            attempt += 1
-            batch, decision = self._attempt(owned, topic, todo, attempt, failure, result)
-            if decision is None:
-                result.handled += 1
-                break
-            outcome, failure = decision
-            result.failed += 1
-            if outcome is Outcome.DEAD:
-                record = DeadLetter.of(topic, partition, id_b, self.app.name, CONSUMER, fields, failure)
-                self._dead.append(record)
-                dead.append((id_b, record.to_fields()))
-                result.dead_lettered += 1
-                break
-            result.retried += 1  # tried again at once: the backoff is not waited
-        if owned.windows is not None or self._time.ttl:
-            self._time.entries_done(batch, topic, todo, id_b)
-        if owned.windows is not None or owned.timers is not None:
-            self._time.advance(batch, result)
-        done = StreamOutcome(
-            owned.streams[topic], StreamId.parse(id_b), [] if dead else [id_b], dead, None, result.handled, 0
-        )
-        self._commit(batch, [done])
-        self.counts.add(result)
+        cursor = owned.streams[topic]
+        is_async = self.app.handlers[topic].is_async
+        due = False
+        for attempt in itertools.count(1):
+            result = CycleResult(read=1 if attempt == 1 else 0)
+            entries: list[Entry] = [(id_b, fields)]
+            read = Read(cursor, list(entries), {id_b: attempt}, due=due)
+            batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
+            passed = None if is_async else self._time.clock(batch, topic, result)
+            attempted = self._attempts.run(batch, read, entries, passed)
+            attempted.report(result, self._hooks, topic, partition)
+            if owned.windows is not None or self._time.ttl:
+                self._time.entries_done(batch, topic, entries, attempted.last_done)
+            if owned.keeps_time:
+                self._time.advance(batch, result)
+            last_done = attempted.last_done
+            checkpoint = None if due or last_done is None else StreamId.parse(last_done)
+            handled = len(attempted.handled)
+            done = StreamOutcome(cursor, checkpoint, attempted.handled, attempted.dead, None, handled, 0)
+            self._settle(batch, [done], result)
+            self.counts.add(result)
+            if not attempted.failed or attempted.failed[-1][1] is Outcome.DEAD:
+                return
+            due = attempted.failed[-1][1] is Outcome.PARKED
 
-    def _attempt(
-        self,
-        owned: OwnedPartition,
-        topic: str,
-        todo: list[Entry],
-        attempt: int,
-        failure: Failure | None,
-        result: CycleResult,
-    ) -> tuple[PartitionBatch, tuple[Outcome, Failure] | None]:
-        """Run the handler once; the batch holding what it did, and the decision if it failed."""
-        handler, policy = self.app.handlers[topic], self._policies[topic]
-        batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
-        id_b = todo[0][0]
-        meta = EntryMeta(
-            topic,
-            owned.partition,
-            {id_b: attempt},
-            frozenset(),
-            policy.max_deliveries or 1,
-            policy.timeout_ms,
-            self.partitions,
-        )
-        decisions: list[tuple[Outcome, Failure]] = []
-
-        def stop(index: int, exc: BaseException) -> bool:
-            if batch.broken is not None:
-                raise batch.broken
-            decisions.append(decide(exc, failure, policy, handler.non_retryable, False))
-            return True
-
-        if handler.is_async:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            run_async_into(self._loop, handler, meta, todo, batch, stop)
-        else:
-            passed = self._time.clock(batch, topic, result)
-            run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)
-        return batch, (decisions[0] if decisions else None)
-
-    def _commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
-        """Commit as a worker does; what the batch emitted is then published here, at once."""
+    def _settle(self, batch: PartitionBatch, outcomes: list[StreamOutcome], result: CycleResult) -> None:
+        """Commit and acknowledge as a worker does; what the batch emitted is then published here."""
         emitted, batch.emitted = batch.emitted, []
-        took = batch.commit(outcomes)
+        if outcomes:
+            self._durability.commit(batch, outcomes)
+            result.dead_lettered += self._durability.acknowledge([(batch, outcomes)]).dead_lettered
+        else:
+            self._durability.commit_alone(batch)
         for topic, partition, key, value, _, _, headers in emitted:
             self._publish(topic, partition, key, value, headers)
-        return took
 
     def _publish(
         self, topic: str, partition: int, key: bytes | None, value: bytes, headers: bytes | None
@@ -390,8 +349,16 @@ class TestApp:
             self._append(topic, partition, fields)
 
 
-def _no_lease(stream: str, reason: LeaseLost, result: CycleResult) -> None:
-    """A TestApp holds no leases: nothing can take its partitions."""
+class _Acknowledgements:
+    """What stands in for Redis's acknowledgement: no lease to lose, dead letters kept in order."""
+
+    def __init__(self) -> None:
+        self.dead: list[DeadLetter] = []
+
+    def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
+        for request in requests:
+            self.dead += [DeadLetter.from_fields(fields) for _, fields in request.dead]
+        return [(len(request.ids), len(request.dead)) for request in requests]
 
 
 def _epoch_ms(name: str, value: int | datetime) -> int:

@@ -3,8 +3,8 @@
 Stream-time work joins the batch in hand: after each entry of a sync handler the callbacks stream
 time made due run (``clock``), and before the commit the windows it closed give their results and
 expired state goes (``advance``), so all of it commits with the batch (step 5). Clock work
-(``passes``) runs after each cycle, each partition's committed like a batch of no entries and sent
-to the backup before anything it emitted is published, as after an acknowledgement.
+(``passes``) runs after each cycle: it returns a batch of no entries per partition, which the
+caller makes durable (``batch.Durability.commit_alone``) before anything it emitted is published.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pspf import codec
-from pspf.batch import PartitionBatch, StreamOutcome
+from pspf.batch import PartitionBatch
 from pspf.context import Context, TimerContext
 from pspf.emit import Emitter
-from pspf.errors import ConfigError, LeaseLost
+from pspf.errors import ConfigError
 from pspf.execution import UNCHANGED, Entry, state_result
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
@@ -30,9 +30,6 @@ if TYPE_CHECKING:
     from pspf.app import App
 
 log = logging.getLogger(__name__)
-
-Commit = Callable[[PartitionBatch, list[StreamOutcome]], "float | None"]
-LeaseLostCall = Callable[[str, LeaseLost, "CycleResult"], None]
 
 
 class Clock:
@@ -54,8 +51,6 @@ class TimeKeeping:
         emitter: Emitter,
         hooks: ProcessorHooks,
         idle_close_s: float,
-        commit: Commit,
-        lease_lost: LeaseLostCall,
         clock: Clock | None = None,
     ) -> None:
         self.app = app
@@ -63,8 +58,6 @@ class TimeKeeping:
         self.emitter = emitter
         self.hooks = hooks
         self.idle_close_s = idle_close_s
-        self._commit = commit
-        self._lease_lost = lease_lost
         self.ttl = app.state_ttl_ms is not None or any(h.state_ttl_ms for h in app.handlers.values())
         self.active = bool(app.windows or app.callbacks or app.timers or self.ttl)
 
@@ -191,14 +184,17 @@ class TimeKeeping:
 
     # -- the clock, after a cycle -----------------------------------------------------------------
 
-    def passes(self, owned_partitions: list[OwnedPartition], handled: set[int], result: CycleResult) -> None:
-        """What wall-clock time calls for in the owned partitions, each committed like a batch.
+    def passes(
+        self, owned_partitions: list[OwnedPartition], handled: set[int], result: CycleResult
+    ) -> list[PartitionBatch]:
+        """What wall-clock time calls for in the owned partitions: a batch of no entries each.
 
         Timers whose period came; on an idle cycle, the windows of partitions idle for
         ``idle_close_s``; expired state of partitions without a batch (``handled``) this cycle.
         """
         if not (self.app.timers or self.app.windows or self.ttl):
-            return
+            return []
+        batches = []
         now_ms, now = self._clock.wall_ms(), self._clock.monotonic()
         for owned in owned_partitions:
             windows, timers = owned.windows, owned.timers
@@ -214,7 +210,8 @@ class TimeKeeping:
                 windows.advance_to_close_all()
                 log.info("partition=%s idle: open windows closed", owned.partition)
                 self.advance(batch, result)
-            self._commit_alone(batch, result)
+            batches.append(batch)
+        return batches
 
     def _run_timer(
         self, batch: PartitionBatch, timers: PartitionTimers, timer: Timer, period: int, result: CycleResult
@@ -235,16 +232,3 @@ class TimeKeeping:
             batch.overlay.update((key, new) for key, new in states.items() if new is not UNCHANGED)
             batch.emitted += ctx._emits
         timers.ran(timer, period)
-
-    def _commit_alone(self, batch: PartitionBatch, result: CycleResult) -> None:
-        """Commit a batch of no entries and send it to the backup before publishing its emits."""
-        owned = batch.owned
-        if self._commit(batch, []) is None:
-            return
-        if owned.backup is not None:
-            try:
-                owned.backup.flush()
-            except LeaseLost as exc:  # the local store is ahead: reconciled by the next owner
-                self._lease_lost(owned.backup.stream, exc, result)
-                return
-        owned.outbox.confirm()

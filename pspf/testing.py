@@ -1,11 +1,12 @@
 """Test an app without a server: ``TestApp`` runs it in-process, synchronously, on a clock you move.
 
 What Kafka Streams' TopologyTestDriver is to a topology. ``TestApp`` drives the worker's own parts
-over the entries a test sends: the entry codec, the handler runner (sync and async, timeouts), the
-retry policy and its dead-letter decisions, ``ctx.emit``'s checks and encoding, windows, scheduled
-callbacks, timers and state expiry, each partition's state in an in-memory store committed as a
-batch would be. What it leaves out is Redis: there are no consumer groups, leases, acknowledgements
-or relay, and a failed attempt is retried at once instead of after its backoff.
+over the entries a test sends: the entry codec, the worker's attempt loop (``attempts``: sync and
+async handlers, timeouts, the retry policy and its dead-letter decisions), ``ctx.emit``'s checks
+and encoding, windows, scheduled callbacks, timers and state expiry, and the worker's commit and
+acknowledgement (``batch.Durability``) on an in-memory store per partition. What it replaces is
+Redis: no consumer groups, leases or relay; the acknowledgement is a stand-in that keeps the dead
+letters; a failed attempt is retried at once instead of after its backoff.
 
 Example:
     with TestApp(app, topics={"vip-customers": 1}) as t:

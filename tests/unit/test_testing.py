@@ -105,6 +105,18 @@ def test_retries_end_in_the_dlq_with_the_policy_attempts_and_the_traceback() -> 
     assert t.state("k") == {} and t.emitted("out") == []
 
 
+def test_a_parked_entry_is_retried_as_due_until_it_is_handled_as_a_worker_counts_it() -> None:
+    app, calls = flaky_app(failures=2, retry=RetryPolicy(mode="deferred", max_retries=5))
+    with TestApp(app, topics={"out": 1}) as t:
+        t.send("in", {"n": 1}, key="k")
+        second = t.send("in", {"n": 2}, key="k")
+        assert calls == [1, 2, 3, 1]
+        assert t.state("k") == {"seen": 2}
+        assert t.counts.parked == 2 and t.counts.retried == 0 and t.counts.handled == 2
+        assert t.emitted("out") == [{"n": 1}, {"n": 2}]
+        assert second.endswith("-1")
+
+
 def test_non_retryable_errors_and_undecodable_values_go_to_the_dlq_at_once() -> None:
     app, calls = flaky_app(failures=0)
 

@@ -1,4 +1,8 @@
-"""``pspf groups``, ``lag``, ``replay`` and ``admin serve``: thin calls into ``pspf.service``."""
+"""``pspf groups``, ``lag``, ``replay``, ``outbox`` and ``admin serve``: thin calls into ``pspf.service``.
+
+Each command calls the service and prints its result through ``pspf.cli.render`` (tables, fields,
+``--json``), so only the sentences a single command says are written here, beside it.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,12 @@ import sys
 from pathlib import Path
 
 import click
-import msgspec
 
-from pspf.cli.commands import print_json, print_table
-from pspf.cli.main import (
-    CliState,
-    broker_option,
-    cli,
-    json_option,
-    service_for,
-    state_dir_option,
-    store_option,
-)
+from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.render import age_text, json_option, print_fields, print_json, print_table
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
 from pspf.wording import counted
-
-
-def _age(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 @cli.command(epilog="\b\nExample:\n  pspf groups --json")
@@ -56,7 +41,7 @@ def groups(
                 g.partitions,
                 g.lag,
                 g.pending,
-                _age(g.oldest_pending_age_s),
+                age_text(g.oldest_pending_age_s),
                 g.dead_letters,
                 len(g.members),
                 ",".join(g.owners) or None,
@@ -97,7 +82,7 @@ def lag(
                 d.checkpoint,
                 d.lag,
                 d.pending,
-                _age(d.oldest_pending_age_s),
+                age_text(d.oldest_pending_age_s),
                 d.dead_letters,
                 d.owner,
             ]
@@ -273,8 +258,7 @@ def outbox_show(
     if as_json:
         print_json(detail)
         return
-    for name in detail.__struct_fields__:
-        click.echo(f"{name}: {msgspec.json.encode(getattr(detail, name)).decode()}")
+    print_fields(detail)
 
 
 @outbox.command(

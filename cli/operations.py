@@ -152,14 +152,7 @@ def replay(
         )
     if not dry_run:
         if not yes:
-            what = "keep" if keep_state else "DELETE"
-            entries = counted(preview.entries_to_replay, "entry")
-            click.confirm(
-                f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
-                f"from {preview.position} and {what} its state?",
-                abort=True,
-                err=True,
-            )
+            _confirm_replay(app, preview, keep_state)
         result = service.replay(app, topics, position, keep_state)
     else:
         result = preview
@@ -167,6 +160,17 @@ def replay(
         print_json(result)
     else:
         _say_replayed(result, dry_run)
+
+
+def _confirm_replay(app: str, preview: ReplayResult, keep_state: bool) -> None:
+    what = "keep" if keep_state else "DELETE"
+    entries = counted(preview.entries_to_replay, "entry")
+    click.confirm(
+        f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
+        f"from {preview.position} and {what} its state?",
+        abort=True,
+        err=True,
+    )
 
 
 def _say_replayed(result: ReplayResult, dry_run: bool) -> None:
@@ -319,14 +323,18 @@ def outbox_replay(
     else:
         click.echo(f"replayed {len(result.replayed)} of {counted(len(result.selected), 'selected row')}")
     if result.waiting:
-        waiting = ", ".join(map(str, result.waiting))
-        click.echo(
-            f"{'partition' if len(result.waiting) == 1 else 'partitions'} {waiting}: "
-            f"no worker of {app} applied the request "
-            f"within {wait_s:g}s; it stays queued until one owns them",
-            err=True,
-        )
+        _say_waiting(app, result.waiting, wait_s)
         sys.exit(7)
+
+
+def _say_waiting(app: str, waiting: list[int], wait_s: float) -> None:
+    partitions = ", ".join(map(str, waiting))
+    click.echo(
+        f"{'partition' if len(waiting) == 1 else 'partitions'} {partitions}: "
+        f"no worker of {app} applied the request "
+        f"within {wait_s:g}s; it stays queued until one owns them",
+        err=True,
+    )
 
 
 @cli.group()

@@ -1,4 +1,8 @@
-"""``pspf topic``, ``produce``, ``state`` and ``dlq``: thin calls into ``pspf.service``."""
+"""``pspf topic``, ``produce``, ``state`` and ``dlq``: thin calls into ``pspf.service``.
+
+Each command calls the service and prints its result through ``pspf.cli.render`` (tables, fields,
+``--json``), so only the sentences a single command says are written here, beside it.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +14,11 @@ from typing import Any
 import click
 import msgspec
 
-from pspf.cli.main import (
-    CliState,
-    broker_option,
-    cli,
-    json_option,
-    service_for,
-    state_dir_option,
-    store_option,
-)
+from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.render import first_line, json_option, json_text, print_fields, print_json, print_table
 from pspf.retention import Retention
 from pspf.service import parse_duration_ms
 from pspf.wording import counted
-
-
-def print_json(value: Any) -> None:
-    click.echo(msgspec.json.encode(value).decode())
-
-
-def print_table(headers: list[str], rows: list[list[Any]]) -> None:
-    cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for row in cells:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
 
 # -- topics ---------------------------------------------------------------------------------------
 
@@ -295,16 +280,16 @@ def state_get(
         windows = service.state_windows(app, key)
         if as_json:
             print_json(windows)
-        for w in [] if as_json else windows:
-            shown = msgspec.json.encode(w["value"]).decode()
-            click.echo(f"{w['topic']} [{w['start']}, {w['end']}]: {shown}")
+            return
+        for w in windows:
+            click.echo(f"{w['topic']} [{w['start']}, {w['end']}]: {json_text(w['value'])}")
         return
     value = service.state_get(app, key)
     if as_json:
         print_json(value)
     else:
         for name, item in value.items():
-            click.echo(f"{name}: {msgspec.json.encode(item).decode()}")
+            click.echo(f"{name}: {json_text(item)}")
 
 
 @state.command("list")
@@ -474,15 +459,10 @@ def dlq_list(
         print_json(found)
         return
     rows = [
-        [d.dlq_id, d.source_id, d.key, d.app, d.error_type, _short(d.message), d.attempts, d.failed_at]
+        [d.dlq_id, d.source_id, d.key, d.app, d.error_type, first_line(d.message), d.attempts, d.failed_at]
         for d in found
     ]
     print_table(["DLQ ID", "SOURCE ID", "KEY", "APP", "ERROR", "MESSAGE", "ATTEMPTS", "FAILED AT"], rows)
-
-
-def _short(text: str, width: int = 60) -> str:
-    line = text.splitlines()[0] if text else ""
-    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 @dlq.command("show")
@@ -497,9 +477,7 @@ def dlq_show(obj: CliState, topic: str, dlq_id: str, broker: str | None, as_json
     if as_json:
         print_json(detail)
         return
-    for name in detail.__struct_fields__:
-        if name != "traceback":
-            click.echo(f"{name}: {msgspec.json.encode(getattr(detail, name)).decode()}")
+    print_fields(detail, skip=("traceback",))
     click.echo("traceback:\n" + detail.traceback)
 
 

@@ -217,10 +217,6 @@ def store_option(func: F) -> F:
     )(func)
 
 
-def json_option(func: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
-
-
 @click.group(cls=PSPFGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="pspf")
 @click.pass_context

@@ -1,4 +1,8 @@
-"""``pspf groups``, ``lag``, ``replay`` and ``admin serve``: thin calls into ``pspf.service``."""
+"""``pspf groups``, ``lag``, ``replay``, ``outbox`` and ``admin serve``: thin calls into ``pspf.service``.
+
+Each command calls the service and prints its result through ``pspf.cli.render`` (tables, fields,
+``--json``), so only the sentences a single command says are written here, beside it.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,12 @@ import sys
 from pathlib import Path
 
 import click
-import msgspec
 
-from pspf.cli.commands import print_json, print_table
-from pspf.cli.main import (
-    CliState,
-    broker_option,
-    cli,
-    json_option,
-    service_for,
-    state_dir_option,
-    store_option,
-)
+from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.render import age_text, json_option, print_fields, print_json, print_table
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
 from pspf.wording import counted
-
-
-def _age(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 @cli.command(epilog="\b\nExample:\n  pspf groups --json")
@@ -56,7 +41,7 @@ def groups(
                 g.partitions,
                 g.lag,
                 g.pending,
-                _age(g.oldest_pending_age_s),
+                age_text(g.oldest_pending_age_s),
                 g.dead_letters,
                 len(g.members),
                 ",".join(g.owners) or None,
@@ -97,7 +82,7 @@ def lag(
                 d.checkpoint,
                 d.lag,
                 d.pending,
-                _age(d.oldest_pending_age_s),
+                age_text(d.oldest_pending_age_s),
                 d.dead_letters,
                 d.owner,
             ]
@@ -167,14 +152,7 @@ def replay(
         )
     if not dry_run:
         if not yes:
-            what = "keep" if keep_state else "DELETE"
-            entries = counted(preview.entries_to_replay, "entry")
-            click.confirm(
-                f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
-                f"from {preview.position} and {what} its state?",
-                abort=True,
-                err=True,
-            )
+            _confirm_replay(app, preview, keep_state)
         result = service.replay(app, topics, position, keep_state)
     else:
         result = preview
@@ -182,6 +160,17 @@ def replay(
         print_json(result)
     else:
         _say_replayed(result, dry_run)
+
+
+def _confirm_replay(app: str, preview: ReplayResult, keep_state: bool) -> None:
+    what = "keep" if keep_state else "DELETE"
+    entries = counted(preview.entries_to_replay, "entry")
+    click.confirm(
+        f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
+        f"from {preview.position} and {what} its state?",
+        abort=True,
+        err=True,
+    )
 
 
 def _say_replayed(result: ReplayResult, dry_run: bool) -> None:
@@ -273,8 +262,7 @@ def outbox_show(
     if as_json:
         print_json(detail)
         return
-    for name in detail.__struct_fields__:
-        click.echo(f"{name}: {msgspec.json.encode(getattr(detail, name)).decode()}")
+    print_fields(detail)
 
 
 @outbox.command(
@@ -335,14 +323,18 @@ def outbox_replay(
     else:
         click.echo(f"replayed {len(result.replayed)} of {counted(len(result.selected), 'selected row')}")
     if result.waiting:
-        waiting = ", ".join(map(str, result.waiting))
-        click.echo(
-            f"{'partition' if len(result.waiting) == 1 else 'partitions'} {waiting}: "
-            f"no worker of {app} applied the request "
-            f"within {wait_s:g}s; it stays queued until one owns them",
-            err=True,
-        )
+        _say_waiting(app, result.waiting, wait_s)
         sys.exit(7)
+
+
+def _say_waiting(app: str, waiting: list[int], wait_s: float) -> None:
+    partitions = ", ".join(map(str, waiting))
+    click.echo(
+        f"{'partition' if len(waiting) == 1 else 'partitions'} {partitions}: "
+        f"no worker of {app} applied the request "
+        f"within {wait_s:g}s; it stays queued until one owns them",
+        err=True,
+    )
 
 
 @cli.group()

@@ -11,11 +11,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.keys import STATE_NAMESPACE, StreamId, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
+from tests.conftest import Names
 from tests.support.fixtures import MakeAppOnTopic
 
 pytestmark = pytest.mark.integration
@@ -89,7 +91,7 @@ def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
     engine: str,
     app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     records = order_records(20_000, 500)
     case = app_on_topic(4, records, build=typed_totals_app)
@@ -163,7 +165,10 @@ def test_async_handlers_keep_per_key_order_and_exact_state(
 
 
 def test_flat_records_from_any_redis_client(
-    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Any, rclient: Any
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     for amount in (3, 4, 5):
@@ -196,7 +201,7 @@ def test_start_from_latest_reads_only_new_entries(
 
 
 def test_handler_failure_stops_only_its_partition_until_it_succeeds(
-    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings], rclient: Any
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings], rclient: redis.Redis
 ) -> None:
     case = app_on_topic(1, [(f"k{i % 3}", {"seq": i}) for i in range(20)])
     topic, app = case.topic, case.app
@@ -223,7 +228,7 @@ def test_logs_show_checkpoints_as_redis_ids(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = make_topic(1)

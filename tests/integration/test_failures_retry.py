@@ -13,9 +13,11 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, NonRetryableError, RetryPolicy, Settings, Worker
 from pspf.keys import dlq_key, partition_for, stream_key
+from tests.conftest import Names
 from tests.integration.failures_support import (
     WorkerThread,
     assert_drained,
@@ -53,8 +55,8 @@ def test_100k_entries_with_1000_poisoned_dlq_exact_and_per_key_order_kept(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app_name = make_topic(PARTITIONS), names.app()
     rng = random.Random(2024)
@@ -146,7 +148,7 @@ def test_100k_entries_with_1000_poisoned_dlq_exact_and_per_key_order_kept(
 def test_a_failure_does_not_make_the_rest_of_its_batch_go_one_entry_per_cycle(
     app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """Two failing entries early in a batch of 1,000: the other 998 must still go in batches.
 
@@ -183,7 +185,7 @@ def test_a_failure_does_not_make_the_rest_of_its_batch_go_one_entry_per_cycle(
 def test_a_retryable_failure_is_not_judged_poison_because_of_earlier_failures_in_its_batch(
     app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """max_retries 4 under the default max_deliveries 5; entries 1, 3 and 5 of a batch of 10 fail.
 
@@ -269,8 +271,8 @@ def test_handler_past_its_deadline_is_retried_then_dead_lettered_and_its_late_wr
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """One entry sleeps 1 s under ``timeout_ms=100``: three timeouts, then the DLQ.
 
@@ -339,7 +341,7 @@ class Rejected(ValueError):
 def test_non_retryable_errors_go_to_the_dlq_after_one_attempt_and_the_partition_goes_on(
     app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """NonRetryableError, an app-listed type (and its subclass) and a handler-listed type fail
     entries of partition 0: one attempt each, and the partition goes on at once. A RuntimeError in
@@ -407,7 +409,7 @@ def test_non_retryable_errors_go_to_the_dlq_after_one_attempt_and_the_partition_
 def test_batch_mates_deleted_during_a_retry_are_reported_lost_and_never_handled(
     app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Entry 10 of a batch of 100 fails once; while the stream waits for its retry, 20 of its

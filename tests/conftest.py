@@ -23,6 +23,7 @@ from pspf.errors import ConfigError
 from pspf.service import Service
 from pspf.settings import parse_broker_url
 
+pytest_plugins = ["tests.support.fixtures"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

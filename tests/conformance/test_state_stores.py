@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import Settings, keys
 from pspf.backup import CHUNK, PartitionBackup, Restored, split_field
@@ -19,6 +20,7 @@ from pspf.errors import CheckpointRegression, StateError, StoreLocked
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, STORE_NAMESPACES, StreamId
 from pspf.state_stores import MemoryStore, StateStore, TxStatus, open_store
 from pspf.state_stores.base import Journal
+from tests.conftest import Names
 
 ENGINES = ["memory", "sqlite", "rocksdb"]
 FILE_ENGINES = ["sqlite", "rocksdb"]
@@ -582,11 +584,11 @@ def _batch(
         backup.flush()
 
 
-def _backup_as_rows(rclient: Any, backup: PartitionBackup) -> list[tuple[str, str, bytes]]:
+def _backup_as_rows(rclient: redis.Redis, backup: PartitionBackup) -> list[tuple[str, str, bytes]]:
     return sorted((*split_field(name), value) for name, value in rclient.hgetall(backup.keys.values).items())
 
 
-def _backup_as_dump(rclient: Any, broker: Broker, backup: PartitionBackup) -> Any:
+def _backup_as_dump(rclient: redis.Redis, broker: Broker, backup: PartitionBackup) -> Any:
     """The backup as a store's dump would show it: its checkpoints, values and identity.
 
     The values hash holds the identity too, the same as its meta's (so a values hash deleted on
@@ -602,7 +604,12 @@ def _backup_as_dump(rclient: Any, broker: Broker, backup: PartitionBackup) -> An
 @pytest.mark.integration
 @pytest.mark.parametrize("engine", ENGINES)
 def test_reconcile_makes_any_store_equal_to_the_backup_in_redis(
-    engine: str, tmp_path: Path, broker: Broker, make_topic: Callable[[int], str], names: Any, rclient: Any
+    engine: str,
+    tmp_path: Path,
+    broker: Broker,
+    make_topic: Callable[[int], str],
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, group = make_topic(1), names.app()
     with (
@@ -677,7 +684,12 @@ def test_reconcile_makes_any_store_equal_to_the_backup_in_redis(
 @pytest.mark.integration
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_store_without_a_backup_is_uploaded_and_restores_elsewhere_in_pages(
-    engine: str, tmp_path: Path, broker: Broker, make_topic: Callable[[int], str], names: Any, rclient: Any
+    engine: str,
+    tmp_path: Path,
+    broker: Broker,
+    make_topic: Callable[[int], str],
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """A store from before the backup (or from a time it was off) becomes the backup, whole."""
     topic, group = make_topic(1), names.app()

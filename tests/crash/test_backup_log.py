@@ -8,16 +8,16 @@ import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import Settings, backup, keys
 from pspf.backup import LogGap, LogReader, locate
 from pspf.broker import AckRequest, BackupUpdate, Broker
 from pspf.service import Service
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import assert_exact, order_records
 from tests.support import wait_until
@@ -51,8 +51,8 @@ def test_a_store_some_updates_behind_catches_up_from_the_log_and_a_trimmed_log_m
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(1), names.app()
     a, b = tmp_path / "a", tmp_path / "b"
@@ -84,8 +84,8 @@ def test_a_break_in_the_log_is_never_read_across(
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(1), names.app()
     produce(topic, order_records(300, 30, seed=54))
@@ -115,8 +115,8 @@ def test_state_export_reads_the_backup_from_any_machine_in_one_consistent_snapsh
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     topic, app = make_topic(2), names.app()
@@ -190,7 +190,9 @@ def test_state_export_reads_the_backup_from_any_machine_in_one_consistent_snapsh
     assert sum(1 for line in run.stdout.splitlines() if b'"namespace":"state"' in line) == 2_000
 
 
-def test_the_transaction_and_the_script_log_an_update_alike(redis_url: str, rclient: Any, names: Any) -> None:
+def test_the_transaction_and_the_script_log_an_update_alike(
+    redis_url: str, rclient: redis.Redis, names: Names
+) -> None:
     """An acknowledgement without DLQ moves runs as MULTI/EXEC, one with them as ``lua/ack.lua``
     (on a cluster both are scripts): both write the values and one log entry that a reader turns
     back into the same update."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import StreamId, stream_key
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     ENGINES,
@@ -52,8 +53,8 @@ def test_crash_point_then_restart_is_exact(
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(ENTRIES, 200, seed=11)

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.keys import stream_key
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.support import assert_exact, leases, order_records
 from tests.support import wait_until
 
@@ -33,8 +34,8 @@ def test_takeover_of_5000_pending_entries_with_some_deleted_while_pending(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Worker A (a subprocess, 2 ms per entry) reads a batch of 5,000 and is SIGKILLed with all of

@@ -6,15 +6,16 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import AckRequest, Broker
 from pspf.errors import LeaseLost
 from pspf.keys import StreamId, fence_key, lease_key, stream_key
 from pspf.state_stores import open_store
+from tests.conftest import Names
 from tests.crash.support import assert_exact, backup_checkpoint, order_records, read_store, view_all
 from tests.support import wait_until
 
@@ -27,8 +28,8 @@ def test_ack_with_a_stale_lease_value_is_refused(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, group = make_topic(1), names.app()
     produce(topic, order_records(5, 3, seed=1))
@@ -74,8 +75,8 @@ def test_worker_whose_lease_is_stolen_cannot_ack_and_drops_the_partition(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic, name = make_topic(1), names.app()

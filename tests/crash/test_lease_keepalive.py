@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import assert_exact, held_by, leases, order_records, view_all
 from tests.support import wait_until
@@ -23,8 +24,8 @@ def test_idle_owner_keeps_its_leases_with_a_short_ttl(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """``--lease-ttl-ms 1000`` (the minimum is 500) with the default ``--block-ms`` (1000).
 

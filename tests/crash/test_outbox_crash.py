@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import redis
 
 from pspf import codec
 from pspf.emit import (
@@ -46,7 +47,7 @@ from pspf.outbox import RowState
 from pspf.relay import PUBLISH_CHUNK
 from pspf.service import OutboxRowInfo, Service
 from pspf.settings import Settings
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     Records,
@@ -341,8 +342,8 @@ def test_a_chain_of_two_apps_under_random_kill9_publishes_each_output_once_and_s
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """App A reads orders and emits one entry per order to ``enriched`` (keyed by user); app B sums
     ``enriched`` per user. Both are SIGKILLed at random moments, again and again, while they run
@@ -439,7 +440,7 @@ class Emitting:
         client: Any,
         tmp_path: Path,
         make_topic: Callable[[int], str],
-        names: Any,
+        names: Names,
         source_partitions: int,
         target_partitions: int,
     ) -> None:
@@ -570,8 +571,8 @@ def test_a_kill_at_a_relay_step_then_a_restart_publishes_each_row_once(
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     chain = Emitting(apps, rclient, tmp_path, make_topic, names, source_partitions, target_partitions)
@@ -632,8 +633,8 @@ def test_a_zombie_relay_and_the_new_owner_publish_the_same_rows_and_each_appears
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """Host a stops itself right after its relay claimed rows (SIGSTOP); its lease expires and host
     b (another state dir: it restores state and rows from the backup) takes the partition over.
@@ -719,8 +720,8 @@ def test_rows_waiting_for_a_broken_target_move_with_the_partition_and_are_publis
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """Rows to a broken target partition (a string where its stream was: WRONGTYPE) wait on host a,
     with their failed attempts, while the rest is published; host a is SIGKILLed, the target
@@ -790,8 +791,8 @@ def test_a_zombie_whose_idle_relay_step_outlived_its_lease_gives_the_partition_u
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """Rows wait for a broken target, so the relay retries them in cycles that read nothing. Host a
     stops itself right after such a step settled (its failures are journaled, not yet in the
@@ -837,8 +838,8 @@ def test_a_worker_restoring_large_backups_keeps_the_leases_it_took_first(
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """Published rows stay in the state backup for the retention (300 s by default), so an emitting
     app's backups grow with what it emits, and a new owner restores them whole. Host a emits

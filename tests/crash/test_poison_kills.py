@@ -13,14 +13,14 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf.failures import DeadLetter
 from pspf.keys import dlq_key, partition_for, stream_key
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.support import Records, assert_exact
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
@@ -110,7 +110,7 @@ def supervisor(tmp_path: Path, redis_url: str) -> Iterator[Callable[[str, str], 
 Entries = dict[tuple[int, str], dict[bytes, bytes]]
 
 
-def stream_entries(rclient: Any, topic: str, partitions: int) -> Entries:
+def stream_entries(rclient: redis.Redis, topic: str, partitions: int) -> Entries:
     """Every entry of the topic by (partition, id); ids repeat across partitions."""
     return {
         (p, entry_id.decode()): fields
@@ -119,7 +119,7 @@ def stream_entries(rclient: Any, topic: str, partitions: int) -> Entries:
     }
 
 
-def dead_letters(rclient: Any, topic: str, partitions: int) -> list[DeadLetter]:
+def dead_letters(rclient: redis.Redis, topic: str, partitions: int) -> list[DeadLetter]:
     return [
         DeadLetter.from_fields(fields)
         for p in range(partitions)
@@ -136,8 +136,8 @@ def test_entries_that_kill_the_worker_reach_the_dlq_and_their_batch_mates_apply_
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """20 killers among 2,000 entries in one partition: 4 at random places in each of 5 batches.
 
@@ -192,8 +192,8 @@ def test_a_killer_does_not_drag_entries_of_other_partitions_into_the_dlq(
     tmp_path: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """One killer in partition 0; partition 1 has only good entries, read in the same cycles.
 

@@ -8,10 +8,11 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     ENGINES,
@@ -43,8 +44,8 @@ def test_random_sigkills_leave_exact_state(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     seed = int(os.environ.get("PSPF_TEST_SEED", random.randrange(1 << 30)))
     print(f"seed {seed} (set PSPF_TEST_SEED to repeat)")

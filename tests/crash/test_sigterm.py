@@ -7,10 +7,11 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     assert_exact,
@@ -36,8 +37,8 @@ def test_sigterm_mid_stream_exits_clean_and_restart_is_exact(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(ENTRIES, 300, seed=23)
@@ -81,8 +82,8 @@ def test_second_sigterm_exits_at_once_and_loses_nothing(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """The first signal waits for the batch in hand; the second exits now, with nothing acked early."""
     topic, app = make_topic(2), names.app()
@@ -115,8 +116,8 @@ def test_sigterm_stops_an_idle_owner_and_a_standby_within_5s(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(2), names.app()
     records = order_records(200, 10, seed=31)

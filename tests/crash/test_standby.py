@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, backup_meta_key
 from pspf.state_stores import open_store
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import assert_exact, held_by, order_records
 from tests.support import wait_until
@@ -45,8 +46,8 @@ def test_a_standby_follows_within_a_second_and_takes_over_after_kill9_without_a_
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(12_000, 300, seed=41)

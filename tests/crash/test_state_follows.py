@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import backup_keys, stream_key
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     ENGINES,
@@ -132,8 +133,8 @@ def test_partitions_move_between_state_dirs_under_kill9_and_the_state_stays_exac
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     topic, app = make_topic(PARTITIONS), names.app()
@@ -210,8 +211,8 @@ def test_a_stale_store_coming_back_is_repaired_from_the_backup_before_anything_i
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """Host a stops cleanly, host b moves the partitions on, host a comes back with its old store.
 
@@ -290,8 +291,8 @@ def test_a_zombie_owner_resumed_mid_batch_neither_acknowledges_nor_touches_the_b
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     partitions, entries = 2, 4_000
@@ -399,8 +400,8 @@ def test_a_crash_between_the_local_commit_and_the_acknowledging_call_on_two_host
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     partitions, entries = 2, 4_000
@@ -482,8 +483,8 @@ def test_with_the_backup_off_a_missing_store_is_refused_and_nothing_is_acknowled
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(2), names.app()
     produce(topic, order_records(1_000, 50, seed=22))

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import dlq_key, stream_key
 from pspf.state_stores import open_store, store_path
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import ENGINES, held_by, leases, order_records, read_store
 from tests.support import wait_until
@@ -73,8 +75,8 @@ def test_a_damaged_store_read_by_a_handler_stops_the_worker_instead_of_failing_e
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(1), names.app()
     produce(topic, order_records(6_000, 3_000, seed=1))
@@ -99,8 +101,8 @@ def test_state_dir_deleted_under_a_running_worker_stops_it_before_it_acknowledge
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(1), names.app()
     records = order_records(20_000, 200, seed=3)
@@ -125,8 +127,8 @@ def test_a_store_that_fails_to_open_gives_its_leases_up_at_once(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(2), names.app()
     produce(topic, order_records(200, 20, seed=4))

@@ -12,15 +12,15 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf.errors import StoreLocked
 from pspf.keys import StreamId, stream_key
 from pspf.state_stores import open_store
 from pspf.state_stores import store_path as store_location
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import ENGINES, expected_state, held_by, order_records, read_store
 from tests.support import wait_until
@@ -50,8 +50,8 @@ def test_running_worker_keeps_a_second_writer_out_and_readers_in(
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(ENTRIES, 50, seed=3)

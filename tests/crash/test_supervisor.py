@@ -14,11 +14,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     SUMMARY,
@@ -89,7 +89,7 @@ def process_running(pid: int) -> bool:
 
 
 @pytest.fixture
-def consumer(names: Any) -> str:
+def consumer(names: Names) -> str:
     """A consumer name of this test's own: its children are ``NAME-1`` ... ``NAME-N``."""
     return f"sv-{names.app()}"
 
@@ -112,8 +112,8 @@ def test_three_workers_share_six_partitions_until_idle(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     consumer: str,
 ) -> None:
     topic, app = make_topic(6), names.app()
@@ -156,8 +156,8 @@ def test_sigterm_stops_every_worker_gracefully(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     consumer: str,
 ) -> None:
     topic, app = make_topic(6), names.app()
@@ -212,8 +212,8 @@ def test_a_killed_worker_is_restarted_under_its_name_and_the_result_is_exact(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     consumer: str,
 ) -> None:
     topic, app = make_topic(6), names.app()
@@ -261,8 +261,8 @@ def test_workers_stop_gracefully_when_the_supervisor_is_killed(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     consumer: str,
 ) -> None:
     """The children live in process groups of their own: SIGKILL of the supervisor must not orphan them."""
@@ -298,7 +298,7 @@ def test_an_unknown_app_module_fails_once_with_exit_2(tmp_path: Path, redis_url:
 
 
 def test_a_setting_every_child_refuses_stops_the_supervisor_with_exit_2(
-    supervised: Spawner, make_topic: Callable[[int], str], names: Any, consumer: str
+    supervised: Spawner, make_topic: Callable[[int], str], names: Names, consumer: str
 ) -> None:
     """A bad setting only a worker sees (--standby needs the backup): no restart loop."""
     topic, app = make_topic(2), names.app()

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     WorkerProcess,
@@ -41,8 +43,8 @@ def test_two_workers_one_owner_each_then_takeover_after_sigkill(
     redis_url: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(ENTRIES, 400, seed=5)

@@ -26,10 +26,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import codec
 from pspf.keys import SCHEDULES_NAMESPACE, stream_key
 from pspf.state_stores import open_store
+from tests.conftest import Names
 from tests.crash.apps_timers import TICK_MS, tick_keys
 from tests.crash.conftest import Spawner
 from tests.crash.support import WorkerProcess, backup_state, held_by, read_store
@@ -83,7 +85,9 @@ TICKS_PER_HOST = 8
 class Ticking:
     """The ticking app of one test, its hosts, and what its state and backup say."""
 
-    def __init__(self, spawn: Spawner, tmp_path: Path, make_topic: Callable[[int], str], names: Any) -> None:
+    def __init__(
+        self, spawn: Spawner, tmp_path: Path, make_topic: Callable[[int], str], names: Names
+    ) -> None:
         self.spawn, self.tmp_path = spawn, tmp_path
         self.source, self.target = make_topic(TIMER_PARTITIONS), make_topic(1)
         self.app = names.app()
@@ -144,8 +148,8 @@ def test_a_timer_runs_each_period_once_across_sigkill_and_takeovers_by_hosts_wit
     spawn: Spawner,
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     ticking = Ticking(spawn, tmp_path, make_topic, names)
@@ -247,8 +251,8 @@ def test_scheduled_callbacks_run_once_each_across_random_sigkills_and_moves_betw
     spawn: Spawner,
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     started = time.monotonic()
     source, target = make_topic(REMINDER_PARTITIONS), make_topic(1)

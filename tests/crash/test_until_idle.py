@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import assert_exact, backup_applied, held_by, leases, order_records, view_all
 from tests.support import wait_until
@@ -24,8 +25,8 @@ def test_until_idle_after_sigkill_processes_everything(
     state_dir: Path,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """The recovery run of a crashed batch job must not exit while the work is undone.
 

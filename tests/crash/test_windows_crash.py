@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import WINDOWS_NAMESPACE, StreamId, backup_key, partition_for, stream_key
 from pspf.outbox import RowState
 from pspf.state_stores import open_store
+from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (
     ENGINES,
@@ -89,7 +91,7 @@ class Windowed:
         tmp_path: Path,
         make_topic: Callable[[int], str],
         produce: Callable[..., int],
-        names: Any,
+        names: Names,
         seed: int,
         engine: str,
     ) -> None:
@@ -299,10 +301,10 @@ def engine() -> str:
 def windowed(
     spawn: Spawner,
     tmp_path: Path,
-    rclient: Any,
+    rclient: redis.Redis,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
+    names: Names,
     seed: int,
     engine: str,
 ) -> Windowed:

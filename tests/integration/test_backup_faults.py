@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Producer, Settings, Worker
 from pspf.batch import iter_state
@@ -22,7 +23,7 @@ from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import backup_keys, stream_key, topic_key
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, RedisServer, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, read_state, summing_app
 from tests.support import wait_until
 
@@ -58,8 +59,8 @@ def test_a_refused_takeover_uploads_nothing_and_the_store_with_the_only_copy_goe
     make_settings: Callable[..., Settings],
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    rclient: Any,
-    names: Any,
+    rclient: redis.Redis,
+    names: Names,
 ) -> None:
     """Host A applied 500 entries; the backup is deleted by hand; 100 more come. A new host B,
     with no store, is behind the group: it refuses, and must not upload its empty store as the
@@ -86,8 +87,8 @@ def test_values_deleted_under_a_running_owner_are_uploaded_again_from_its_store(
     make_settings: Callable[..., Settings],
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    rclient: Any,
-    names: Any,
+    rclient: redis.Redis,
+    names: Names,
 ) -> None:
     """Only the backup's values hash is deleted (its meta kept) between two runs of the owner:
     the owner's next acknowledgement must not recreate it from one batch's changes; it finds it
@@ -111,8 +112,8 @@ def test_a_damaged_backup_is_refused_by_a_host_without_a_current_store(
     make_settings: Callable[..., Settings],
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    rclient: Any,
-    names: Any,
+    rclient: redis.Redis,
+    names: Names,
 ) -> None:
     """The values hash deleted while nobody runs: a new host cannot tell what is missing and
     refuses loudly (restoring the rest would lose state); the host whose store matches the
@@ -138,8 +139,8 @@ def test_a_partition_count_changed_behind_pspf_is_refused_naming_both_counts(
     make_settings: Callable[..., Settings],
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    rclient: Any,
-    names: Any,
+    rclient: redis.Redis,
+    names: Names,
 ) -> None:
     """The topic's record deleted and created again with another count: the app's state was
     built for 2 partitions (its keys' placement), so a worker refuses to run on 4."""
@@ -158,7 +159,7 @@ def test_a_partition_count_changed_behind_pspf_is_refused_naming_both_counts(
 
 
 def test_a_server_that_lost_the_app_is_refused_until_its_stores_are_adopted(
-    own_server: Any, make_settings: Callable[..., Settings], tmp_path: Path, names: Any
+    own_server: RedisServer, make_settings: Callable[..., Settings], tmp_path: Path, names: Names
 ) -> None:
     """Redis comes back empty (no persistence, or flushed) while the app is stopped: a worker
     with the app's stores refuses (nothing processed: neither a restore from nothing nor a
@@ -194,7 +195,7 @@ def test_a_server_that_lost_the_app_is_refused_until_its_stores_are_adopted(
 
 
 def test_running_workers_stop_when_the_server_loses_the_app_and_apply_nothing_anew(
-    own_server: Any, make_settings: Callable[..., Settings], tmp_path: Path, names: Any
+    own_server: RedisServer, make_settings: Callable[..., Settings], tmp_path: Path, names: Names
 ) -> None:
     """Two hosts share the partitions; the server is flushed under them and the topic created
     again with new entries. A worker taking a partition whose group and backup are gone must not
@@ -248,8 +249,8 @@ def test_a_slow_cleanup_deleting_the_meta_then_the_values_under_a_running_owner_
     make_settings: Callable[..., Settings],
     tmp_path: Path,
     make_topic: Callable[[int], str],
-    rclient: Any,
-    names: Any,
+    rclient: redis.Redis,
+    names: Names,
 ) -> None:
     """A cleanup script deletes the backup's meta, then 1.5 s later its values, while the owner
     applies a steady flow: the owner notices each (the meta: the backup went back; the values:

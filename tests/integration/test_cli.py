@@ -7,9 +7,9 @@ import logging
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner, Result
 
 from pspf.cli import cli
@@ -42,7 +42,7 @@ def one_line_error(result: Result) -> str:
 
 
 def test_topic_produce_run_state_round_trip(
-    invoke: Callable[..., Result], names: Names, rclient: Any
+    invoke: Callable[..., Result], names: Names, rclient: redis.Redis
 ) -> None:
     topic, app = names.topic(), names.app()
     assert invoke("topic", "create", topic, "--partitions", "4").exit_code == 0
@@ -81,7 +81,7 @@ def test_topic_produce_run_state_round_trip(
 
 
 def test_produce_large_ndjson_file(
-    invoke: Callable[..., Result], names: Names, tmp_path: Path, rclient: Any
+    invoke: Callable[..., Result], names: Names, tmp_path: Path, rclient: redis.Redis
 ) -> None:
     topic = names.topic()
     invoke("topic", "create", topic, "--partitions", "2")
@@ -151,7 +151,7 @@ def test_verbose_shows_the_traceback(invoke: Callable[..., Result]) -> None:
     assert "Traceback" in result.output
 
 
-def test_produce_errors(invoke: Callable[..., Result], names: Names, rclient: Any) -> None:
+def test_produce_errors(invoke: Callable[..., Result], names: Names, rclient: redis.Redis) -> None:
     missing = invoke("produce", names.topic(), '{"a": 1}')
     assert missing.exit_code == 4
     assert "does not exist" in one_line_error(missing)

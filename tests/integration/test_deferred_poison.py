@@ -7,10 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.failures import DeadLetter
 from pspf.keys import dlq_key, stream_key
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +25,8 @@ def test_parked_killers_become_poison_and_the_rest_is_applied(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     produce(topic, [(f"k{i}", {"i": i, "kill": i in (3, 11)}) for i in range(20)])

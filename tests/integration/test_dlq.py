@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner, Result
 
 from pspf import App, Context, Settings, Worker
@@ -42,11 +43,11 @@ def error_line(result: Result) -> str:
     return lines[0]
 
 
-def dlq_length(rclient: Any, topic: str, partitions: int) -> int:
+def dlq_length(rclient: redis.Redis, topic: str, partitions: int) -> int:
     return sum(rclient.xlen(dlq_key(topic, p)) for p in range(partitions))
 
 
-def stream_length(rclient: Any, topic: str, partitions: int) -> int:
+def stream_length(rclient: redis.Redis, topic: str, partitions: int) -> int:
     return sum(rclient.xlen(stream_key(topic, p)) for p in range(partitions))
 
 
@@ -57,7 +58,7 @@ def test_dead_letters_listed_shown_redriven_once_and_state_exact(
     produce: Callable[..., int],
     redis_url: str,
     tmp_path: Path,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(2), names.app()
     records = [(f"u{n % 50}", {"n": n, "amount": n, "bad": n % 3 == 0}) for n in range(ENTRIES)]
@@ -150,7 +151,10 @@ def test_dead_letters_listed_shown_redriven_once_and_state_exact(
 
 
 def test_redrive_keeps_key_and_headers_and_marks_the_redrive(
-    names: Names, make_topic: Callable[[int], str], make_settings: Callable[..., Settings], rclient: Any
+    names: Names,
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     rclient.xadd(stream_key(topic, 0), {"key": "k1", "value": b"{broken", "headers": b'{"trace": "t-1"}'})
@@ -185,7 +189,7 @@ def test_redrive_keeps_key_and_headers_and_marks_the_redrive(
 
 
 def test_purge_and_error_paths(
-    invoke: Callable[..., Result], names: Names, make_topic: Callable[[int], str], rclient: Any
+    invoke: Callable[..., Result], names: Names, make_topic: Callable[[int], str], rclient: redis.Redis
 ) -> None:
     topic = make_topic(1)
     for n in range(5):
@@ -241,7 +245,7 @@ def test_entry_in_the_wrong_partition_goes_to_the_dlq_and_the_batch_goes_on(
     names: Names,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """A producer that partitions otherwise puts a key where `pspf state get` never looks."""
     topic, app = make_topic(4), names.app()

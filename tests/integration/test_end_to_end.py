@@ -11,11 +11,14 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.keys import STATE_NAMESPACE, StreamId, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
+from tests.conftest import Names
+from tests.support.fixtures import MakeAppOnTopic
 
 pytestmark = pytest.mark.integration
 
@@ -86,16 +89,14 @@ def all_state(settings: Settings, app: str, partitions: int) -> dict[str, dict[s
 
 def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
     engine: str,
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
-    topic = make_topic(4)
     records = order_records(20_000, 500)
-    assert produce(topic, records) == 20_000
-    app = typed_totals_app(names.app(), topic)
+    case = app_on_topic(4, records, build=typed_totals_app)
+    assert case.produced == 20_000
+    topic, app = case.topic, case.app
     settings = make_settings()
 
     summary = Worker(app, settings).run(until_idle=True)
@@ -120,15 +121,9 @@ def test_typed_handler_exact_state_pending_empty_checkpoint_last_id(
 
 
 def test_second_run_skips_nothing_and_changes_nothing(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings]
 ) -> None:
-    topic = make_topic(2)
-    records = order_records(2_000, 50)
-    produce(topic, records)
-    app = typed_totals_app(names.app(), topic)
+    app = app_on_topic(2, order_records(2_000, 50), build=typed_totals_app).app
     settings = make_settings()
     Worker(app, settings).run(until_idle=True)
     before = all_state(settings, app.name, 2)
@@ -140,18 +135,14 @@ def test_second_run_skips_nothing_and_changes_nothing(
 
 
 def test_async_handlers_keep_per_key_order_and_exact_state(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings]
 ) -> None:
-    topic = make_topic(2)
     rng = random.Random(3)
     records: list[tuple[str | None, Any]] = [
         (f"k{rng.randrange(20)}", {"seq": i, "amount": 1}) for i in range(3_000)
     ]
-    produce(topic, records)
-    app = App(names.app())
+    case = app_on_topic(2, records)
+    topic, app = case.topic, case.app
 
     @app.handler(topic)
     async def add(value: dict[str, int], ctx: Context) -> None:
@@ -174,7 +165,10 @@ def test_async_handlers_keep_per_key_order_and_exact_state(
 
 
 def test_flat_records_from_any_redis_client(
-    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Any, rclient: Any
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     for amount in (3, 4, 5):
@@ -191,19 +185,15 @@ def test_flat_records_from_any_redis_client(
 
 
 def test_start_from_latest_reads_only_new_entries(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings]
 ) -> None:
-    topic = make_topic(2)
-    produce(topic, order_records(100, 10, seed=1))
-    app = typed_totals_app(names.app(), topic)
+    case = app_on_topic(2, order_records(100, 10, seed=1), build=typed_totals_app)
+    app = case.app
     settings = make_settings(PSPF_START_FROM="latest")
 
     assert Worker(app, settings).run(until_idle=True).handled == 0
     later = order_records(30, 10, seed=2)
-    produce(topic, later)
+    case.produce(later)
     assert Worker(app, settings).run(until_idle=True).handled == 30
 
     state = all_state(settings, app.name, 2)
@@ -211,15 +201,10 @@ def test_start_from_latest_reads_only_new_entries(
 
 
 def test_handler_failure_stops_only_its_partition_until_it_succeeds(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings], rclient: redis.Redis
 ) -> None:
-    topic = make_topic(1)
-    produce(topic, [(f"k{i % 3}", {"seq": i}) for i in range(20)])
-    app = App(names.app())
+    case = app_on_topic(1, [(f"k{i % 3}", {"seq": i}) for i in range(20)])
+    topic, app = case.topic, case.app
     attempts: Counter[int] = Counter()
 
     @app.handler(topic)
@@ -243,7 +228,7 @@ def test_logs_show_checkpoints_as_redis_ids(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = make_topic(1)

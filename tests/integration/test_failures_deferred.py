@@ -10,11 +10,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.failures import Failure
 from pspf.keys import FAILURES_NAMESPACE, stream_key
 from pspf.state_stores import open_store
+from tests.conftest import Names
 from tests.integration.failures_support import (
     WorkerThread,
     assert_drained,
@@ -95,8 +97,8 @@ def test_parked_entries_survive_a_worker_restart_and_are_retried_when_due(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app_name = make_topic(PARTITIONS), names.app()
     produce(topic, records())
@@ -178,8 +180,8 @@ def test_until_idle_does_not_stop_while_entries_are_parked(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """``--until-idle`` promises to stop once "everything read is committed and acknowledged"
     (README): a parked entry is read and not acknowledged, so the run must wait until it is

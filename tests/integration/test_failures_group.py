@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.keys import lease_key, stream_key
+from tests.conftest import Names
 from tests.crash.support import assert_exact, order_records, view_all
 from tests.integration.failures_support import WorkerThread, read_state
 from tests.support import wait_until
@@ -49,8 +51,8 @@ def test_group_destroyed_under_a_running_worker_is_recreated_at_the_checkpoint(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="pspf")
@@ -128,8 +130,8 @@ def test_periodic_claim_takes_over_entries_a_foreign_consumer_left_idle(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A raw redis-py consumer in the app's group reads 5 entries and never acknowledges them.
@@ -195,8 +197,8 @@ def test_entries_a_foreign_consumer_took_are_applied_at_takeover_though_below_th
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """A foreign consumer takes 5 entries; the worker applies the 25 after them, so its checkpoint
     passes the 5; it restarts long before ``min_idle_ms``. Its takeover claims the 5 with the
@@ -235,8 +237,8 @@ def test_a_lease_of_our_own_that_a_timed_out_call_took_is_given_up_and_taken_aga
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """After a stall of Redis, a lease acquisition whose reply the worker never got (its call timed
     out) was applied by the server later: the lease carries the worker's own identity, and nobody

@@ -18,11 +18,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, BrokerError, Context, RetryPolicy, Settings, Worker
 from pspf.failures import DeadLetter
 from pspf.keys import partition_for, stream_key
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import assert_drained, dead_by_entry, dead_letters, read_state
 
 pytestmark = pytest.mark.integration
@@ -126,8 +127,8 @@ def test_bad_input_of_every_kind_goes_to_the_dlq_and_100k_good_entries_apply_exa
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app_name = make_topic(PARTITIONS), names.app()
     rng = random.Random(77)
@@ -204,8 +205,8 @@ def test_deeply_nested_value_is_a_decode_error_dead_lettered_at_once(
     value_type: str,
     make_topic: Callable[[int], str],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """10,000 levels of nesting: msgspec raises RecursionError, which ``ValueDecoder.decode`` does
     not turn into DecodeError; the entry must still go to the DLQ at once as undecodable instead of
@@ -244,7 +245,7 @@ def test_deeply_nested_value_is_a_decode_error_dead_lettered_at_once(
 
 
 def wrong_type_setup(
-    case: str, rclient: Any, topic: str, app: App, settings: Settings, produce: Callable[..., int]
+    case: str, rclient: redis.Redis, topic: str, app: App, settings: Settings, produce: Callable[..., int]
 ) -> str:
     """Put a non-stream at partition 1's stream key; returns that key."""
     bad_key = stream_key(topic, 1)
@@ -278,8 +279,8 @@ def test_a_stream_key_of_the_wrong_type_fails_the_worker_with_a_broker_error(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     redis_url: str,
     tmp_path: Path,
 ) -> None:
@@ -321,8 +322,8 @@ def test_the_wrong_type_error_names_the_key(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """ "a PSPF key holds the wrong Redis type" must say which key: a topic may have up to 1,024
     partitions, and Redis's WRONGTYPE reply does not name it."""
@@ -359,7 +360,10 @@ UNREADABLE: dict[str, tuple[list[bytes], str]] = {
 
 
 def test_unreadable_headers_and_repeated_fields_are_dead_lettered_as_decode_errors(
-    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Any, rclient: Any
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """The handler never reads ctx.headers: the entry is refused when it is decoded all the same."""
     topic, app_name = make_topic(1), names.app()

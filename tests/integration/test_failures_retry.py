@@ -13,9 +13,11 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, NonRetryableError, RetryPolicy, Settings, Worker
 from pspf.keys import dlq_key, partition_for, stream_key
+from tests.conftest import Names
 from tests.integration.failures_support import (
     WorkerThread,
     assert_drained,
@@ -24,6 +26,7 @@ from tests.integration.failures_support import (
     stream_entries,
 )
 from tests.support import wait_until
+from tests.support.fixtures import MakeAppOnTopic
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +55,8 @@ def test_100k_entries_with_1000_poisoned_dlq_exact_and_per_key_order_kept(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, app_name = make_topic(PARTITIONS), names.app()
     rng = random.Random(2024)
@@ -143,11 +146,9 @@ def test_100k_entries_with_1000_poisoned_dlq_exact_and_per_key_order_kept(
 
 
 def test_a_failure_does_not_make_the_rest_of_its_batch_go_one_entry_per_cycle(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """Two failing entries early in a batch of 1,000: the other 998 must still go in batches.
 
@@ -157,9 +158,10 @@ def test_a_failure_does_not_make_the_rest_of_its_batch_go_one_entry_per_cycle(
     entries to the handler one per cycle (a store commit and an ack round trip each). No process
     crashed: the worker's own failures raised the counts.
     """
-    topic, app_name = make_topic(1), names.app()
-    produce(topic, [("k", {"n": n}) for n in range(1000)])
-    app = App(app_name, retry=RetryPolicy(max_retries=2, base_delay_ms=1))
+    case = app_on_topic(
+        1, [("k", {"n": n}) for n in range(1000)], retry=RetryPolicy(max_retries=2, base_delay_ms=1)
+    )
+    topic, app, app_name = case.topic, case.app, case.app.name
 
     @app.handler(topic)
     def handle(value: dict[str, Any], ctx: Context) -> None:
@@ -181,11 +183,9 @@ def test_a_failure_does_not_make_the_rest_of_its_batch_go_one_entry_per_cycle(
 
 
 def test_a_retryable_failure_is_not_judged_poison_because_of_earlier_failures_in_its_batch(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """max_retries 4 under the default max_deliveries 5; entries 1, 3 and 5 of a batch of 10 fail.
 
@@ -193,9 +193,10 @@ def test_a_retryable_failure_is_not_judged_poison_because_of_earlier_failures_in
     retries then push its delivery count past max_deliveries, and it goes to the DLQ as
     PoisonEntry after 3 attempts instead of with its own error after 4. The worker never crashed.
     """
-    topic, app_name = make_topic(1), names.app()
-    produce(topic, [("k", {"n": n}) for n in range(10)])
-    app = App(app_name, retry=RetryPolicy(max_retries=4, base_delay_ms=1))
+    case = app_on_topic(
+        1, [("k", {"n": n}) for n in range(10)], retry=RetryPolicy(max_retries=4, base_delay_ms=1)
+    )
+    topic, app = case.topic, case.app
     calls: Counter[int] = Counter()
 
     @app.handler(topic)
@@ -270,8 +271,8 @@ def test_handler_past_its_deadline_is_retried_then_dead_lettered_and_its_late_wr
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """One entry sleeps 1 s under ``timeout_ms=100``: three timeouts, then the DLQ.
 
@@ -338,17 +339,14 @@ class Rejected(ValueError):
 
 
 def test_non_retryable_errors_go_to_the_dlq_after_one_attempt_and_the_partition_goes_on(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """NonRetryableError, an app-listed type (and its subclass) and a handler-listed type fail
     entries of partition 0: one attempt each, and the partition goes on at once. A RuntimeError in
     partition 1 is the contrast: retried after a backoff of 1.5-3 s (base 3 s with equal jitter).
     """
-    topic, app_name = make_topic(2), names.app()
     key0 = next(k for k in (f"k{i}" for i in range(100)) if partition_for(k.encode(), 2) == 0)
     key1 = next(k for k in (f"k{i}" for i in range(100)) if partition_for(k.encode(), 2) == 1)
     raises: dict[int, BaseException] = {
@@ -359,8 +357,10 @@ def test_non_retryable_errors_go_to_the_dlq_after_one_attempt_and_the_partition_
         45: RuntimeError("retryable"),
     }
     records = [(key1 if n == 45 or n % 2 else key0, {"n": n}) for n in range(200)]
-    produce(topic, records)
-    app = App(app_name, retry=RetryPolicy(max_retries=2, base_delay_ms=3000), non_retryable=(ValueError,))
+    case = app_on_topic(
+        2, records, retry=RetryPolicy(max_retries=2, base_delay_ms=3000), non_retryable=(ValueError,)
+    )
+    topic, app, app_name = case.topic, case.app, case.app.name
     calls: Counter[int] = Counter()
     applied_at: dict[int, float] = {}
 
@@ -407,22 +407,19 @@ def test_non_retryable_errors_go_to_the_dlq_after_one_attempt_and_the_partition_
 
 
 def test_batch_mates_deleted_during_a_retry_are_reported_lost_and_never_handled(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Entry 10 of a batch of 100 fails once; while the stream waits for its retry, 20 of its
     pending batch-mates are XDELed. Re-reading the pending entries finds them gone: counted in
     ``lost_entries``, logged, acknowledged, never passed to the handler."""
-    topic, app_name = make_topic(1), names.app()
-    produce(topic, [("k", {"n": n}) for n in range(100)])
+    case = app_on_topic(1, [("k", {"n": n}) for n in range(100)], retry=RetryPolicy(base_delay_ms=200))
+    topic, app, app_name = case.topic, case.app, case.app.name
     stream = stream_key(topic, 0)
     ids = [entry_id for entry_id, _ in rclient.xrange(stream)]
     doomed = set(random.Random(4).sample(ids[11:], 20))
-    app = App(app_name, retry=RetryPolicy(base_delay_ms=200))
     seen: list[int] = []
 
     @app.handler(topic)

@@ -5,29 +5,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
 from pspf.keys import dlq_key, fence_key, lease_key, partition_for, stream_key
 from pspf.service import Service
+from tests.conftest import Names
+from tests.support.fixtures import MakeAppOnTopic
 
 pytestmark = pytest.mark.integration
 
 
 def test_zombie_owner_reads_nothing_after_its_lease_moved(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
+    app_on_topic: MakeAppOnTopic,
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    rclient: redis.Redis,
     tmp_path: Path,
 ) -> None:
-    topic = make_topic(1)
-    produce(topic, [("k", {"n": 1})] * 50)
-    app = App(names.app())
+    case = app_on_topic(1, [("k", {"n": 1})] * 50)
+    topic, app = case.topic, case.app
 
     @app.handler(topic)
     def count(value: dict[str, int], ctx: Context) -> None:
@@ -66,8 +65,8 @@ def test_a_zombie_cannot_claim_its_pending_entries_back_by_id_after_its_lease_mo
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, group = make_topic(1), names.app()
     produce(topic, [("k", {"n": 1})] * 10)
@@ -117,8 +116,8 @@ def test_the_next_batch_is_read_ahead_while_the_handlers_run(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     produce(topic, [("k", {"n": n}) for n in range(1, 31)])
@@ -155,17 +154,11 @@ def test_the_next_batch_is_read_ahead_while_the_handlers_run(
 
 
 def test_a_read_ahead_the_next_cycle_cannot_use_is_read_again_in_order(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings], rclient: redis.Redis
 ) -> None:
     """Entry 5 fails once: its stream re-reads its pending list, and the batch read ahead
     (entries 11 to 20) comes after it from there, in order, each applied once and none taken for
     poison by the deliveries it did not run."""
-    topic = make_topic(1)
-    produce(topic, [("k", {"n": n}) for n in range(1, 31)])
     failed: list[int] = []
 
     def fail_once(n: int) -> None:
@@ -173,7 +166,10 @@ def test_a_read_ahead_the_next_cycle_cannot_use_is_read_again_in_order(
             failed.append(5)
             raise RuntimeError("once")
 
-    app = seen_app(names.app(), topic, fail_once)
+    case = app_on_topic(
+        1, [("k", {"n": n}) for n in range(1, 31)], build=lambda name, topic: seen_app(name, topic, fail_once)
+    )
+    topic, app = case.topic, case.app
 
     settings = make_settings(PSPF_BATCH_SIZE=10, PSPF_MAX_DELIVERIES=2)
     summary = Worker(app, settings).run(until_idle=True)
@@ -188,8 +184,8 @@ def test_a_read_ahead_under_a_lease_that_moved_delivers_nothing(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic, group = make_topic(1), names.app()
     produce(topic, [("k", {"n": 1})] * 10)
@@ -214,19 +210,14 @@ def test_a_read_ahead_under_a_lease_that_moved_delivers_nothing(
 
 
 def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newer(
-    make_topic: Callable[[int], str],
-    produce: Callable[..., int],
-    make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings], rclient: redis.Redis
 ) -> None:
     """Both partitions' next batches are read ahead; partition 1 is given up before the next
     cycle, so the read ahead is dropped: partition 0 must take entries 11 to 20 back from its
     pending list before it reads 21 to 30 (read first, they would make 11 to 20 look done)."""
-    topic = make_topic(2)
     key_of = {partition_for(f"k{i}".encode(), 2): f"k{i}" for i in range(20)}
-    produce(topic, [(key_of[p], {"n": n}) for n in range(1, 31) for p in (0, 1)])
-    app = seen_app(names.app(), topic)
+    records = [(key_of[p], {"n": n}) for n in range(1, 31) for p in (0, 1)]
+    app = app_on_topic(2, records, build=seen_app).app
 
     settings = make_settings(PSPF_BATCH_SIZE=10)
     worker = Worker(app, settings)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import pytest
+import redis
 
 from pspf.keys import dlq_key
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import dead_letters
 
 pytestmark = pytest.mark.integration
@@ -23,10 +24,10 @@ def test_handler_timeout_from_the_command_line_or_the_environment(
     handler: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
+    names: Names,
     redis_url: str,
-    rclient: Any,
-    tmp_path: Any,
+    rclient: redis.Redis,
+    tmp_path: Path,
 ) -> None:
     topic, app = make_topic(1), names.app()
     produce(topic, [("slow", {"sleep_s": 5}), ("fast", {})])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from pspf import App, Context, NonRetryableError, ProcessorHooks, Settings, Worker
 from pspf.failures import DeadLetter, Failure
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_hooks_count_processed_retried_and_dead_lettered(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
 ) -> None:
     topic = make_topic(2)
     produce(topic, [(f"k{i % 5}", {"i": i}) for i in range(200)])

@@ -12,6 +12,7 @@ import pytest
 from pspf import App, Context, Settings, Worker, backup
 from pspf.service import Service
 from pspf.state_stores.sqlite import SQLiteStore
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +21,7 @@ def test_a_restore_longer_than_the_lease_renews_it_and_the_takeover_completes(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +12,7 @@ from click.testing import CliRunner
 from pspf import App, Context, Settings, Worker
 from pspf.cli import cli
 from pspf.service import Service
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def test_members_their_partitions_and_the_rebalance_metrics(
     make_topic: Callable[[int], str],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
     redis_url: str,
     tmp_path: Path,
 ) -> None:

@@ -19,12 +19,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pspf import App, Context, Producer, Settings, Worker
 from pspf.keys import REDRIVE_APP_HEADER, partition_for, stream_key
 from pspf.service import Service
-from tests.conftest import ROOT, RedisServer, pspf_command, subprocess_env
+from tests.conftest import ROOT, Names, RedisServer, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread
 from tests.support import wait_until
 
@@ -123,8 +124,8 @@ def test_counters_and_gauges_equal_what_the_worker_did(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     redis_url: str,
 ) -> None:
     topic, app_name = make_topic(2), names.app()
@@ -210,7 +211,7 @@ def test_healthz_reports_a_stuck_ordered_retry_and_a_healthy_standby(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
 ) -> None:
     topic, app_name = make_topic(1), names.app()
     produce(topic, [("k", {"n": 1, "fail": True}), ("k", {"n": 2}), ("k", {"n": 3})])
@@ -290,7 +291,7 @@ def test_healthz_reports_a_lost_redis_and_its_return(own_server: RedisServer, tm
 def test_pspf_run_serves_metrics_through_the_cli(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
-    names: Any,
+    names: Names,
     redis_url: str,
     tmp_path: Path,
 ) -> None:

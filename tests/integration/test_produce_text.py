@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 
 from pspf.keys import stream_key
 from tests.conftest import pspf_command, subprocess_env
@@ -36,7 +36,7 @@ def _one_error_line(stderr: str) -> str:
 
 
 def test_non_utf8_key_value_topic_and_input_lines_are_one_line_errors(
-    make_topic: Callable[[int], str], redis_url: str, rclient: Any, tmp_path: Path
+    make_topic: Callable[[int], str], redis_url: str, rclient: redis.Redis, tmp_path: Path
 ) -> None:
     topic = make_topic(2)
 

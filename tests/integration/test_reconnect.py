@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from pspf import App, Context, Producer, Settings, Worker
 from pspf.broker import Broker
@@ -20,7 +21,7 @@ from pspf.keys import StreamId, backup_meta_key, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store
 from pspf.worker import RunSummary
-from tests.conftest import RedisServer
+from tests.conftest import Names, RedisServer
 from tests.integration.failures_support import WorkerThread, read_state, summing_app
 from tests.support import wait_until
 
@@ -86,8 +87,8 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     topic = make_topic(1)
@@ -207,8 +208,8 @@ def test_entries_below_the_checkpoint_read_as_new_stop_the_worker_without_a_reco
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """The stream is deleted and written again with low ids under a running worker (its group
     re-created at 0): the entries arrive as new, at or below the checkpoint. The worker looks the
@@ -250,8 +251,8 @@ def test_a_backup_that_went_back_under_its_owner_is_logged_as_that_not_as_a_lost
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The backup's identity is not the one this worker left (as after a fail-over that lost writes)."""

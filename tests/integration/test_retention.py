@@ -6,9 +6,9 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner, Result
 
 from pspf import Settings, Worker, worker
@@ -32,7 +32,7 @@ def produce_n(produce: Callable[..., int], topic: str, first: int, n: int) -> No
     produce(topic, [(f"k{i % 5}", {"n": i}) for i in range(first, first + n)])
 
 
-def ids(rclient: Any, stream: str) -> list[bytes]:
+def ids(rclient: redis.Redis, stream: str) -> list[bytes]:
     return [entry_id for entry_id, _ in rclient.xrange(stream)]
 
 
@@ -47,7 +47,7 @@ def test_a_lagging_app_keeps_what_it_has_not_acknowledged_and_trimming_frees_onc
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
     tmp_path: Path,
 ) -> None:
     topic = make_topic(1)
@@ -90,7 +90,7 @@ def test_an_app_of_the_topic_without_a_group_holds_the_trim_and_the_replay_windo
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     stream = stream_key(topic, 0)
@@ -113,7 +113,7 @@ def test_max_age_and_max_len_remove_the_oldest_only(
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     stream = stream_key(topic, 0)
@@ -135,7 +135,7 @@ def test_a_running_worker_applies_the_topics_retention_to_its_partitions(
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(worker, "TRIM_EVERY_S", 0.0)
@@ -164,7 +164,7 @@ def test_the_cli_sets_shows_and_trims(
     make_settings: Callable[..., Settings],
     names: Names,
     redis_url: str,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(1)
     produce_n(produce, topic, 0, 40)
@@ -208,7 +208,7 @@ def test_a_quiet_partition_trimmed_empty_by_retention_stops_nothing(
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An emptied stream keeps its last generated id: its reads are empty, not gone back."""
@@ -240,7 +240,7 @@ def test_trimming_a_quiet_partition_empty_from_the_cli_under_a_running_worker(
     service: Service,
     names: Names,
     redis_url: str,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     topic, app = make_topic(1), names.app()
     produce_n(produce, topic, 0, 40)
@@ -262,7 +262,7 @@ def test_a_stream_deleted_and_created_again_empty_under_a_worker_is_still_refuse
     make_settings: Callable[..., Settings],
     service: Service,
     names: Names,
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     """Its last generated id is 0-0, below the checkpoint: new entries could land below it."""
     topic, app = make_topic(1), names.app()

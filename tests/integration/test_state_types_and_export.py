@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 from click.testing import CliRunner
 
 from pspf import App, Context, Settings, Worker
@@ -19,6 +20,7 @@ from pspf.errors import StateError
 from pspf.keys import stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store
+from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +48,7 @@ def test_typed_state_round_trips_and_a_mismatch_names_the_key(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
 ) -> None:
     topic = make_topic(2)
     produce(topic, [(f"u{i % 10}", {"amount": i}) for i in range(500)])
@@ -81,7 +83,7 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     redis_url: str,
-    names: Any,
+    names: Names,
     tmp_path: Path,
 ) -> None:
     topic = make_topic(4)
@@ -142,8 +144,8 @@ def test_export_of_a_running_app_is_a_consistent_snapshot(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(2)
     produce(topic, [(f"k{i % 7}", {"n": 1}) for i in range(20_000)])
@@ -188,7 +190,7 @@ def test_reading_a_rocksdb_state_dir_as_sqlite_names_both_engines(
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
     redis_url: str,
-    names: Any,
+    names: Names,
     tmp_path: Path,
 ) -> None:
     topic = make_topic(2)

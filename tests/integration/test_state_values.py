@@ -12,12 +12,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, NonRetryableError, Settings, Worker, errors
 from pspf.keys import STATE_NAMESPACE, partition_for
 from pspf.service import Service
 from pspf.state_stores import open_store
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import dead_letters
 
 pytestmark = pytest.mark.integration
@@ -40,8 +41,8 @@ def test_a_write_the_app_cannot_read_back_fails_its_entry_once_and_the_key_goes_
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     redis_url: str,
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
     tmp_path: Path,
 ) -> None:
     topic, app = make_topic(2), names.app()
@@ -94,8 +95,8 @@ def test_a_typed_app_refuses_a_value_its_state_type_rejects(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
-    rclient: Any,
+    names: Names,
+    rclient: redis.Redis,
 ) -> None:
     """The check is the app's own read: a typed app's decoder also rejects nested int keys.
 
@@ -140,7 +141,7 @@ def test_state_get_list_export_report_a_stored_value_they_cannot_read(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
     redis_url: str,
     tmp_path: Path,
 ) -> None:

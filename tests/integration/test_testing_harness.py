@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 
 from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.codec import decode_headers
@@ -58,7 +59,7 @@ def test_testapp_and_a_worker_agree_on_state_emits_and_dead_letters(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
-    rclient: Any,
+    rclient: redis.Redis,
 ) -> None:
     orders, vip = make_topic(4), make_topic(2)
     records = entries(seed=7)

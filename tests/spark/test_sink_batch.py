@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 
 from pspf.embedded import free_port
 from pspf.keys import sink_marker_key, stream_key
-from tests.conftest import standalone_only
+from tests.conftest import ClusterServer, Names, RedisServer, standalone_only
 from tests.spark.conftest import TopicReader, arrow_batch_rows, failing_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -201,7 +201,7 @@ BAD_OPTIONS = [
 def test_bad_options_fail_before_any_write(
     spark: SparkSession,
     make_topic: Callable[[int], str],
-    names: Any,
+    names: Names,
     redis_url: str,
     rclient: redis.Redis,
     topics: TopicReader,
@@ -338,7 +338,7 @@ SECRET = "s3cret"
 
 @standalone_only  # an ACL user and a URL of one server
 def test_broker_password_never_shows_in_driver_errors(
-    spark: SparkSession, make_topic: Callable[[int], str], redis_server: Any
+    spark: SparkSession, make_topic: Callable[[int], str], redis_server: RedisServer | ClusterServer
 ) -> None:
     topic = make_topic(2)
     wrong_password = f"redis://pspf-nobody:{SECRET}@127.0.0.1:{redis_server.port}/0"
@@ -359,7 +359,10 @@ def test_broker_password_never_shows_in_driver_errors(
 
 @standalone_only  # an ACL user and a URL of one server
 def test_broker_password_never_shows_in_task_errors(
-    spark: SparkSession, make_topic: Callable[[int], str], redis_server: Any, rclient: redis.Redis
+    spark: SparkSession,
+    make_topic: Callable[[int], str],
+    redis_server: RedisServer | ClusterServer,
+    rclient: redis.Redis,
 ) -> None:
     """A write that fails inside the tasks (a stream key of the wrong type) names the URL masked."""
     topic = make_topic(2)

@@ -18,6 +18,7 @@ from pyspark.sql import SparkSession
 
 from pspf import App, Context, Settings, Worker
 from pspf.service import Service
+from tests.conftest import Names
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -34,7 +35,7 @@ def test_spark_writes_orders_and_a_pspf_app_totals_them_exactly(
     spark: SparkSession,
     make_topic: Callable[[int], str],
     make_settings: Callable[..., Settings],
-    names: Any,
+    names: Names,
     redis_url: str,
 ) -> None:
     topic = make_topic(4)

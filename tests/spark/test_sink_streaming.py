@@ -35,7 +35,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pspf.keys import stream_key
 from pspf.spark import PSPFDataSource, PSPFStreamWriter, SinkCommitMessage
-from tests.conftest import standalone_only
+from tests.conftest import ClusterServer, RedisServer, standalone_only
 from tests.spark.conftest import TopicReader, arrow_batch_rows, failing_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -199,7 +199,7 @@ def test_bad_options_fail_the_query_before_any_write_and_mask_the_password(
     spark: SparkSession,
     make_topic: Callable[[int], str],
     redis_url: str,
-    redis_server: Any,
+    redis_server: RedisServer | ClusterServer,
     topics: TopicReader,
     tmp_path: Path,
 ) -> None:

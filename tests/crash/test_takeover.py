@@ -68,8 +68,11 @@ def test_two_workers_one_owner_each_then_takeover_after_sigkill(
     by_pid = {w.pid: label for label, w in workers.items()}
 
     def all_held() -> dict[int, Any] | None:
+        """Every partition owned, and by both workers: the first one to start held all until the
+        second joined, and a lease round later gives the second its share."""
         held = leases(rclient, topic, app, PARTITIONS)
-        return held if all(held.values()) else None
+        shared = all(held.values()) and {lease.consumer for lease in held.values()} == set(workers)
+        return held if shared else None
 
     for worker in workers.values():
         wait_until(lambda w=worker: b"worker started" in w.log.read_bytes(), 20, "both workers to start")

@@ -48,7 +48,6 @@ def test_two_workers_one_owner_each_then_takeover_after_sigkill(
 ) -> None:
     topic, app = make_topic(PARTITIONS), names.app()
     records = order_records(ENTRIES, 400, seed=5)
-    produce(topic, records)
 
     def start(label: str) -> WorkerProcess:
         # Settings from PSPF_* variables only, as a container would pass them.
@@ -77,6 +76,7 @@ def test_two_workers_one_owner_each_then_takeover_after_sigkill(
     for worker in workers.values():
         wait_until(lambda w=worker: b"worker started" in w.log.read_bytes(), 20, "both workers to start")
     held = wait_until(all_held, 20, "every partition to be owned")
+    produce(topic, records)  # once the two share the partitions: each entry has one owner
     wait_until(
         lambda: sum(v.applied for v in view_all(rclient, state_dir, topic, app, PARTITIONS)) >= 2000,
         20,

@@ -29,7 +29,7 @@ from pspf.errors import BackupDamaged, LeaseLost, StateError
 from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
     from pspf.state_stores import StateStore, StoreTransaction
 
 log = logging.getLogger(__name__)
-
-#: Committed values kept in memory per partition; the store is ours alone while we own it.
-CACHE_LIMIT = 100_000
 
 
 class StreamOutcome(NamedTuple):
@@ -196,18 +193,9 @@ class PartitionBatch:
         self, outcomes: list[StreamOutcome], superseded_passed: dict[StreamCursor, list[bytes]]
     ) -> None:
         """After the commit: the committed values, bookkeeping and checkpoints become the partition's."""
-        owned = self.owned
         for cursor, done_ids in superseded_passed.items():
             cursor.superseded.forget(done_ids)
-        if len(owned.cache) + len(self.overlay) > CACHE_LIMIT:
-            owned.cache.clear()
-        owned.cache.update(self.overlay)
-        for name, failure in self.failures.items():
-            if failure is None:
-                owned.failures.pop(name, None)
-            else:
-                owned.failures[name] = failure
-        owned.dead.update((name, fields) for name, fields in self.dead.items() if fields is not None)
+        self.owned.adopt(self.overlay, self.failures, self.dead)
         for o in outcomes:
             if o.checkpoint is not None:
                 o.cursor.checkpoint = o.checkpoint

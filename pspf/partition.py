@@ -27,6 +27,9 @@ from pspf.windows import PartitionWindows
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
+#: Committed values kept in memory per partition; the store is ours alone while we own it.
+CACHE_LIMIT = 100_000
+
 _failure_decoder = msgspec.msgpack.Decoder(Failure)
 _fields_decoder = msgspec.msgpack.Decoder(dict[bytes, bytes])
 
@@ -157,6 +160,23 @@ class OwnedPartition:
             self.outbox.sending.sent.abandon()
         for cursor in self.streams.values():
             cursor.rewind()
+
+    def adopt(
+        self,
+        values: dict[str, bytes | None],
+        failures: dict[str, Failure | None],
+        dead: dict[str, Fields | None],
+    ) -> None:
+        """After a commit: its values (cached), retry bookkeeping and DLQ decisions are ours."""
+        if len(self.cache) + len(values) > CACHE_LIMIT:
+            self.cache.clear()
+        self.cache.update(values)
+        for name, failure in failures.items():
+            if failure is None:
+                self.failures.pop(name, None)
+            else:
+                self.failures[name] = failure
+        self.dead.update((name, fields) for name, fields in dead.items() if fields is not None)
 
     def load_bookkeeping(self) -> None:
         store = self.store

@@ -40,7 +40,41 @@ class StateSource(Protocol):
     def state_decoder(self) -> StateDecoder: ...
 
 
-class Context:
+class Attempt:
+    """What one run of a handler (or scheduled callback) did, read by the code that runs it.
+
+    A ``Context`` is its attempt, so that building one per entry allocates nothing more: the
+    runner reads these slots after the handler returns and joins them to the batch, or drops
+    them. Handlers use ``Context``'s own API instead.
+    """
+
+    __slots__ = ("base", "due_ms", "emits", "entry_id", "loaded", "schedules", "source", "windowed")
+
+    #: the entry's stream id as Redis returned it (``Context.id`` decoded)
+    entry_id: bytes
+    #: where the key's state comes from, and the partition's emitter, windows and timers
+    source: StateSource
+    #: the key's state once the handler read ``state``; None: never read, so unchanged
+    loaded: dict[str, Any] | None
+    #: the key's encoded state when it was loaded (None: it had none)
+    base: bytes | None
+    emits: list[Emitted] | None
+    #: what a window aggregation's entry changes in its windows (a ``pspf.windows.Change``;
+    #: typed by name only, as ``StateSource.windows`` is)
+    windowed: Any
+    schedules: list[ScheduledCall] | None
+    #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
+    due_ms: int | None
+
+    def drop(self) -> None:
+        """Forget what it did, and whatever it still does: its handler ran past its deadline."""
+        self.loaded = None
+        self.emits = None
+        self.windowed = None
+        self.schedules = None
+
+
+class Context(Attempt):
     """What a handler knows about its entry, and ``state``: the entry's key's state in the app.
 
     ``ctx.state`` is a dict of values msgspec can encode. Changes join the batch's commit only if
@@ -49,21 +83,7 @@ class Context:
     way: with the batch, once, or not at all.
     """
 
-    __slots__ = (
-        "_base",
-        "_emits",
-        "_headers",
-        "_id",
-        "_schedules",
-        "_source",
-        "_state",
-        "_time_ms",
-        "_windowed",
-        "delivery_count",
-        "key",
-        "partition",
-        "topic",
-    )
+    __slots__ = ("_headers", "delivery_count", "key", "partition", "topic")
 
     def __init__(
         self,
@@ -79,23 +99,20 @@ class Context:
         self.partition = partition
         self.key = key
         self.delivery_count = delivery_count
-        self._id = entry_id
+        self.entry_id = entry_id
         self._headers = headers
-        self._source = source
-        self._state: dict[str, Any] | None = None
-        self._base: bytes | None = None
-        self._emits: list[Emitted] | None = None
-        #: what a window aggregation's entry changes in its windows (a ``pspf.windows.Change``;
-        #: typed by name only, as ``StateSource.windows`` is)
-        self._windowed: Any = None
-        self._schedules: list[ScheduledCall] | None = None
-        #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
-        self._time_ms: int | None = None
+        self.source = source
+        self.loaded = None
+        self.base = None
+        self.emits = None
+        self.windowed = None
+        self.schedules = None
+        self.due_ms = None
 
     @property
     def id(self) -> str:
         """The entry's stream id, ``ms-seq``."""
-        return self._id.decode()
+        return self.entry_id.decode()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -105,10 +122,11 @@ class Context:
     @property
     def state(self) -> dict[str, Any]:
         """The state of this entry's key, loaded on first use."""
-        if self._state is None:
-            self._base = base = self._source.base(self.key)
-            self._state = {} if base is None else self._source.state_decoder.decode(self.key, base)
-        return self._state
+        state = self.loaded
+        if state is None:
+            self.base = base = self.source.base(self.key)
+            state = self.loaded = {} if base is None else self.source.state_decoder.decode(self.key, base)
+        return state
 
     def emit(
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
@@ -124,11 +142,13 @@ class Context:
             EmitError: no such topic, or a value, key or header that cannot be encoded; the
                 entry fails like on any handler error (retries, then the DLQ).
         """
-        entry = self._source.emitter.entry(self.topic, self.partition, self._id, topic, value, key, headers)
-        if self._emits is None:
-            self._emits = [entry]
+        entry = self.source.emitter.entry(
+            self.topic, self.partition, self.entry_id, topic, value, key, headers
+        )
+        if self.emits is None:
+            self.emits = [entry]
         else:
-            self._emits.append(entry)
+            self.emits.append(entry)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.
@@ -138,19 +158,19 @@ class Context:
         dropped if the handler raises; run once, after the batch in which stream time reaches
         it (stream time: the largest entry time the partition has seen).
         """
-        timers = self._source.timers
+        timers = self.source.timers
         if timers is None or name not in timers.callbacks:
             raise ConfigError(f"ctx.schedule: the app has no @app.on_schedule({name!r})")
         try:
             encoded = msgspec.msgpack.encode(payload)
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             raise ConfigError(f"ctx.schedule: the payload cannot be encoded: {exc}") from None
-        entry_ms = self._time_ms if self._time_ms is not None else int(self._id.split(b"-", 1)[0])
-        call = ScheduledCall(at_ms(at, entry_ms), name, self.key, encoded, (self.topic, self._id))
-        if self._schedules is None:
-            self._schedules = [call]
+        entry_ms = self.due_ms if self.due_ms is not None else int(self.entry_id.split(b"-", 1)[0])
+        call = ScheduledCall(at_ms(at, entry_ms), name, self.key, encoded, (self.topic, self.entry_id))
+        if self.schedules is None:
+            self.schedules = [call]
         else:
-            self._schedules.append(call)
+            self.schedules.append(call)
 
     def __repr__(self) -> str:
         return f"Context(topic={self.topic!r}, partition={self.partition}, id={self.id!r}, key={self.key!r})"
@@ -170,9 +190,11 @@ class TimerContext:
         self.time_ms = time_ms
         self._partitions = partitions
         self._source = source
-        self._contexts: dict[str, Context] = {}
+        #: the attempt on each key whose state it read: their results join the batch if it returns
+        self.attempts: dict[str, Context] = {}
         self._emitting = self._context("")
-        self._emits: list[Emitted] = []
+        #: what it emitted, joining the batch with its state writes
+        self.emits: list[Emitted] = []
 
     def _context(self, key: str) -> Context:
         entry_id = f"timer:{self.name}:{self.time_ms}".encode()
@@ -180,7 +202,7 @@ class TimerContext:
 
     def state(self, key: str) -> dict[str, Any]:
         """The state of ``key``, which must be one of this partition's keys."""
-        context = self._contexts.get(key)
+        context = self.attempts.get(key)
         if context is None:
             owner = keys.partition_for(codec.encode_text("key", key), self._partitions)
             if owner != self.partition:
@@ -188,7 +210,7 @@ class TimerContext:
                     f"timer {self.name}: key {key!r} is in partition {owner}, "
                     f"not in this run's {self.partition}"
                 )
-            context = self._contexts[key] = self._context(key)
+            context = self.attempts[key] = self._context(key)
         return context.state
 
     def emit(
@@ -197,9 +219,9 @@ class TimerContext:
         """Emit an entry as ``ctx.emit`` does (its source id is ``timer:NAME:TIME_MS``)."""
         source = self._emitting
         entry = self._source.emitter.entry(
-            source.topic, source.partition, source._id, topic, value, key, headers
+            source.topic, source.partition, source.entry_id, topic, value, key, headers
         )
-        self._emits.append(entry)
+        self.emits.append(entry)
 
     def __repr__(self) -> str:
         return f"TimerContext(name={self.name!r}, partition={self.partition}, time_ms={self.time_ms})"

@@ -75,17 +75,17 @@ def state_result(ctx: Context) -> bytes | None:
     not read, such as a ``ctx.state`` key that is not a string, would fail every later entry of
     the key, so this entry fails instead, without retries (``StateValueError``).
     """
-    state = ctx._state
+    state = ctx.loaded
     if state is None:
         return UNCHANGED
     try:
         new = codec.state_encoder.encode(state) if state else None
     except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
         raise StateValueError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
-    if new == ctx._base:
+    if new == ctx.base:
         return UNCHANGED
     if new is not None:
-        decoder = ctx._source.state_decoder
+        decoder = ctx.source.state_decoder
         try:
             decoder.check(ctx.key, state, new)
         except StateError:
@@ -160,12 +160,12 @@ def run_sync(
             continue
         if new is not UNCHANGED:
             overlay[ctx.key] = new
-        if ctx._emits:
-            emitted += ctx._emits
-        if ctx._windowed is not None:
-            source.windows.apply(ctx._windowed)
-        if ctx._schedules and (timers := source.timers) is not None:
-            timers.schedule(ctx._schedules)
+        if ctx.emits:
+            emitted += ctx.emits
+        if ctx.windowed is not None:
+            source.windows.apply(ctx.windowed)
+        if ctx.schedules and (timers := source.timers) is not None:
+            timers.schedule(ctx.schedules)
         if passed is not None:
             passed(id_b)
     return len(todo), errors
@@ -185,10 +185,7 @@ def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_
     thread.start()
     thread.join(timeout_ms / 1000)
     if thread.is_alive():
-        ctx._state = None  # whatever it still writes or emits is dropped
-        ctx._emits = None
-        ctx._windowed = None
-        ctx._schedules = None
+        ctx.drop()
         raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms")
     if outcome:
         raise outcome[0]
@@ -277,7 +274,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new, ctx._emits, ctx._schedules)
+            states[index] = (key, new, ctx.emits, ctx.schedules)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

@@ -147,7 +147,7 @@ class TimeKeeping:
             callback = self.app.callbacks.get(call.name)
             topic, entry_id = call.source
             ctx = Context(topic, batch.owned.partition, entry_id, call.key, 1, None, batch)
-            ctx._time_ms = call.at_ms
+            ctx.due_ms = call.at_ms
             try:
                 if callback is None:
                     raise ConfigError(f"the app has no @app.on_schedule({call.name!r}) any more")
@@ -168,10 +168,10 @@ class TimeKeeping:
             result.callbacks_run += 1
             if new is not UNCHANGED:
                 batch.overlay[call.key] = new
-            if ctx._emits:
-                batch.emitted += ctx._emits
-            if ctx._schedules:
-                timers.schedule(ctx._schedules)
+            if ctx.emits:
+                batch.emitted += ctx.emits
+            if ctx.schedules:
+                timers.schedule(ctx.schedules)
 
     def _expire(self, batch: PartitionBatch, timers: PartitionTimers) -> None:
         """Keep the expiry of the keys this batch wrote, and delete a step of expired state."""
@@ -221,7 +221,7 @@ class TimeKeeping:
         ctx = TimerContext(timer.name, partition, period, self.emitter.partitions(self.app.topics[0]), batch)
         try:
             timer.func(ctx)
-            states = {key: state_result(context) for key, context in ctx._contexts.items()}
+            states = {key: state_result(context) for key, context in ctx.attempts.items()}
         except Exception as exc:
             if batch.broken is not None:
                 raise batch.broken from exc
@@ -230,5 +230,5 @@ class TimeKeeping:
         else:
             result.timers_run += 1
             batch.overlay.update((key, new) for key, new in states.items() if new is not UNCHANGED)
-            batch.emitted += ctx._emits
+            batch.emitted += ctx.emits
         timers.ran(timer, period)

@@ -184,15 +184,15 @@ class Aggregation:
 
         The changes join the partition's windows only if this returns (as ``ctx.state`` writes do).
         """
-        windows: PartitionWindows = ctx._source.windows
+        windows: PartitionWindows = ctx.source.windows
         ts = self.event_time(value, ctx)
-        change = windows.change(self, ctx.key, ts, value, ctx._id)
+        change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
         if change.late and self.late == "dlq":
             raise LateEntry(
                 f"late: event time {ts} is behind every open window of key {ctx.key!r} "
                 f"(stream time {windows.stream_ms}, grace {self.spec.grace_ms} ms)"
             )
-        ctx._windowed = change
+        ctx.windowed = change
 
 
 def _encode_acc(acc: Any) -> bytes:
@@ -230,7 +230,7 @@ def _types(func: Callable[..., Any]) -> tuple[Any, Any]:
 def _timestamp_reader(topic: str, timestamp: str | TimestampFunc | None) -> Callable[[Any, Context], int]:
     """The event time of an entry, in epoch milliseconds."""
     if timestamp is None:
-        return lambda value, ctx: int(ctx._id.split(b"-", 1)[0])
+        return lambda value, ctx: int(ctx.entry_id.split(b"-", 1)[0])
     if callable(timestamp):
         return lambda value, ctx: _to_ms(timestamp(value, ctx), "the timestamp function")
     if not isinstance(timestamp, str) or not timestamp:

@@ -48,7 +48,7 @@ class Attempt:
     them. Handlers use ``Context``'s own API instead.
     """
 
-    __slots__ = ("base", "due_ms", "emits", "entry_id", "loaded", "schedules", "source", "windowed")
+    __slots__ = ("base", "due_ms", "emitted", "entry_id", "loaded", "schedules", "source", "windowed")
 
     #: the entry's stream id as Redis returned it (``Context.id`` decoded)
     entry_id: bytes
@@ -58,7 +58,8 @@ class Attempt:
     loaded: dict[str, Any] | None
     #: the key's encoded state when it was loaded (None: it had none)
     base: bytes | None
-    emits: list[Emitted] | None
+    #: the entries ``emit`` made, in order (None: none)
+    emitted: list[Emitted] | None
     #: what a window aggregation's entry changes in its windows (a ``pspf.windows.Change``;
     #: typed by name only, as ``StateSource.windows`` is)
     windowed: Any
@@ -69,7 +70,7 @@ class Attempt:
     def drop(self) -> None:
         """Forget what it did, and whatever it still does: its handler ran past its deadline."""
         self.loaded = None
-        self.emits = None
+        self.emitted = None
         self.windowed = None
         self.schedules = None
 
@@ -104,7 +105,7 @@ class Context(Attempt):
         self.source = source
         self.loaded = None
         self.base = None
-        self.emits = None
+        self.emitted = None
         self.windowed = None
         self.schedules = None
         self.due_ms = None
@@ -145,10 +146,10 @@ class Context(Attempt):
         entry = self.source.emitter.entry(
             self.topic, self.partition, self.entry_id, topic, value, key, headers
         )
-        if self.emits is None:
-            self.emits = [entry]
+        if self.emitted is None:
+            self.emitted = [entry]
         else:
-            self.emits.append(entry)
+            self.emitted.append(entry)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.
@@ -194,7 +195,7 @@ class TimerContext:
         self.attempts: dict[str, Context] = {}
         self._emitting = self._context("")
         #: what it emitted, joining the batch with its state writes
-        self.emits: list[Emitted] = []
+        self.emitted: list[Emitted] = []
 
     def _context(self, key: str) -> Context:
         entry_id = f"timer:{self.name}:{self.time_ms}".encode()
@@ -221,7 +222,7 @@ class TimerContext:
         entry = self._source.emitter.entry(
             source.topic, source.partition, source.entry_id, topic, value, key, headers
         )
-        self.emits.append(entry)
+        self.emitted.append(entry)
 
     def __repr__(self) -> str:
         return f"TimerContext(name={self.name!r}, partition={self.partition}, time_ms={self.time_ms})"

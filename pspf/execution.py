@@ -160,8 +160,8 @@ def run_sync(
             continue
         if new is not UNCHANGED:
             overlay[ctx.key] = new
-        if ctx.emits:
-            emitted += ctx.emits
+        if ctx.emitted:
+            emitted += ctx.emitted
         if ctx.windowed is not None:
             source.windows.apply(ctx.windowed)
         if ctx.schedules and (timers := source.timers) is not None:
@@ -274,7 +274,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new, ctx.emits, ctx.schedules)
+            states[index] = (key, new, ctx.emitted, ctx.schedules)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

@@ -168,8 +168,8 @@ class TimeKeeping:
             result.callbacks_run += 1
             if new is not UNCHANGED:
                 batch.overlay[call.key] = new
-            if ctx.emits:
-                batch.emitted += ctx.emits
+            if ctx.emitted:
+                batch.emitted += ctx.emitted
             if ctx.schedules:
                 timers.schedule(ctx.schedules)
 
@@ -230,5 +230,5 @@ class TimeKeeping:
         else:
             result.timers_run += 1
             batch.overlay.update((key, new) for key, new in states.items() if new is not UNCHANGED)
-            batch.emitted += ctx.emits
+            batch.emitted += ctx.emitted
         timers.ran(timer, period)

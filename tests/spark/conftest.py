@@ -57,30 +57,36 @@ def spark() -> Iterator[SparkSession]:
 
     import pspf.spark
 
+    # The JVM and the Python workers it starts take these from the environment the JVM starts
+    # with (and the context reads PYSPARK_PYTHON once): set them only while the session is built,
+    # so that what the process starts later (a test's pip, a virtual environment) never finds
+    # the checkout on its PYTHONPATH.
     saved = {k: os.environ.get(k) for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
-    session = (
-        SparkSession.builder.master("local[2,3]")
-        .appName("pspf-spark-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .getOrCreate()
-    )
+    try:
+        session = (
+            SparkSession.builder.master("local[2,3]")
+            .appName("pspf-spark-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+            .getOrCreate()
+        )
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     session.sparkContext.setLogLevel("ERROR")
     pspf.spark.register(session)
     try:
         yield session
     finally:
         session.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class TopicReader:

@@ -36,6 +36,37 @@ def server_binary_under_test() -> str:
     return os.environ.get("PSPF_TEST_REDIS_SERVER") or redis_server_binary()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Test processes for ``-n auto`` (pyproject's addopts): one per CPU this process may use.
+
+    The crash tests share one process (below), so on two CPUs a second process runs everything
+    else meanwhile; more would only make the crash tests' workers, which must get their work done
+    within their timeouts, wait for a CPU.
+    """
+    return max(2, len(os.sched_getaffinity(0)))
+
+
+#: Tests that share one test process when the run is spread over several (``--dist loadgroup``):
+#: the crash tests run one at a time, as their kills and timeouts assume a worker gets a CPU when
+#: it needs one; the Spark tests share one local Spark session (a JVM that takes seconds to start
+#: and a GB of memory); the wheel tests build the wheel in the checkout's build folder.
+XDIST_GROUPS = {
+    "tests/crash/": "crash",
+    "tests/spark/": "spark",
+    "tests/integration/test_packaging.py": "wheel",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that share a test process with their group."""
+    for item in items:
+        where = item.path.relative_to(ROOT).as_posix()
+        for prefix, group in XDIST_GROUPS.items():
+            if where.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_report_header() -> str:
     """Which server the tests start, and its version line."""
     try:
@@ -110,18 +141,19 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
+def redis_url(redis_server: RedisServer | ClusterServer) -> str:
     return redis_server.url
 
 
 @pytest.fixture
-def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
+def rclient(redis_server: RedisServer | ClusterServer) -> Iterator[redis.Redis | RedisCluster]:
+    """A client of the shared server (of the cluster, with ``PSPF_TEST_TOPOLOGY=cluster``)."""
     client = redis_server.client()
     yield client
     client.close()
 
 
-def client_for(url: str) -> Any:
+def client_for(url: str) -> redis.Redis | RedisCluster:
     """A redis-py client of a test server's URL (one of a cluster's for ``redis+cluster://``)."""
     address = parse_broker_url(url)
     if address.topology == "cluster":

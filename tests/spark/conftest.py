@@ -19,14 +19,19 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from pspf.keys import stream_key
 from tests.conftest import client_for
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql._typing import UserDefinedFunctionLike
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -44,7 +49,7 @@ def spark_available() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
+def spark() -> Iterator[SparkSession]:
     reason = spark_available()
     if reason:
         pytest.skip(reason)
@@ -52,36 +57,42 @@ def spark() -> Iterator[Any]:
 
     import pspf.spark
 
+    # The JVM and the Python workers it starts take these from the environment the JVM starts
+    # with (and the context reads PYSPARK_PYTHON once): set them only while the session is built,
+    # so that what the process starts later (a test's pip, a virtual environment) never finds
+    # the checkout on its PYTHONPATH.
     saved = {k: os.environ.get(k) for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
-    session = (
-        SparkSession.builder.master("local[2,3]")
-        .appName("pspf-spark-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .getOrCreate()
-    )
+    try:
+        session = (
+            SparkSession.builder.master("local[2,3]")
+            .appName("pspf-spark-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+            .getOrCreate()
+        )
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     session.sparkContext.setLogLevel("ERROR")
     pspf.spark.register(session)
     try:
         yield session
     finally:
         session.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class TopicReader:
     """Reads back the entries of a topic's partitions."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster) -> None:
         self.client = client
 
     def count(self, topic: str, partitions: int) -> int:
@@ -109,9 +120,12 @@ class TopicReader:
         out: list[tuple[int, dict[bytes, bytes]]] = []
         for p in range(partitions):
             stream = stream_key(topic, p)
-            last = "-"
+            last: bytes | str = "-"
             while True:
-                batch = self.client.xrange(stream, min=last, max="+", count=10_000)
+                batch = cast(
+                    list[tuple[bytes, dict[bytes, bytes]]],
+                    self.client.xrange(stream, min=last, max="+", count=10_000),
+                )
                 if last != "-":
                     batch = batch[1:]
                 if not batch:
@@ -129,7 +143,7 @@ class TopicReader:
 
 
 @pytest.fixture
-def topics(rclient: redis.Redis) -> TopicReader:
+def topics(rclient: redis.Redis | RedisCluster) -> TopicReader:
     return TopicReader(rclient)
 
 
@@ -139,9 +153,9 @@ def failing_ids(
     url: str = "",
     fail_while_key: str | None = None,
     probe_at: int | None = None,
-    probe: Callable[[redis.Redis], int] | None = None,
+    probe: Callable[[redis.Redis | RedisCluster], int] | None = None,
     probe_key: str = "",
-) -> Callable[[Any], Any]:
+) -> UserDefinedFunctionLike:
     """A UDF returning the ``id`` column unchanged, with a failure injected at row ``fail_at``.
 
     - By default attempt 0 of the task that holds row ``fail_at`` raises there, and Spark retries it.
@@ -196,7 +210,7 @@ ARROW_BATCH_ROWS = "spark.sql.execution.arrow.maxRecordsPerBatch"
 
 
 @contextmanager
-def arrow_batch_rows(spark: Any, rows: int | None) -> Iterator[None]:
+def arrow_batch_rows(spark: SparkSession, rows: int | None) -> Iterator[None]:
     """Spark hands Python writers Arrow batches of ``rows`` rows (None: Spark's default, 10,000)."""
     if rows is None:
         yield
@@ -206,4 +220,7 @@ def arrow_batch_rows(spark: Any, rows: int | None) -> Iterator[None]:
     try:
         yield
     finally:
-        spark.conf.set(ARROW_BATCH_ROWS, saved)
+        if saved is None:
+            spark.conf.unset(ARROW_BATCH_ROWS)
+        else:
+            spark.conf.set(ARROW_BATCH_ROWS, saved)

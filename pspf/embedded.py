@@ -206,6 +206,14 @@ class LocalRedis:
             while True:
                 try:
                     info = client.info()
+                    if info.get("process_id") != self.process.pid:  # another's server took the port
+                        self.process.kill()
+                        self.process.wait()
+                        self.process = None
+                        raise ConfigError(
+                            f"port {self.port} was taken by another server (pid {info.get('process_id')}) "
+                            f"while {self.binary} started"
+                        )
                     if info.get("loading") != 1:
                         self._identify(info)
                         return

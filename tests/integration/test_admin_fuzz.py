@@ -42,7 +42,13 @@ def fuzz(strategy: st.SearchStrategy[schemathesis.Case[Any]]) -> set[int]:
     """Send up to EXAMPLES generated requests with the token; the statuses seen."""
     seen: set[int] = set()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=strategy)
     def exercise(case: schemathesis.Case[Any]) -> None:
         response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})

@@ -197,18 +197,19 @@ class LocalRedis:
             command += ["--requirepass", self.password, "--masterauth", self.password]
         command += self.args
         try:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except OSError as exc:
             raise ConfigError(f"cannot start {self.binary}: {exc.strerror or exc}") from exc
+        self.process = process
         client = self.client()
         deadline = time.monotonic() + 20
         try:
             while True:
                 try:
                     info = client.info()
-                    if info.get("process_id") != self.process.pid:  # another's server took the port
-                        self.process.kill()
-                        self.process.wait()
+                    if info.get("process_id") != process.pid:  # another's server took the port
+                        process.kill()
+                        process.wait()
                         self.process = None
                         raise ConfigError(
                             f"port {self.port} was taken by another server (pid {info.get('process_id')}) "
@@ -218,7 +219,7 @@ class LocalRedis:
                         self._identify(info)
                         return
                 except redis.ConnectionError:
-                    if self.process.poll() is not None or time.monotonic() > deadline:
+                    if process.poll() is not None or time.monotonic() > deadline:
                         raise ConfigError(f"{self.binary} did not start on port {self.port}") from None
                 time.sleep(0.05)
         finally:

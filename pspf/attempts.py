@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pspf.app import App
-from pspf.batch import PartitionBatch
+from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Fields
 from pspf.delivery import Read
 from pspf.emit import Emitter
 from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
-from pspf.keys import entry_name
+from pspf.keys import StreamId, entry_name
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,23 @@ class Attempted(NamedTuple):
     dead: list[tuple[bytes, Fields]]
     #: the stream waits this long before the failed entry is tried again; None: no wait
     retry_in_s: float | None
+
+    def outcome(
+        self, read: Read, done: list[bytes], dead: list[tuple[bytes, Fields]], skipped: int
+    ) -> StreamOutcome:
+        """The stream's outcome: ``done``/``dead`` (screened out before the run) plus the run's.
+
+        The checkpoint moves to the last entry done, never for a due read (parked entries claimed
+        again) and never back (entries taken from other consumers, below the checkpoint).
+        """
+        cursor, last_done = read.cursor, self.last_done
+        checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
+        if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
+            checkpoint = None
+        handled = len(self.handled)
+        return StreamOutcome(
+            cursor, checkpoint, done + self.handled, dead + self.dead, self.retry_in_s, handled, skipped
+        )
 
     def report(self, result: CycleResult, hooks: ProcessorHooks, topic: str, partition: int) -> None:
         """Count the attempt into the cycle's result and tell the hooks of each failure."""

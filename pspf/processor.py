@@ -55,7 +55,6 @@ from pspf.emit import Emitter
 from pspf.errors import LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
-from pspf.keys import StreamId
 from pspf.outbox import RowState
 from pspf.partition import OwnedPartition, StreamCursor
 from pspf.relay import Relay
@@ -223,28 +222,13 @@ class BatchProcessor:
         todo = screened.todo
         result.skipped += screened.skipped
         result.lost_entries += screened.lost
-        passed = None
-        if not self.app.handlers[cursor.topic].is_async:
-            passed = self.time.clock(batch, cursor.topic, result)
+        passed = self.time.clock(batch, cursor.topic, result)
         attempted = self.attempts.run(batch, read, todo, passed)
         attempted.report(result, self.hooks, cursor.topic, cursor.partition)
         for id_b, _ in todo[attempted.ran :]:  # delivered, not attempted: it did not crash us
             cursor.unattempted[id_b] = cursor.unattempted.get(id_b, 0) + 1
-        if batch.owned.windows is not None or self.time.ttl:
-            self.time.entries_done(batch, cursor.topic, todo[: attempted.ran], attempted.last_done)
-        last_done = attempted.last_done
-        checkpoint = None if read.due or last_done is None else StreamId.parse(last_done)
-        if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
-            checkpoint = None  # only entries taken from other consumers, below the checkpoint
-        return StreamOutcome(
-            cursor,
-            checkpoint,
-            screened.done_ids + attempted.handled,
-            screened.dead + attempted.dead,
-            attempted.retry_in_s,
-            len(attempted.handled),
-            screened.skipped,
-        )
+        self.time.entries_done(batch, cursor.topic, todo[: attempted.ran], attempted.last_done)
+        return attempted.outcome(read, screened.done_ids, screened.dead, screened.skipped)
 
     # -- step 6: acknowledge ------------------------------------------------------------------
 

@@ -291,25 +291,18 @@ class TestApp:
         """
         owned = self._owned[partition]
         cursor = owned.streams[topic]
-        is_async = self.app.handlers[topic].is_async
         due = False
         for attempt in itertools.count(1):
             result = CycleResult(read=1 if attempt == 1 else 0)
             entries: list[Entry] = [(id_b, fields)]
             read = Read(cursor, list(entries), {id_b: attempt}, due=due)
             batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
-            passed = None if is_async else self._time.clock(batch, topic, result)
-            attempted = self._attempts.run(batch, read, entries, passed)
+            attempted = self._attempts.run(batch, read, entries, self._time.clock(batch, topic, result))
             attempted.report(result, self._hooks, topic, partition)
-            if owned.windows is not None or self._time.ttl:
-                self._time.entries_done(batch, topic, entries, attempted.last_done)
+            self._time.entries_done(batch, topic, entries, attempted.last_done)
             if owned.keeps_time:
                 self._time.advance(batch, result)
-            last_done = attempted.last_done
-            checkpoint = None if due or last_done is None else StreamId.parse(last_done)
-            handled = len(attempted.handled)
-            done = StreamOutcome(cursor, checkpoint, attempted.handled, attempted.dead, None, handled, 0)
-            self._settle(batch, [done], result)
+            self._settle(batch, [attempted.outcome(read, [], [], 0)], result)
             self.counts.add(result)
             if not attempted.failed or attempted.failed[-1][1] is Outcome.DEAD:
                 return

@@ -80,7 +80,7 @@ class TimeKeeping:
         batched. (Async handlers run concurrently: their callbacks run after the batch's entries.)
         """
         windows, timers = batch.owned.windows, batch.owned.timers
-        if not self.app.callbacks or windows is None or timers is None:
+        if not self.app.callbacks or windows is None or timers is None or self.app.handlers[topic].is_async:
             return None
         plain = topic not in self.app.windows
 
@@ -102,6 +102,8 @@ class TimeKeeping:
         own ``state_ttl`` where that is not the app's.
         """
         windows = batch.owned.windows
+        if windows is None and not self.ttl:
+            return
         if windows is not None and last_done is not None and topic not in self.app.windows:
             windows.advance(StreamId.parse(last_done).ms, (topic, last_done))
         ttl_ms = self.app.handlers[topic].state_ttl_ms

@@ -2,25 +2,31 @@
 
 Usage::
 
-    python benchmarks/throughput.py                      # 200,000 entries, 1,000 keys, 3 runs
-    python benchmarks/throughput.py --entries 50000 --runs 1
+    python benchmarks/throughput.py                      # 1,000,000 entries, 1,000 keys, 3 runs
+    python benchmarks/throughput.py --entries 200000 --runs 1
     python benchmarks/throughput.py --broker redis://127.0.0.1:6379/0
     python benchmarks/throughput.py --profile pspf.prof  # also profile one PSPF run (cProfile)
     python benchmarks/throughput.py --store rocksdb --durability fsync
     python benchmarks/throughput.py --state-backup off    # the worker without the state backup
 
 Each run pre-loads the same entries into two streams: ONE partition of a fresh PSPF topic and a
-plain stream beside it. The order-totals app runs over the topic with the state store that
-``--store`` names (``PSPF_STORE``: sqlite, the default, or rocksdb) and the ``--durability``
-(``PSPF_DURABILITY``: normal, the default, or fsync) and the state backup that ``--state-backup``
-sets (``PSPF_STATE_BACKUP``: on, the default, or off), in a temporary state directory,
-``Worker(app, settings).run(until_idle=True)``, in a child process of its own, so that its peak
-RSS is the worker's alone (``VmHWM``; see ``max_rss_mb`` for why not ``ru_maxrss``). Then two
-plain loops run in this process over the copy, each with its own consumer group:
-``XREADGROUP COUNT <batch>``, a msgspec JSON decode of each value, a dict update per key and one
-``XACK`` per batch, with redis-py, hiredis and RESP2. The first takes the raw reply and pairs each
-entry's fields into a dict itself, as PSPF's broker does (the baseline of the ratio); the second
-lets ``client.xreadgroup()`` parse the reply. Every result is checked against the expected totals.
+plain stream beside it. The order-totals app (values decoded into a msgspec Struct, ``Order``)
+runs over the topic with the state store that ``--store`` names (``PSPF_STORE``: sqlite, the
+default, or rocksdb) and the ``--durability`` (``PSPF_DURABILITY``: normal, the default, or fsync)
+and the state backup that ``--state-backup`` sets (``PSPF_STATE_BACKUP``: on, the default, or
+off), in a temporary state directory, ``Worker(app, settings).run(until_idle=True)``, in a child
+process of its own, so that its peak RSS is the worker's alone (``VmHWM``; see ``max_rss_mb`` for
+why not ``ru_maxrss``). Then two plain loops run in this process over the copy, each with its own
+consumer group, with redis-py, hiredis and RESP2, ``XREADGROUP COUNT <batch>``:
+
+- the strong loop, the baseline of the ratio (``run_strong``): the reply left raw, each entry's
+  key and value found in its flat field list, a msgspec Struct decoder, a list per key in a dict,
+  and each batch's XACK pipelined with the next XREADGROUP;
+- the plain loop the other benchmarks compare with (``run_plain``): fields paired into a dict per
+  entry, a decode into a dict, and an XACK that waits for its reply before the next read.
+
+Neither loop commits anything: the ratio is what exactly-once and the framework cost together.
+Every result is checked against the expected totals.
 
 The report gives medians over the runs. The PSPF time is the whole ``run()`` call: startup,
 processing and the final empty read that ends it (it blocks ``PSPF_BLOCK_MS`` = 100 ms, and Redis
@@ -81,12 +87,12 @@ PRELOAD_CHUNK = 5_000
 STORES = ("sqlite", "rocksdb")
 DURABILITIES = ("normal", "fsync")
 BACKUPS = ("on", "off")
-#: The issue's targets for "ratio PSPF / plain" per (store, durability); None: the issue sets none.
-RATIO_TARGETS: dict[tuple[str, str], float | None] = {
-    ("sqlite", "normal"): 0.50,
-    ("rocksdb", "normal"): 0.55,
-    ("sqlite", "fsync"): 0.40,
-    ("rocksdb", "fsync"): None,
+#: The targets for "ratio PSPF / strong loop" with the backup on, per (store, durability).
+RATIO_TARGETS: dict[tuple[str, str], float] = {
+    ("sqlite", "normal"): 0.60,
+    ("rocksdb", "normal"): 0.60,
+    ("sqlite", "fsync"): 0.50,
+    ("rocksdb", "fsync"): 0.50,
 }
 
 
@@ -104,6 +110,14 @@ def own_redis_server() -> Iterator[tuple[str, str]]:
 
 
 # -- data ---------------------------------------------------------------------------------------
+
+
+class Order(msgspec.Struct):
+    """An entry's value as the strong loop and the PSPF handler decode it."""
+
+    user: str
+    amount: int
+    note: str = ""
 
 
 def make_orders(entries: int, keys: int, seed: int = 17) -> list[tuple[str, bytes]]:
@@ -170,8 +184,18 @@ def cleanup(url: str, topic: str, app: str, copy: str) -> None:
 # -- PSPF, in a child process -------------------------------------------------------------------
 
 
-def order_totals_app(name: str, topic: str) -> App:
+def order_totals_app(name: str, topic: str, typed: bool = False) -> App:
+    """Each key's total amount and count; ``typed`` decodes values into ``Order``, else a dict."""
     app = App(name)
+    if typed:
+
+        @app.handler(topic)
+        def add_typed(order: Order, ctx: Context) -> None:
+            state = ctx.state
+            state["total"] = state.get("total", 0) + order.amount
+            state["count"] = state.get("count", 0) + 1
+
+        return app
 
     @app.handler(topic)
     def add(order: dict, ctx: Context) -> None:  # type: ignore[type-arg] # the decoder as measured
@@ -219,7 +243,7 @@ def pspf_child(args: argparse.Namespace) -> None:
         },
         environ={},
     )
-    app = order_totals_app(args.app, args.topic)
+    app = order_totals_app(args.app, args.topic, typed=True)
     worker = Worker(app, settings)
     rss_ready = max_rss_mb()
 
@@ -318,15 +342,69 @@ def run_pspf(
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-# -- the plain redis-py loop --------------------------------------------------------------------
+# -- the plain redis-py loops ------------------------------------------------------------------
 
 
-def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool) -> dict[str, Any]:
-    """XREADGROUP a batch, decode each value, update a dict per key, XACK the batch; until empty.
+def run_strong(url: str, stream: str, group: str, batch_size: int) -> dict[str, Any]:
+    """The strongest plain consumer loop we can write for the same work: the ratio's baseline.
 
-    ``raw`` reads the reply as hiredis returns it and pairs up each entry's fields into a dict
-    itself, like PSPF's broker (which drops redis-py's XREADGROUP callback too); otherwise
-    ``client.xreadgroup()`` parses the reply.
+    hiredis and RESP2 with the reply left raw (no redis-py callback), each entry's flat field list
+    scanned for its key and value, a msgspec Struct decoder, state in a dict, and the XACK of one
+    batch pipelined with the XREADGROUP of the next (one round trip per batch). No durability:
+    this is what a loop that may lose or repeat work costs.
+    """
+    client = redis.Redis.from_url(url, protocol=2)
+    client.response_callbacks.pop("XREADGROUP", None)
+    client.response_callbacks.pop("XACK", None)
+    client.xgroup_create(stream, group, id="0")
+    decode = msgspec.json.Decoder(Order).decode
+    read = ("XREADGROUP", "GROUP", group, "plain", "COUNT", batch_size, "STREAMS", stream, ">")
+    state: dict[str, list[int]] = {}
+    handled = 0
+    start = time.perf_counter()
+    reply = client.execute_command(*read)  # type: ignore[no-untyped-call]
+    while reply:
+        entries = reply[0][1]
+        ids = []
+        for entry_id, flat in entries:
+            key = value = None
+            for i in range(0, len(flat), 2):
+                name = flat[i]
+                if name == b"value":
+                    value = flat[i + 1]
+                elif name == b"key":
+                    key = flat[i + 1]
+            order = decode(value)  # type: ignore[arg-type]
+            st = state.get(key)  # type: ignore[arg-type]
+            if st is None:
+                st = state[key] = [0, 0]  # type: ignore[index]
+            st[0] += order.amount
+            st[1] += 1
+            ids.append(entry_id)
+        handled += len(entries)
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command("XACK", stream, group, *ids)  # type: ignore[no-untyped-call]
+        pipe.execute_command(*read)  # type: ignore[no-untyped-call]
+        reply = pipe.execute()[1]
+    seconds = time.perf_counter() - start
+    pending = client.xpending(stream, group)["pending"]
+    client.close()
+    return {
+        "seconds": seconds,
+        "handled": handled,
+        "pending": pending,
+        "keys": len(state),
+        "total": sum(s[0] for s in state.values()),
+        "count": sum(s[1] for s in state.values()),
+    }
+
+
+def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool = True) -> dict[str, Any]:
+    """A simpler loop: XREADGROUP a batch, decode each value to a dict, XACK the batch; until empty.
+
+    The raw reply's fields are paired into a dict per entry, and the XACK waits for its reply
+    before the next read. The other benchmarks compare with this loop, which keeps their ratios
+    comparable with earlier figures; ``raw=False`` lets ``client.xreadgroup()`` parse the reply.
     """
     client = redis.Redis.from_url(url, protocol=2)
     if raw:
@@ -396,7 +474,7 @@ def one_run(
 ) -> dict[str, dict[str, Any]]:
     """Fresh topic, app (group) and state dir: PSPF in a child, then the plain loops on the copy.
 
-    Both plain loops read the same copy, each with its own consumer group.
+    Both loops read the same copy, each with its own consumer group.
     """
     batch_size = args.batch_size
     tag = uuid.uuid4().hex[:8]
@@ -409,10 +487,10 @@ def one_run(
             results["pspf"] = run_pspf(url, topic, app, state_dir, args, profile)
         check("PSPF", results["pspf"], expected)
         if plain:
-            results["plain"] = run_plain(url, copy, f"plain-raw-{tag}", batch_size, raw=True)
-            check("plain loop", results["plain"], expected)
-            results["plain_lib"] = run_plain(url, copy, f"plain-lib-{tag}", batch_size, raw=False)
-            check("plain loop (xreadgroup())", results["plain_lib"], expected)
+            results["plain"] = run_strong(url, copy, f"strong-{tag}", batch_size)
+            check("strong loop", results["plain"], expected)
+            results["plain_dict"] = run_plain(url, copy, f"plain-{tag}", batch_size)
+            check("plain loop", results["plain_dict"], expected)
     finally:
         cleanup(url, topic, app, copy)
     return results
@@ -420,7 +498,7 @@ def one_run(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--entries", type=int, default=200_000, help="entries per run (200000)")
+    parser.add_argument("--entries", type=int, default=1_000_000, help="entries per run (1000000)")
     parser.add_argument("--keys", type=int, default=1_000, help="distinct keys (1000)")
     parser.add_argument("--runs", type=int, default=3, help="runs; the median is reported (3)")
     parser.add_argument("--broker", help="use this Redis URL instead of starting a server")
@@ -475,7 +553,8 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
     print(f"values: {mean_size:.0f} bytes on average, e.g. {orders[0][1].decode()}")
     print()
 
-    names = ("pspf", "steady", "plain", "plain_lib", "ratio", "ratio_steady", "ratio_lib", "rss", "rss_ready")
+    names = ["pspf", "steady", "plain", "plain_dict", "ratio", "ratio_steady", "ratio_dict"]
+    names += ["rss", "rss_ready"]
     series: dict[str, list[float]] = {name: [] for name in names}
     for run in range(1, args.runs + 1):
         res = one_run(url, orders, args)
@@ -484,19 +563,19 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
             "pspf": rate(args.entries, pspf["seconds"]),
             "steady": rate(args.entries, pspf["steady_seconds"]),
             "plain": rate(args.entries, res["plain"]["seconds"]),
-            "plain_lib": rate(args.entries, res["plain_lib"]["seconds"]),
+            "plain_dict": rate(args.entries, res["plain_dict"]["seconds"]),
             "rss": pspf["rss_peak_mb"],
             "rss_ready": pspf["rss_ready_mb"],
         }
         figures["ratio"] = figures["pspf"] / figures["plain"]
         figures["ratio_steady"] = figures["steady"] / figures["plain"]
-        figures["ratio_lib"] = figures["pspf"] / figures["plain_lib"]
+        figures["ratio_dict"] = figures["pspf"] / figures["plain_dict"]
         for name, value in figures.items():
             series[name].append(value)
         print(
             f"run {run}: PSPF {figures['pspf']:,.0f}/s in {pspf['seconds']:.2f} s "
             f"(startup {pspf['startup_seconds']:.2f} s, steady {figures['steady']:,.0f}/s), "
-            f"plain {figures['plain']:,.0f}/s, plain xreadgroup() {figures['plain_lib']:,.0f}/s, "
+            f"strong loop {figures['plain']:,.0f}/s, plain loop {figures['plain_dict']:,.0f}/s, "
             f"ratio {figures['ratio']:.2f}, PSPF peak RSS {figures['rss']:.1f} MB"
         )
 
@@ -513,17 +592,14 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> None:
     )
     line("PSPF worker, run(until_idle=True)", f"{med['pspf']:,.0f}", "whole call")
     line("  steady state", f"{med['steady']:,.0f}", "without startup and the final idle read")
-    line("plain redis-py loop", f"{med['plain']:,.0f}", "raw reply, fields paired into a dict")
-    line("plain loop using xreadgroup()", f"{med['plain_lib']:,.0f}", "redis-py parses the reply")
+    line("strong redis-py loop", f"{med['plain']:,.0f}", "raw reply, Struct decoder, ack pipelined")
+    line("plain redis-py loop", f"{med['plain_dict']:,.0f}", "fields paired into a dict, ack then read")
     target = RATIO_TARGETS[(args.store, args.durability)]
-    if target is None:
-        verdict = f"no target for {args.store}/{args.durability}"
-    else:
-        meets = "meets" if med["ratio"] >= target else "BELOW"
-        verdict = f"{meets} the {args.store}/{args.durability} target >= {target:.2f} ({med['ratio']:.3f})"
-    line("ratio PSPF / plain", f"{med['ratio']:.2f}", verdict)
-    line("ratio PSPF steady / plain", f"{med['ratio_steady']:.2f}")
-    line("ratio PSPF / plain using xreadgroup()", f"{med['ratio_lib']:.2f}")
+    meets = "meets" if med["ratio"] >= target else "BELOW"
+    verdict = f"{meets} the {args.store}/{args.durability} target >= {target:.2f} ({med['ratio']:.3f})"
+    line("ratio PSPF / strong loop", f"{med['ratio']:.2f}", verdict)
+    line("ratio PSPF steady / strong loop", f"{med['ratio_steady']:.2f}")
+    line("ratio PSPF / plain loop", f"{med['ratio_dict']:.2f}")
     print()
     print("PSPF worker peak RSS, MB (VmHWM of the worker's own process)")
     line("after imports and Worker()", f"{med['rss_ready']:.1f}")

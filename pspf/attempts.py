@@ -84,6 +84,8 @@ class Attempts:
         self.emitter = emitter
         self.policies = policies
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: (topic, partition, partition count) -> the keys found to belong there
+        self._known: dict[tuple[str, int, int], dict[bytes, str]] = {}
 
     def run(
         self,
@@ -124,6 +126,7 @@ class Attempts:
         cursor = read.cursor
         handler = self.app.handlers[cursor.topic]
         policy = self.policies[cursor.topic]
+        partitions = self.emitter.partitions(cursor.topic)
         meta = EntryMeta(
             cursor.topic,
             cursor.partition,
@@ -131,7 +134,8 @@ class Attempts:
             read.poison,
             policy.max_deliveries or 1,
             policy.timeout_ms,
-            self.emitter.partitions(cursor.topic),
+            partitions,
+            self._known.setdefault((cursor.topic, cursor.partition, partitions), {}),
         )
         decisions: dict[int, tuple[Outcome, Failure]] = {}
 

@@ -34,7 +34,7 @@ from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
-    from pspf.state_stores import StateStore, StoreTransaction
+    from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class PartitionBatch:
         page, page_writes = owned.outbox.page_for(self.emitted) if self.emitted else (None, {})
         started = time.perf_counter()
         with owned.store.transaction() as tx:
-            _put(tx, keys.STATE_NAMESPACE, self.overlay)
+            tx.put(keys.STATE_NAMESPACE, self.overlay)
             for (namespace, key), value in page_writes.items():
                 tx.set(namespace, key, value)
             for (namespace, key), time_value in time_writes.items():
@@ -163,8 +163,8 @@ class PartitionBatch:
                     tx.delete(namespace, key)
                 else:
                     tx.set(namespace, key, time_value)
-            _put(tx, keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
-            _put(tx, keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
+            tx.put(keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
+            tx.put(keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
                 tx.delete(keys.FOREIGN_NAMESPACE, name)
             for cursor, passed in superseded_passed.items():
@@ -351,14 +351,6 @@ def flush(owned: OwnedPartition) -> tuple[str, LeaseLost] | None:
 
 def _encode(value: Any) -> bytes | None:
     return None if value is None else msgspec.msgpack.encode(value)
-
-
-def _put(tx: StoreTransaction, namespace: str, values: dict[str, bytes | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            tx.delete(namespace, key)
-        else:
-            tx.set(namespace, key, value)
 
 
 def iter_state(store: StateStore, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

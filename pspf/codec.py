@@ -61,8 +61,12 @@ class StateDecoder:
         Without a declared state type, whatever msgspec encodes reads back once the top-level
         keys are strings: checking their types spares a decode per handled entry.
         """
-        if self._untyped and all(type(name) is str for name in state):
-            return
+        if self._untyped:
+            for name in state:
+                if type(name) is not str:
+                    break
+            else:
+                return
         self.decode(key, raw)
 
 

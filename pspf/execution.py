@@ -49,6 +49,13 @@ class EntryMeta(NamedTuple):
     #: the topic's partition count, to check that a keyed entry is in its key's partition;
     #: 0: not checked
     partitions: int = 0
+    #: the keys already checked (text, in this partition): raw -> text; None: check every entry
+    known: dict[bytes, str] | None = None
+
+
+#: Keys remembered per partition: past this many the memory starts again, so that a large key
+#: space costs a check per entry again rather than a worker's memory.
+KNOWN_KEYS_LIMIT = 10_000
 
 
 #: What an async handler's attempt that returned did: (key, new state or UNCHANGED, emits, schedules).
@@ -68,6 +75,28 @@ def entry_key(fields: dict[bytes, bytes]) -> str:
         raise DecodeError("the entry key is not valid UTF-8") from None
 
 
+def _checked_key(meta: EntryMeta, raw: bytes) -> str:
+    """A key seen for the first time: text, and in this partition; then remembered in ``known``."""
+    try:
+        key = raw.decode()
+    except UnicodeDecodeError:  # whoever wrote it: the entry cannot be handled
+        raise DecodeError("the entry key is not valid UTF-8") from None
+    if meta.partitions:
+        home = keys.partition_for(raw, meta.partitions)
+        if home != meta.partition:
+            raise WrongPartition(
+                f"key {key!r} belongs to partition {home} of topic {meta.topic!r} (CRC32 of the key "
+                f"mod {meta.partitions} partitions) but the entry is in partition {meta.partition}: "
+                "its producer partitions keys another way"
+            )
+    known = meta.known
+    if known is not None:
+        if len(known) >= KNOWN_KEYS_LIMIT:
+            known.clear()
+        known[raw] = key
+    return key
+
+
 def state_result(ctx: Context) -> bytes | None:
     """The key's new encoded state after a handler returned, UNCHANGED if untouched.
 
@@ -78,46 +107,41 @@ def state_result(ctx: Context) -> bytes | None:
     state = ctx.loaded
     if state is None:
         return UNCHANGED
+    if not state:
+        return UNCHANGED if ctx.base is None else None
     try:
-        new = codec.state_encoder.encode(state) if state else None
+        new = _encode_state(state)
     except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
         raise StateValueError(f"state of key {ctx.key!r} cannot be encoded: {exc}") from exc
     if new == ctx.base:
         return UNCHANGED
-    if new is not None:
-        decoder = ctx.source.state_decoder
-        try:
-            decoder.check(ctx.key, state, new)
-        except StateError:
-            raise StateValueError(codec.unreadable_state(ctx.key, state, decoder.decode)) from None
+    decoder = ctx.source.state_decoder
+    try:
+        decoder.check(ctx.key, state, new)
+    except StateError:
+        raise StateValueError(codec.unreadable_state(ctx.key, state, decoder.decode)) from None
     return new
 
 
-def check_partition(meta: EntryMeta, fields: dict[bytes, bytes]) -> None:
-    """WrongPartition when the entry has a key that ``CRC32(key) mod P`` puts in another partition."""
-    raw = fields.get(codec.KEY)
-    if raw is None or not meta.partitions:
-        return
-    home = keys.partition_for(raw, meta.partitions)
-    if home != meta.partition:
-        raise WrongPartition(
-            f"key {raw.decode(errors='replace')!r} belongs to partition {home} of topic "
-            f"{meta.topic!r} (CRC32 of the key mod {meta.partitions} partitions) but the entry is "
-            f"in partition {meta.partition}: its producer partitions keys another way"
-        )
+_encode_state = codec.state_encoder.encode
 
 
 def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: StateSource) -> Context:
-    count = meta.counts.get(id_b, 1)
-    if id_b in meta.poison:
+    counts = meta.counts
+    count = counts.get(id_b, 1) if counts else 1
+    if meta.poison and id_b in meta.poison:
         raise PoisonEntry(
             f"delivered {count} times without an outcome (max_deliveries {meta.max_deliveries}): "
             "it may crash the worker"
         )
-    if isinstance(fields, codec.RepeatedFields):
+    if type(fields) is not dict and isinstance(fields, codec.RepeatedFields):
         raise DecodeError(fields.problem)
-    key = entry_key(fields)  # a key that is not UTF-8 is a DecodeError, wherever it was written
-    check_partition(meta, fields)
+    raw = fields.get(codec.KEY)
+    known = meta.known
+    if raw is None:
+        key = ""
+    elif known is None or (key := known.get(raw)) is None:  # type: ignore[assignment]
+        key = _checked_key(meta, raw)
     raw_headers = fields.get(codec.HEADERS)  # read only when present: most entries have none
     headers = None if raw_headers is None else codec.decode_headers(raw_headers)
     return Context(meta.topic, meta.partition, id_b, key, count, headers, source)
@@ -142,15 +166,27 @@ def run_sync(
     errors: dict[int, BaseException] = {}
     decode, func = handler.decoder.decode, handler.func
     timeout_ms = meta.timeout_ms
+    topic, partition = meta.topic, meta.partition
+    # The common entry (delivered once, not poison, a key checked before, no headers) gets its
+    # context built here; ``_context`` checks every other.
+    known = meta.known if not (meta.counts or meta.poison) else None
     for index, (id_b, fields) in enumerate(todo):
         try:
-            ctx = _context(meta, id_b, fields, source)
+            if (
+                known is not None
+                and type(fields) is dict
+                and codec.HEADERS not in fields
+                and (key := known.get(fields.get(codec.KEY))) is not None  # type: ignore[arg-type]
+            ):
+                ctx = Context(topic, partition, id_b, key, 1, None, source)
+            else:
+                ctx = _context(meta, id_b, fields, source)
             value = decode(fields)
             if timeout_ms is None:
                 func(value, ctx)
             else:
                 _call_in_thread(func, value, ctx, timeout_ms)
-            new = state_result(ctx)
+            new = UNCHANGED if ctx.loaded is None else state_result(ctx)
         except Exception as exc:
             errors[index] = exc
             if stop(index, exc):

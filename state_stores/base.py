@@ -230,6 +230,11 @@ class StoreTransaction:
         self._check_open()
         self._updates[(namespace, key)] = None
 
+    def put(self, namespace: str, values: Mapping[str, bytes | None]) -> None:
+        """Set every key of ``values`` (None deletes it): a batch's writes in one call."""
+        self._check_open()
+        self._updates.update({(namespace, key): value for key, value in values.items()})
+
     def set_checkpoint(self, topic: str, entry_id: StreamId) -> None:
         """Record that every entry of ``topic`` up to ``entry_id`` is applied by this transaction."""
         self._check_open()

@@ -147,12 +147,14 @@ class SQLiteStore(StateStore):
         updates: Mapping[tuple[str, str], bytes | None],
         checkpoints: Mapping[str, StreamId],
     ) -> None:
+        rows = [(ns, key, value) for (ns, key), value in updates.items() if value is not None]
         with self._atomic("commit") as db:
-            _upsert(db, [(ns, key, value) for (ns, key), value in updates.items() if value is not None])
-            for table in _TABLES:
+            _upsert(db, rows)
+            gone = [nk for nk, value in updates.items() if value is None] if len(rows) < len(updates) else []
+            for table in _TABLES if gone else ():  # deletes are rare: most batches skip them
                 db.executemany(
                     f"DELETE FROM {table} WHERE ns = ? AND key = ?",
-                    [nk for nk, value in updates.items() if value is None and self._table(nk[0]) == table],
+                    [nk for nk in gone if self._table(nk[0]) == table],
                 )
             db.executemany(
                 "INSERT OR REPLACE INTO checkpoints (topic, ms, seq) VALUES (?, ?, ?)",

@@ -148,6 +148,14 @@ def _raw_stream_replies(client: redis.Redis) -> None:
         client.response_callbacks.pop(command, None)
 
 
+def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
+    """Commands packed into ONE buffer: one write, so the server wakes once for the whole call.
+
+    (redis-py writes each packed item with a ``sendall`` of its own.)
+    """
+    return [b"".join([hiredis.pack_command(command) for command in commands])]
+
+
 def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
@@ -411,7 +419,7 @@ class Connection:
             connection = pool.get_connection()
 
             def send(commands: Sequence[tuple[Any, ...]], keep_errors: bool = False) -> list[Any]:
-                connection.send_packed_command([hiredis.pack_command(c) for c in commands])  # type: ignore[no-untyped-call]
+                connection.send_packed_command(packed(commands))  # type: ignore[no-untyped-call]
                 replies: list[Any] = []
                 for _ in commands:
                     try:

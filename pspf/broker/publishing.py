@@ -14,12 +14,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import hiredis
 import redis
 from redis.exceptions import NoScriptError
 
 from pspf import keys
-from pspf.broker.connection import Connection
+from pspf.broker.connection import Connection, packed
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
@@ -142,10 +141,9 @@ class Publishing(Connection):
             with self.translate_errors():
                 connection = pool.get_connection()
                 try:
-                    packed = [
-                        hiredis.pack_command(("EVALSHA", self._publish.sha, 2, *k, *a)) for k, a in scripted
-                    ]
-                    connection.send_packed_command(packed)
+                    connection.send_packed_command(
+                        packed([("EVALSHA", self._publish.sha, 2, *k, *a) for k, a in scripted])
+                    )
                 except BaseException:
                     connection.disconnect()
                     pool.release(connection)

@@ -15,12 +15,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-import hiredis
 import redis
 from redis.exceptions import NoScriptError
 
 from pspf import keys
-from pspf.broker.connection import Connection
+from pspf.broker.connection import Connection, packed
 from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text
 from pspf.errors import BrokerError
 
@@ -125,7 +124,7 @@ class Reading(Connection):
         with self.translate_errors():
             connection = pool.get_connection()
             try:
-                connection.send_packed_command([hiredis.pack_command(c) for c in commands])
+                connection.send_packed_command(packed(commands))
             except BaseException:
                 connection.disconnect()
                 pool.release(connection)

@@ -98,11 +98,11 @@ _headers_decoder = msgspec.json.Decoder(dict[str, str])
 class ValueDecoder:
     """Turns an entry's fields into the value a handler declared; built once per handler."""
 
-    __slots__ = ("_json", "_msgpack", "_typed", "value_type")
+    __slots__ = ("_json_decode", "_msgpack", "_typed", "value_type")
 
     def __init__(self, value_type: Any = Any) -> None:
         self.value_type = value_type
-        self._json: msgspec.json.Decoder[Any] = msgspec.json.Decoder(value_type)
+        self._json_decode = msgspec.json.Decoder(value_type).decode
         self._msgpack: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
         self._typed = value_type is not Any
 
@@ -112,9 +112,9 @@ class ValueDecoder:
         try:
             if raw is None:
                 return self._flat(fields)
-            if fields.get(ENCODING) == MSGPACK:
+            if ENCODING in fields and fields[ENCODING] == MSGPACK:
                 return self._msgpack.decode(raw)
-            return self._json.decode(raw)
+            return self._json_decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise DecodeError(f"cannot decode value: {exc}") from None
         except RecursionError:

@@ -158,9 +158,6 @@ class Aggregation:
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
         self._timestamp = _timestamp_reader(topic, timestamp)
 
-    def event_time(self, value: Any, ctx: Context) -> int:
-        return self._timestamp(value, ctx)
-
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
         current = None if acc is None else self._acc_decoder.decode(acc)
@@ -185,7 +182,7 @@ class Aggregation:
         The changes join the partition's windows only if this returns (as ``ctx.state`` writes do).
         """
         windows: PartitionWindows = ctx.source.windows
-        ts = self.event_time(value, ctx)
+        ts = self._timestamp(value, ctx)
         change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
         if change.late and self.late == "dlq":
             raise LateEntry(
@@ -471,14 +468,15 @@ class PartitionWindows:
             self._set_stream_time(ts, (change.topic, change.entry_id))
         for start, end in change.removes:
             self._drop_window(state, key, start, end)
+        accs, dirty, topic = state.accs, self._dirty, change.topic
         for start, end, acc in change.sets:
             window = (key, start, end)
-            if window not in state.accs:
+            if window not in accs:
                 heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
                 if spec.kind == "session":
                     bisect.insort(state.sessions.setdefault(key, []), (start, end))
-            state.accs[window] = acc
-            self._write(change.topic, "w", key, start, end, acc)
+            accs[window] = acc
+            dirty[(topic, "w", key, start, end)] = acc
         if change.kept is not None:
             entry_id = change.entry_id
             bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))

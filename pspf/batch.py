@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Not in a map (a key's value may be None: it has no state).
+_MISSING: Any = object()
+
 
 class StreamOutcome(NamedTuple):
     """What one stream's read came to in this batch."""
@@ -91,12 +94,13 @@ class PartitionBatch:
 
     def base(self, key: str) -> bytes | None:
         """The value of ``key`` as the next entry must see it."""
-        overlay = self.overlay
-        if key in overlay:
-            return overlay[key]
+        value: bytes | None = self.overlay.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
         cache = self.owned.cache
-        if key in cache:
-            return cache[key]
+        value = cache.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
         try:
             value = self.owned.store.get(keys.STATE_NAMESPACE, key)
         except Exception as exc:

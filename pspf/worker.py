@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import signal
@@ -201,6 +202,9 @@ class Worker:
         self._next_trim = 0.0
         #: when the held leases were last renewed (monotonic): every renewal of a round counts
         self._renewed_at = 0.0
+        #: when (monotonic) the first lease of a partition this worker should own, held by
+        #: another, runs out (as of the last lease round); None when there is none
+        self._lease_free_at: float | None = None
         #: Set by a lost connection: the next lease round checks the owned streams again.
         self._recheck_streams = False
         self._memory_episode = MemoryEpisode(self.metrics)
@@ -391,16 +395,17 @@ class Worker:
             raise StateError(f"state dir {self.settings.state.dir} is not writable: {exc.strerror}") from None
 
     def _loop(self, until_idle: bool, summary: RunSummary) -> None:
-        lease_every_s = self.settings.consumer.lease_ttl_ms / 3000
         next_lease_round = 0.0
         failures = 0
         while not self._stopping.is_set():
             try:
                 if time.monotonic() >= next_lease_round:
                     self._lease_round()
-                    next_lease_round = self._renewed_at + lease_every_s
-                # "Nothing left to read" needs only a look, not a blocking read.
-                result = self.processor.run_once(block=not until_idle)
+                    next_lease_round = self._next_round_at()
+                # "Nothing left to read" needs only a look, not a blocking read; a blocking read
+                # ends by the next lease round, so that round is neither late nor missed.
+                until_round_ms = math.ceil((next_lease_round - time.monotonic()) * 1000)
+                result = self.processor.run_once(block=not until_idle, block_ms=max(0, until_round_ms))
                 finished = until_idle and result.idle and self._others_drained()
                 if failures and self.metrics is not None:
                     self.metrics.broker_lost(False)
@@ -540,8 +545,17 @@ class Worker:
                 )
 
     def _take_free(self, target: set[int]) -> None:
-        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""
-        for partition in self.leases.takeable(sorted(target - set(self._held))):
+        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it).
+
+        Notes when the first lease of ``target`` that another worker holds runs out: a dead
+        owner's partition is taken then (``_next_round_at``), not up to a round later.
+        """
+        found = self.leases.takeable(sorted(target - set(self._held)))
+        self._lease_free_at = None
+        if found.next_expiry_ms is not None:
+            # From the reply on: never before the server's expiry (1 ms: an expiry is strict).
+            self._lease_free_at = time.monotonic() + (found.next_expiry_ms + 1) / 1000
+        for partition in found.free:
             self._renew_if_due()  # the partitions taken before may have taken long to restore
             asked = time.monotonic()
             leases = self.leases.acquire(partition)
@@ -562,6 +576,19 @@ class Worker:
                 with suppress(BrokerError):
                     self.leases.release(partition, leases)
                 raise
+
+    def _next_round_at(self) -> float:
+        """When (monotonic) the next lease round is due.
+
+        A third of the TTL after the last renewal, or sooner when a partition this worker should
+        own may become free: a lease another worker holds runs out, or another member's
+        membership (a dead worker's partitions then move to the live ones).
+        """
+        due = [self._renewed_at + self.settings.consumer.lease_ttl_ms / 3000]
+        for sooner in (self._lease_free_at, self.membership.first_expiry_at()):
+            if sooner is not None:
+                due.append(sooner)
+        return min(due)
 
     def _others_drained(self) -> bool:
         """True when no partition this worker does not own has entries left for the app.

@@ -20,8 +20,9 @@ The contract:
 - Settling: after a change, the partitions that move are released at the old owner's next lease
   round and taken at the new owner's next one: within about two thirds of the lease TTL plus a
   batch, after ``JOIN_DELAY`` for a join. A dead worker's partitions move when its membership
-  and leases expire: the others schedule a round for that moment (``first_expiry_at`` and the
-  leases' time left), so within the lease TTL of its death.
+  and leases expire (a worker renews its leases before its membership: they run out first, or
+  moments after for one it took since): the others schedule a lease round for that moment
+  (``first_expiry_at``), so within the lease TTL of its death.
 """
 
 from __future__ import annotations

@@ -38,17 +38,13 @@ Leases = dict[str, str]
 StoreFactory = Callable[[str, int], "StateStore"]
 
 
-#: A lease without a time to live never frees itself: no moment to look again at.
-_NEVER_MS = 2**63
-
-
 class Takeable(NamedTuple):
     """What a look at the leases of partitions a worker should own found."""
 
     #: the partitions whose leases are free now
     free: list[int]
-    #: ms until the first lease another worker holds runs out; None when none is held
-    next_expiry_ms: int | None
+    #: the owner ids (member ids) of the workers holding the others' leases
+    holders: set[str]
 
 
 class PartitionLeases:
@@ -78,31 +74,30 @@ class PartitionLeases:
         return held
 
     def takeable(self, partitions: list[int]) -> Takeable:
-        """Which of ``partitions`` have free leases (or ours without our knowing it), and when next.
+        """Which of ``partitions`` have free leases (or ours without our knowing it); who holds the rest.
 
         A lease call that timed out on our side may still have been applied by the server (after
         a stall): such a lease carries our owner id but we do not hold it, and nobody would work
         the partition until it expires. It is released here, so it can be taken again now.
-        For the others' leases, the time left says when to look again (a dead owner's lease is
-        taken when it expires, not at a later round).
         """
         pairs = [(p, keys.lease_key(topic, p, self.group)) for p in partitions for topic in self.topics]
-        found = self.broker.lease_values_pttl([key for _, key in pairs])
+        values = self.broker.lease_values([key for _, key in pairs])
         orphans: list[tuple[str, str]] = []
-        #: partition -> ms until every lease of it another worker holds has run out
-        busy: dict[int, int] = {}
-        for (partition, key), (value, pttl) in zip(pairs, found, strict=True):
-            if value is not None and value.rpartition("|")[0] == self.owner:
+        busy: set[int] = set()
+        holders: set[str] = set()
+        for (partition, key), value in zip(pairs, values, strict=True):
+            if value is None:
+                continue
+            holder = value.rpartition("|")[0]
+            if holder == self.owner:
                 orphans.append((key, value))
-            elif value is not None:
-                # -2: it expired after its value was read; -1: no time to live (set by hand)
-                left = _NEVER_MS if pttl == -1 else max(0, pttl)
-                busy[partition] = max(busy.get(partition, 0), left)
+            else:
+                busy.add(partition)
+                holders.add(holder)
         if orphans:
             log.warning("releasing leases of ours that a timed-out call took: %s", [k for k, _ in orphans])
             self.broker.release_leases(orphans)
-        soonest = min(busy.values(), default=_NEVER_MS)
-        return Takeable([p for p in partitions if p not in busy], None if soonest == _NEVER_MS else soonest)
+        return Takeable([p for p in partitions if p not in busy], holders)
 
     def renew(self, held: dict[int, Leases]) -> list[int]:
         """Extend every held lease; the partitions whose lease was lost."""

@@ -176,21 +176,6 @@ class Acknowledging(Connection):
                 values = self.client.mget(lease_keys)
         return [None if v is None else _text(v) for v in values]
 
-    def lease_values_pttl(self, lease_keys: Sequence[str]) -> list[tuple[str | None, int]]:
-        """Each lease's value and its PTTL (ms left; negative where it is free), in one round trip."""
-        if not lease_keys:
-            return []
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for key in lease_keys:
-                pipe.get(key)
-                pipe.pttl(key)
-            replies = pipe.execute()
-        return [
-            (None if value is None else _text(value), int(left))
-            for value, left in zip(replies[::2], replies[1::2], strict=True)
-        ]
-
     def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
         """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
         return [None if v is None else v.rpartition("|")[0] for v in self.lease_values(lease_keys)]

@@ -28,10 +28,10 @@ consumer name of its own, as on separate machines. Each run:
    cycle), the owner is killed with SIGKILL; the lease's remaining time (``PTTL``, read right
    after the kill) says when it expires; one new entry is produced;
 3. the standby takes the lease when it expires: its lease rounds read when the owner's
-   membership runs out (and, once the partition is its to take, the lease's time left) and its
-   next round is due then, its read waiting no longer; it reconciles its store with the backup and
-   applies the entry: the app's ``on_batch_committed`` hook writes the time of its first commit
-   (the entry's effects are in its store) to a file.
+   membership runs out (the owner renewed its lease just before it, so the lease is gone by
+   then) and its next round is due at that moment, its read waiting no longer; it reconciles its
+   store with the backup and applies the entry: the app's ``on_batch_committed`` hook writes the
+   time of its first commit (the entry's effects are in its store) to a file.
 
 Reported per scenario, medians over ``--runs`` (the machine is shared: figures are noisy):
 

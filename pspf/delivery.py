@@ -88,15 +88,17 @@ class Delivery:
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
 
-    def read(self, block: bool) -> tuple[list[Read], list[str]]:
+    def read(self, block: bool, block_ms: int | None = None) -> tuple[list[Read], list[str]]:
         """One cycle's reads, and the streams whose lease the read found taken.
 
-        With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
+        With ``block`` the read waits up to ``block_ms`` (at most this Delivery's) for new
+        entries; without, it only looks.
         """
+        wait_ms = self.block_ms if block_ms is None else min(block_ms, self.block_ms)
         now = time.monotonic()
         ready = [c for c in self.streams.values() if c.retry_at <= now]
         if not ready:
-            self._wait_for_retry(now)
+            self._wait_for_retry(now, wait_ms)
             return [], []
         windows = {c.stream: self._pending_window(c) for c in ready if c.pending_after is not None}
         for stream, window in windows.items():
@@ -130,8 +132,8 @@ class Delivery:
             if not self.broker.cluster and any(len(r.entries) >= self.batch_size for r in new):
                 held = [stream for stream in live if stream[0] not in lost_now]
                 self._ahead = self.broker.read_ahead(self.group, self.consumer, held, self.batch_size), held
-            if block and not out and last_ids:
-                self.broker.wait_for_new(last_ids, self.block_ms)
+            if block and wait_ms > 0 and not out and last_ids:  # BLOCK 0 would wait for ever
+                self.broker.wait_for_new(last_ids, wait_ms)
         return out, lost
 
     def _take_ahead(
@@ -267,13 +269,13 @@ class Delivery:
                     out.append(Read(cursor, entries, counts, self._poison(cursor, counts), due=True))
         return out
 
-    def _wait_for_retry(self, now: float) -> None:
+    def _wait_for_retry(self, now: float, wait_ms: int) -> None:
         """Sleep until the first stream may retry, but no longer than one read would block."""
         if not self.streams:
-            time.sleep(self.block_ms / 1000)
+            time.sleep(wait_ms / 1000)
             return
         first = min(c.retry_at for c in self.streams.values())
-        time.sleep(max(0.0, min(first - now, self.block_ms / 1000)))
+        time.sleep(max(0.0, min(first - now, wait_ms / 1000)))
 
     # -- step 2: what needs a handler -----------------------------------------------------------
 

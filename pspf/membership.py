@@ -19,7 +19,10 @@ The contract:
   briefly disagree about the members can never both own a partition.
 - Settling: after a change, the partitions that move are released at the old owner's next lease
   round and taken at the new owner's next one: within about two thirds of the lease TTL plus a
-  batch, after ``JOIN_DELAY`` for a join, and after the lease TTL for a dead worker.
+  batch, after ``JOIN_DELAY`` for a join. A dead worker's partitions move when its membership
+  and leases expire (a worker renews its leases before its membership: they run out first, or
+  moments after for one it took since): the others schedule a lease round for that moment
+  (``first_expiry_at``), so within the lease TTL of its death.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Member(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     joined_ms: int
     last_heartbeat_ms: int
+    #: when its membership runs out unless it renews it (server ms)
+    expiry_ms: int
 
 
 _info_encoder = msgspec.json.Encoder()
@@ -113,6 +118,8 @@ class Membership:
         self.changed = False
         #: when the last renewal that went through was sent (monotonic); None before the first
         self._renewed_at: float | None = None
+        #: when its reply came (monotonic): the server's ``_now`` was at or before it
+        self._replied_at = 0.0
 
     def heartbeat(self) -> list[Member]:
         """Renew this worker's membership; the live members.
@@ -139,9 +146,22 @@ class Membership:
                     "membership of app %s expired (not renewed for %.1fs): joining again", self.app, since
                 )
         self._renewed_at = asked
+        self._replied_at = time.monotonic()
         self.members = [_member(*row) for row in found]
         self._now = now
         return self.members
+
+    def first_expiry_at(self) -> float | None:
+        """When (monotonic) the first other member's membership runs out, as of the last heartbeat.
+
+        A live member renews it well before (every third of its TTL); a dead one leaves then,
+        and its partitions move: a worker looks again at that moment, not at its next round.
+        Measured from the heartbeat's reply, so never early by the server's clock.
+        """
+        others = [m.expiry_ms for m in self.members if m.id != self.member]
+        if not others:
+            return None
+        return self._replied_at + (min(others) - self._now) / 1000
 
     def leave(self) -> None:
         self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info, stay=False)
@@ -184,4 +204,5 @@ def _member(member: str, joined_ms: int, expiry_ms: int, raw: bytes) -> Member:
         pid=info.pid,
         joined_ms=joined_ms,
         last_heartbeat_ms=expiry_ms - info.ttl_ms,
+        expiry_ms=expiry_ms,
     )

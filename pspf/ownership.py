@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
 from pspf.backup import PartitionBackup, Restored, delete_backup
@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 Leases = dict[str, str]
 #: Opens the store of (app, partition).
 StoreFactory = Callable[[str, int], "StateStore"]
+
+
+class Takeable(NamedTuple):
+    """What a look at the leases of partitions a worker should own found."""
+
+    #: the partitions whose leases are free now
+    free: list[int]
+    #: the owner ids (member ids) of the workers holding the others' leases
+    holders: set[str]
 
 
 class PartitionLeases:
@@ -64,8 +73,8 @@ class PartitionLeases:
             held[topic] = value
         return held
 
-    def takeable(self, partitions: list[int]) -> list[int]:
-        """Those of ``partitions`` whose leases are free, or ours without our knowing it.
+    def takeable(self, partitions: list[int]) -> Takeable:
+        """Which of ``partitions`` have free leases (or ours without our knowing it); who holds the rest.
 
         A lease call that timed out on our side may still have been applied by the server (after
         a stall): such a lease carries our owner id but we do not hold it, and nobody would work
@@ -75,15 +84,20 @@ class PartitionLeases:
         values = self.broker.lease_values([key for _, key in pairs])
         orphans: list[tuple[str, str]] = []
         busy: set[int] = set()
+        holders: set[str] = set()
         for (partition, key), value in zip(pairs, values, strict=True):
-            if value is not None and value.rpartition("|")[0] == self.owner:
+            if value is None:
+                continue
+            holder = value.rpartition("|")[0]
+            if holder == self.owner:
                 orphans.append((key, value))
-            elif value is not None:
+            else:
                 busy.add(partition)
+                holders.add(holder)
         if orphans:
             log.warning("releasing leases of ours that a timed-out call took: %s", [k for k, _ in orphans])
             self.broker.release_leases(orphans)
-        return [p for p in partitions if p not in busy]
+        return Takeable([p for p in partitions if p not in busy], holders)
 
     def renew(self, held: dict[int, Leases]) -> list[int]:
         """Extend every held lease; the partitions whose lease was lost."""

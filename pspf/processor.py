@@ -130,13 +130,14 @@ class BatchProcessor:
 
     # -- the cycle ------------------------------------------------------------------------------
 
-    def run_once(self, block: bool = True) -> CycleResult:
+    def run_once(self, block: bool = True, block_ms: int | None = None) -> CycleResult:
         """One cycle: read, skip done, decode, handle, commit, acknowledge.
 
-        With ``block`` the read waits up to ``block_ms`` for new entries; without, it only looks.
+        With ``block`` the read waits up to ``block_ms`` for new entries (the processor's, or
+        less when given: the worker's next lease round); without, it only looks.
         """
         result = CycleResult()
-        reads, lost = self.delivery.read(block)
+        reads, lost = self.delivery.read(block, block_ms)
         for stream in lost:
             self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)
         if not any(read.alone for read in reads):

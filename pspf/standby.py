@@ -58,23 +58,29 @@ class Standby:
         self._retry_at: dict[int, float] = {}
         self._changed = threading.Condition()
         self._stopping = threading.Event()
+        #: ends the thread's idle wait: what it follows changed (a takeover waits for its store)
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pspf-standby", daemon=True)
         self._thread.start()
 
     def keep(self, partitions: set[int]) -> None:
         """Follow exactly these partitions from now on."""
         with self._changed:
-            self._wanted = set(partitions)
+            if partitions != self._wanted:
+                self._wanted = set(partitions)
+                self._wake.set()
 
     def release(self, partition: int) -> None:
         """Stop following a partition and return once its store is closed (it is about to be taken)."""
         with self._changed:
             self._wanted.discard(partition)
+            self._wake.set()
             while partition in self._followers and self._thread.is_alive():
                 self._changed.wait(0.05)
 
     def close(self) -> None:
         self._stopping.set()
+        self._wake.set()
         self._thread.join(10)
         self.broker.close()
 
@@ -83,6 +89,7 @@ class Standby:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._wake.clear()  # before the round reads what it follows: no change is missed
                 try:
                     busy = self._round()
                 except BrokerUnavailable as exc:
@@ -90,7 +97,7 @@ class Standby:
                     self._stopping.wait(RETRY_S)
                     continue
                 if not busy:
-                    self._stopping.wait(POLL_S)
+                    self._wake.wait(POLL_S)
         finally:
             with self._changed:
                 for partition in list(self._followers):

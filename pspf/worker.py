@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import signal
@@ -70,6 +71,9 @@ _IDLE_POLL_S = 0.05
 TRIM_EVERY_S = 10.0
 #: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
 _METRICS_REDIS_TIMEOUT_S = 2.0
+#: A lease held by a worker that is no member any more is looked at again this soon, then twice as
+#: late each time: it runs out with that membership or moments after (one set by hand, never).
+_GONE_HOLDER_LOOK_S = 0.01
 
 
 class MemoryEpisode:
@@ -201,6 +205,10 @@ class Worker:
         self._next_trim = 0.0
         #: when the held leases were last renewed (monotonic): every renewal of a round counts
         self._renewed_at = 0.0
+        #: when (monotonic) to look again at the leases of partitions this worker should own
+        #: that a worker which is no member any more holds; None when there are none
+        self._look_again_at: float | None = None
+        self._look_again_s = _GONE_HOLDER_LOOK_S
         #: Set by a lost connection: the next lease round checks the owned streams again.
         self._recheck_streams = False
         self._memory_episode = MemoryEpisode(self.metrics)
@@ -391,16 +399,17 @@ class Worker:
             raise StateError(f"state dir {self.settings.state.dir} is not writable: {exc.strerror}") from None
 
     def _loop(self, until_idle: bool, summary: RunSummary) -> None:
-        lease_every_s = self.settings.consumer.lease_ttl_ms / 3000
         next_lease_round = 0.0
         failures = 0
         while not self._stopping.is_set():
             try:
                 if time.monotonic() >= next_lease_round:
                     self._lease_round()
-                    next_lease_round = self._renewed_at + lease_every_s
-                # "Nothing left to read" needs only a look, not a blocking read.
-                result = self.processor.run_once(block=not until_idle)
+                    next_lease_round = self._next_round_at()
+                # "Nothing left to read" needs only a look, not a blocking read; a blocking read
+                # ends by the next lease round, so that round is neither late nor missed.
+                until_round_ms = math.ceil((next_lease_round - time.monotonic()) * 1000)
+                result = self.processor.run_once(block=not until_idle, block_ms=max(0, until_round_ms))
                 finished = until_idle and result.idle and self._others_drained()
                 if failures and self.metrics is not None:
                     self.metrics.broker_lost(False)
@@ -540,8 +549,19 @@ class Worker:
                 )
 
     def _take_free(self, target: set[int]) -> None:
-        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it)."""
-        for partition in self.leases.takeable(sorted(target - set(self._held))):
+        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it).
+
+        A lease whose holder is no member any more (dead, or stalled past its TTL) runs out
+        with that membership or moments after (``_renew_if_due``): it is looked at again soon
+        (``_next_round_at``), not a round later.
+        """
+        found = self.leases.takeable(sorted(target - set(self._held)))
+        if found.holders - {m.id for m in self.membership.members}:
+            self._look_again_at = time.monotonic() + self._look_again_s
+            self._look_again_s = min(2 * self._look_again_s, self.settings.consumer.lease_ttl_ms / 3000)
+        else:
+            self._look_again_at, self._look_again_s = None, _GONE_HOLDER_LOOK_S
+        for partition in found.free:
             self._renew_if_due()  # the partitions taken before may have taken long to restore
             asked = time.monotonic()
             leases = self.leases.acquire(partition)
@@ -562,6 +582,19 @@ class Worker:
                 with suppress(BrokerError):
                     self.leases.release(partition, leases)
                 raise
+
+    def _next_round_at(self) -> float:
+        """When (monotonic) the next lease round is due.
+
+        A third of the TTL after the last renewal, or sooner when a partition this worker should
+        own may become free: another member's membership runs out (a dead worker's partitions
+        then move to the live ones), or a lease whose holder is gone is looked at again.
+        """
+        due = [self._renewed_at + self.settings.consumer.lease_ttl_ms / 3000]
+        for sooner in (self._look_again_at, self.membership.first_expiry_at()):
+            if sooner is not None:
+                due.append(sooner)
+        return min(due)
 
     def _others_drained(self) -> bool:
         """True when no partition this worker does not own has entries left for the app.
@@ -604,8 +637,11 @@ class Worker:
         """
         if time.monotonic() - self._renewed_at < self.settings.consumer.lease_ttl_ms / 3000:
             return []
+        lost = self._renew({**self._held, **(taking or {})})
+        # After the leases, as in a lease round: a dead worker's leases run out no later than
+        # its membership (same TTL), so its partitions are free when the others see it gone.
         self.membership.heartbeat()
-        return self._renew({**self._held, **(taking or {})})
+        return lost
 
     def _renew(self, leases: dict[int, Leases]) -> list[int]:
         """Renew ``leases``; drop the held partitions whose lease is gone and return them all."""

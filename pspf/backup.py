@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Values per Lua call when a whole store is uploaded, and per transaction when one is restored.
+#: Values per Lua call when a whole store is uploaded, and per HSCAN page when a backup is read.
 CHUNK = 5_000
 #: Log entries per read.
 LOG_PAGE = 200

@@ -159,3 +159,36 @@ def test_the_identity_written_after_a_load_never_survives_a_kill_without_the_val
         assert store.get(*IDENTITY) == b"5-1"
         assert len(list(store.items(STATE_NAMESPACE))) == 2_000
         assert store.get(STATE_NAMESPACE, "k1999") == b"1999"
+
+
+def _rocksdb_options(store: StateStore) -> dict[str, str]:
+    """The options RocksDB runs with now: its newest OPTIONS file (written by every change)."""
+    assert store.path is not None
+    newest = max(store.path.glob("OPTIONS-*"), key=lambda file: int(file.name.split("-")[1]))
+    pairs = (line.strip().partition("=") for line in newest.read_text().splitlines())
+    return {
+        name: value for name, _, value in pairs if name in ("write_buffer_size", "disable_auto_compactions")
+    }
+
+
+def test_rocksdb_runs_as_before_after_a_load_with_its_level0_compacted(tmp_path: Path) -> None:
+    """The bulk load's settings (small memtables, no compaction) last only while it loads, also
+    when its pages fail: a store left without compaction would pile up level-0 files for ever."""
+    running = {"write_buffer_size": str(64 << 20), "disable_auto_compactions": "false"}
+    with open_store("rocksdb", tmp_path, "g", 0) as store:
+        assert _rocksdb_options(store) == running
+        # More than two 8 MB memtables: several level-0 files before the compaction.
+        pages = [
+            [(field(STATE_NAMESPACE, f"k{p}-{i}"), b"%0100d" % i) for i in range(5_000)] for p in range(40)
+        ]
+        store.load(STORE_NAMESPACES, {}, pages)
+        assert _rocksdb_options(store) == running
+        assert store._db.property_int_value("rocksdb.num-files-at-level0") == 0  # type: ignore[attr-defined]
+
+        def failing() -> Iterator[list[tuple[bytes, bytes]]]:
+            yield pages[0]
+            raise BrokerUnavailable("cannot reach Redis")
+
+        with pytest.raises(BrokerUnavailable):
+            store.load(STORE_NAMESPACES, {}, failing())
+        assert _rocksdb_options(store) == running

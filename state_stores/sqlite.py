@@ -291,13 +291,17 @@ def _upsert(db: sqlite3.Connection, rows: list[tuple[str, str, bytes]]) -> None:
 
 
 def _stage(db: sqlite3.Connection, page: Sequence[tuple[bytes, bytes]]) -> None:
-    """Stage a page of (name, value) rows, ``_STAGE_ROWS`` to a statement."""
-    whole = len(page) - len(page) % _STAGE_ROWS
-    if whole:
-        flat = list(itertools.chain.from_iterable(page))
-        step = 2 * _STAGE_ROWS
-        db.executemany(_STAGE, (flat[start : start + step] for start in range(0, 2 * whole, step)))
-    db.executemany("INSERT INTO staging (name, value) VALUES (?, ?)", page[whole:])
+    """Stage a page of (name, value) rows, ``_STAGE_ROWS`` to a statement.
+
+    As bytearrays: sqlite3 binds those as they are, but looks for an adapter of every bytes
+    first, which took half of the staging's time.
+    """
+    flat = list(map(bytearray, itertools.chain.from_iterable(page)))
+    step = 2 * _STAGE_ROWS
+    whole = len(flat) - len(flat) % step
+    db.executemany(_STAGE, (flat[start : start + step] for start in range(0, whole, step)))
+    rest = iter(flat[whole:])
+    db.executemany("INSERT INTO staging (name, value) VALUES (?, ?)", zip(rest, rest, strict=False))
 
 
 def _lock(path: Path) -> int:

@@ -23,6 +23,8 @@ _READONLY_OPEN_ATTEMPTS = 5
 _WRITE_BUFFER = 64 << 20
 _LOADING = {"write_buffer_size": str(8 << 20), "disable_auto_compactions": "true"}
 _RUNNING = {"write_buffer_size": str(_WRITE_BUFFER), "disable_auto_compactions": "false"}
+#: Level-0 files a load may leave to RocksDB's own compactions (its compaction trigger).
+_LEVEL0_FILES = 4
 _STATE = b"s"
 _CHECKPOINT = b"c"
 
@@ -150,7 +152,8 @@ class RocksDBStore(StateStore):
         identity, and the identity is written only after the flush. Memtables of a few MB take
         inserts twice as fast as the usual 64 MB (and keep the restore's memory small); compacting
         while loading random keys rewrote the whole first level again and again, and one
-        compaction at the end leaves the store as its batches expect it (no pile of level-0 files).
+        compaction at the end leaves the store as its batches expect it (no pile of level-0 files;
+        a few are left to RocksDB).
         """
         self.rewind(clear, checkpoints)
         unlogged = WriteOptions()
@@ -165,7 +168,8 @@ class RocksDBStore(StateStore):
                 self._write(batch, unlogged, "restore")
             try:
                 self._db.flush(wait=True)
-                self._db.compact_range(None, None)
+                if (self._db.property_int_value("rocksdb.num-files-at-level0") or 0) > _LEVEL0_FILES:
+                    self._db.compact_range(None, None)
             except Exception as exc:
                 raise StateError(f"cannot restore state store {self.path}: {exc}") from exc
         finally:

@@ -177,9 +177,9 @@ def test_rocksdb_runs_as_before_after_a_load_with_its_level0_compacted(tmp_path:
     running = {"write_buffer_size": str(64 << 20), "disable_auto_compactions": "false"}
     with open_store("rocksdb", tmp_path, "g", 0) as store:
         assert _rocksdb_options(store) == running
-        # More than two 8 MB memtables: several level-0 files before the compaction.
+        # About eight 8 MB memtables: more level-0 files than RocksDB's own compactions leave.
         pages = [
-            [(field(STATE_NAMESPACE, f"k{p}-{i}"), b"%0100d" % i) for i in range(5_000)] for p in range(40)
+            [(field(STATE_NAMESPACE, f"k{p}-{i}"), b"%0100d" % i) for i in range(5_000)] for p in range(100)
         ]
         store.load(STORE_NAMESPACES, {}, pages)
         assert _rocksdb_options(store) == running

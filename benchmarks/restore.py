@@ -9,8 +9,11 @@ Usage::
 
 This is what a worker does when it takes a partition over with no store of its own (a new
 machine, a lost disk): ``PartitionBackup.reconcile`` finds no identity in the empty store, so it
-clears the store, copies every value of the backup hash into it (HSCAN pages of ``CHUNK``
-values, one store write each) and sets the backup's identity and checkpoints last.
+clears the store, copies every value of the backup hash into it and sets the backup's identity
+and checkpoints last. The copy reads HSCAN pages of about ``CHUNK`` values, asking for the next
+while the store takes one, and ``StateStore.load`` writes them: SQLite stages them and copies
+them in key order in one transaction, RocksDB writes a batch per page without its WAL and
+flushes before the identity is written.
 
 The backup (``keys.backup_key`` and ``keys.backup_meta_key`` of partition 0) is filled once per
 invocation, in one of two ways (``--fill``):

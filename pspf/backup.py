@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -59,27 +60,20 @@ from pspf.keys import (
     StreamId,
 )
 from pspf.state_stores.base import Journal
+from pspf.state_stores.base import field as field
+from pspf.state_stores.base import split_field as split_field
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
 
-#: Values per Lua call when a whole store is uploaded, and per transaction when one is restored.
+#: Values per Lua call when a whole store is uploaded, and per HSCAN page when a backup is read.
 CHUNK = 5_000
 #: Log entries per read.
 LOG_PAGE = 200
 
 Updates = dict[tuple[str, str], bytes | None]
-
-
-def field(namespace: str, key: str) -> bytes:
-    return namespace.encode() + b"\x00" + key.encode()
-
-
-def split_field(raw: bytes) -> tuple[str, str]:
-    namespace, _, key = raw.partition(b"\x00")
-    return namespace.decode(), key.decode()
 
 
 def _order(identity: str) -> tuple[int, int] | None:
@@ -241,14 +235,15 @@ def restore(
     values = 0
     stopped = False
 
-    def pages() -> Iterator[dict[tuple[str, str], bytes]]:
+    def pages() -> Iterator[list[tuple[bytes, bytes]]]:
         nonlocal values, stopped
-        for page in broker.backup_values(backup.values, CHUNK):
-            if not go_on():
-                stopped = True
-                return
-            values += len(page)
-            yield {split_field(raw): value for raw, value in page}
+        with closing(broker.backup_values(backup.values, CHUNK)) as scan:
+            for page in scan:
+                if not go_on():
+                    stopped = True
+                    return
+                values += len(page)
+                yield page  # as the hash holds it: the store splits the names only if it must
 
     # Cleared first, identity last: a crash in between leaves no identity, so the next takeover
     # restores again.

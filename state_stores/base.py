@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -20,6 +20,18 @@ from pspf.errors import CheckpointRegression, StateError
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, StreamId
 
 Durability = Literal["normal", "fsync"]
+#: Values to ``load``: pages of (name, value), each name ``field(namespace, key)``.
+Pages = Iterable[Sequence[tuple[bytes, bytes]]]
+
+
+def field(namespace: str, key: str) -> bytes:
+    """A value's (namespace, key) as one name, ``namespace NUL key``: the state backup's field."""
+    return namespace.encode() + b"\x00" + key.encode()
+
+
+def split_field(raw: bytes) -> tuple[str, str]:
+    namespace, _, key = raw.partition(b"\x00")
+    return namespace.decode(), key.decode()
 
 
 class Journal:
@@ -138,19 +150,17 @@ class StateStore(ABC):
         is deleted. Only a replay, with the app stopped, moves checkpoints back.
         """
 
-    def load(
-        self,
-        clear: Collection[str],
-        checkpoints: Mapping[str, StreamId | None],
-        pages: Iterable[Mapping[tuple[str, str], bytes]],
-    ) -> None:
+    def load(self, clear: Collection[str], checkpoints: Mapping[str, StreamId | None], pages: Pages) -> None:
         """Rewind (``clear``, ``checkpoints``), then write every page of values: a whole restore.
 
-        Values come in any order; an engine may load them faster sorted, or in one transaction.
+        Pages hold (``field(namespace, key)``, value) pairs as the state backup's hash yields
+        them: in any order, a name maybe twice (either value may stay), so an engine splits the
+        names only if it must. An engine may load them faster sorted, or unsynced, as long as no
+        crash keeps the next ``write`` (the restore's identity) without every loaded value.
         """
         self.rewind(clear, checkpoints)
         for page in pages:
-            self.write(page, {})
+            self.write({split_field(name): value for name, value in page}, {})
 
     @abstractmethod
     def dump(self) -> tuple[dict[str, StreamId], Iterator[tuple[str, str, bytes]]]:

@@ -11,9 +11,10 @@ calls, and the reads and rewrites of a state backup.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
+import hiredis
 import msgspec
 import redis
 
@@ -265,20 +266,43 @@ class Acknowledging(Connection):
 
     def backup_values(
         self, key: str, count: int = 10_000, match: bytes | None = None
-    ) -> Iterator[list[tuple[bytes, bytes]]]:
-        """A backup's fields and values (those ``match`` selects), in pages of about ``count`` (HSCAN)."""
-        cursor = 0
-        while True:
+    ) -> Generator[list[tuple[bytes, bytes]], None, None]:
+        """A backup's fields and values (those ``match`` selects), in pages of about ``count`` (HSCAN).
+
+        The next page is asked for before a page is handed over, so the server finds it while
+        the caller stores this one; a scan closed early drops its connection (a reply is due).
+        """
+        node = self._on(key)
+        tail = (b"COUNT", count) if match is None else (b"MATCH", match, b"COUNT", count)
+        with self.translate_errors(key):
+            connection = node.connection_pool.get_connection()
+
+        def ask(cursor: bytes) -> None:
+            command = hiredis.pack_command((b"HSCAN", key, cursor, *tail))
+            connection.send_packed_command([command])  # type: ignore[no-untyped-call]
+
+        try:
             with self.translate_errors(key):
-                cursor, page = cast(
-                    tuple[int, dict[bytes, bytes]],
-                    self.client.hscan(key, cursor, match=match, count=count),
-                )
-            page.pop(keys.BACKUP_MARK, None)
-            if page:
-                yield list(page.items())
-            if cursor == 0:
-                return
+                ask(b"0")
+            while True:
+                with self.translate_errors(key):
+                    cursor, flat = connection.read_response()
+                    if cursor != b"0":
+                        ask(cursor)
+                names = flat[::2]
+                if keys.BACKUP_MARK in names:
+                    at = 2 * names.index(keys.BACKUP_MARK)
+                    del flat[at : at + 2]
+                if flat:
+                    pairs = iter(flat)
+                    yield list(zip(pairs, pairs, strict=False))
+                if cursor == b"0":
+                    return
+        except BaseException:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            node.connection_pool.release(connection)
 
     def backup_value(self, key: str, field: bytes) -> bytes | None:
         with self.translate_errors(key):

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pspf import App, Context, Settings, Worker, backup
+from pspf.broker import Broker
 from pspf.service import Service
-from pspf.state_stores.sqlite import SQLiteStore
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -37,19 +37,24 @@ def test_a_restore_longer_than_the_lease_renews_it_and_the_takeover_completes(
     assert Worker(app, first).run(until_idle=True).handled == 600
     produce(topic, [("k0", {"n": 1})] * 10)
 
-    # A new machine restores 600 values in pages of 10, each page slow: about 1.8 s, three
-    # lease TTLs.
+    # A new machine restores 600 values in pages of about 10, each page slow to read: about 2 s,
+    # three lease TTLs.
     monkeypatch.setattr(backup, "CHUNK", 10)
-    write = SQLiteStore.write
+    scan = Broker.backup_values
+    pages = 0
 
-    def slow_write(self: SQLiteStore, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.03)
-        write(self, *args, **kwargs)
+    def slow_scan(self: Broker, *args: Any, **kwargs: Any) -> Iterator[list[tuple[bytes, bytes]]]:
+        nonlocal pages
+        for page in scan(self, *args, **kwargs):
+            time.sleep(0.04)
+            pages += 1
+            yield page
 
-    monkeypatch.setattr(SQLiteStore, "write", slow_write)
+    monkeypatch.setattr(Broker, "backup_values", slow_scan)
     second = make_settings(PSPF_STATE_DIR=str(tmp_path / "b"), PSPF_LEASE_TTL_MS=600, PSPF_CONSUMER="b")
     summary = Worker(app, second).run(until_idle=True)
 
+    assert pages >= 40  # the restore outlasted two lease TTLs at least
     assert summary.handled == 10
     local = Service(second, local_state=True)
     assert local.state_get(app.name, "k0") == {"count": 11}

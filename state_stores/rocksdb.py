@@ -30,7 +30,18 @@ _CHECKPOINT = b"c"
 
 
 def _state_key(namespace: str, key: str) -> bytes:
-    return _STATE + namespace.encode() + b"\x00" + key.encode()
+    return _prefix(namespace) + key.encode()
+
+
+#: Each namespace's key prefix, made once: a batch writes hundreds of keys of a few namespaces.
+_PREFIXES: dict[str, bytes] = {}
+
+
+def _prefix(namespace: str) -> bytes:
+    prefix = _PREFIXES.get(namespace)
+    if prefix is None:
+        prefix = _PREFIXES[namespace] = _STATE + namespace.encode() + b"\x00"
+    return prefix
 
 
 class RocksDBStore(StateStore):
@@ -114,11 +125,13 @@ class RocksDBStore(StateStore):
         checkpoints: Mapping[str, StreamId],
     ) -> None:
         batch = WriteBatch(raw_mode=True)
+        put, prefixes = batch.put, _PREFIXES
         for (namespace, key), value in updates.items():
+            prefix = prefixes.get(namespace) or _prefix(namespace)
             if value is None:
-                batch.delete(_state_key(namespace, key))
+                batch.delete(prefix + key.encode())
             else:
-                batch.put(_state_key(namespace, key), value)
+                put(prefix + key.encode(), value)
         for topic, entry_id in checkpoints.items():
             batch.put(_CHECKPOINT + topic.encode(), str(entry_id).encode())
         self._write(batch, self._write_options, "commit")

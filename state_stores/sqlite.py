@@ -158,7 +158,8 @@ class SQLiteStore(StateStore):
         updates: Mapping[tuple[str, str], bytes | None],
         checkpoints: Mapping[str, StreamId],
     ) -> None:
-        rows = [(ns, key, value) for (ns, key), value in updates.items() if value is not None]
+        # Values as bytearrays, bound as they are (see ``_stage``).
+        rows = [(ns, key, bytearray(value)) for (ns, key), value in updates.items() if value is not None]
         with self._atomic("commit") as db:
             _upsert(db, rows)
             gone = [nk for nk, value in updates.items() if value is None] if len(rows) < len(updates) else []
@@ -274,7 +275,7 @@ class SQLiteStore(StateStore):
             self._lock_fd = None
 
 
-def _upsert(db: sqlite3.Connection, rows: list[tuple[str, str, bytes]]) -> None:
+def _upsert(db: sqlite3.Connection, rows: Sequence[tuple[str, str, bytes | bytearray]]) -> None:
     """Write rows with multi-row statements: per-statement overhead dominates one-row inserts."""
     large = [row for row in rows if row[0] in LARGE_VALUE_NAMESPACES]
     if large:

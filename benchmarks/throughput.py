@@ -386,17 +386,8 @@ def run_strong(url: str, stream: str, group: str, batch_size: int) -> dict[str, 
         pipe.execute_command("XACK", stream, group, *ids)  # type: ignore[no-untyped-call]
         pipe.execute_command(*read)  # type: ignore[no-untyped-call]
         reply = pipe.execute()[1]
-    seconds = time.perf_counter() - start
-    pending = client.xpending(stream, group)["pending"]
-    client.close()
-    return {
-        "seconds": seconds,
-        "handled": handled,
-        "pending": pending,
-        "keys": len(state),
-        "total": sum(s[0] for s in state.values()),
-        "count": sum(s[1] for s in state.values()),
-    }
+    totals = [(s[0], s[1]) for s in state.values()]
+    return _loop_result(client, stream, group, time.perf_counter() - start, handled, totals)
 
 
 def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool = True) -> dict[str, Any]:
@@ -441,16 +432,23 @@ def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool = Tr
             ids.append(entry_id)
         client.xack(stream, group, *ids)
         handled += len(entries)
-    seconds = time.perf_counter() - start
+    totals = [(s["total"], s["count"]) for s in state.values()]
+    return _loop_result(client, stream, group, time.perf_counter() - start, handled, totals)
+
+
+def _loop_result(
+    client: redis.Redis, stream: str, group: str, seconds: float, handled: int, totals: list[tuple[int, int]]
+) -> dict[str, Any]:
+    """A plain loop's figures and state sums (per key: total, count), checked like PSPF's."""
     pending = client.xpending(stream, group)["pending"]
     client.close()
     return {
         "seconds": seconds,
         "handled": handled,
         "pending": pending,
-        "keys": len(state),
-        "total": sum(s["total"] for s in state.values()),
-        "count": sum(s["count"] for s in state.values()),
+        "keys": len(totals),
+        "total": sum(total for total, _ in totals),
+        "count": sum(count for _, count in totals),
     }
 
 

@@ -147,7 +147,7 @@ def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: S
     return Context(meta.topic, meta.partition, id_b, key, count, headers, source)
 
 
-def run_sync(  # noqa: C901 - the per-entry loop stays one function: a call per entry costs more
+def run_sync(
     handler: Handler,
     meta: EntryMeta,
     todo: list[Entry],
@@ -170,7 +170,6 @@ def run_sync(  # noqa: C901 - the per-entry loop stays one function: a call per 
     # The common entry (delivered once, not poison, a key checked before, no headers) gets its
     # context built here; ``_context`` checks every other.
     known = meta.known if not (meta.counts or meta.poison) else None
-    apply_window: Callable[[Any], None] | None = None
     for index, (id_b, fields) in enumerate(todo):
         try:
             if (
@@ -200,9 +199,7 @@ def run_sync(  # noqa: C901 - the per-entry loop stays one function: a call per 
         if ctx.emitted:
             emitted += ctx.emitted
         if ctx.windowed is not None:
-            if apply_window is None:
-                apply_window = source.windows.apply
-            apply_window(ctx.windowed)
+            source.windows.apply(ctx.windowed)
         if ctx.schedules and (timers := source.timers) is not None:
             timers.schedule(ctx.schedules)
         if passed is not None:

@@ -33,12 +33,14 @@ from prometheus_client.registry import Collector
 
 from pspf import keys
 from pspf.broker import Broker, GroupPosition
-from pspf.errors import BrokerError, ConfigError
+from pspf.errors import BrokerError, BrokerOutOfMemory, ConfigError
 from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks
 from pspf.outbox import OutboxRow, RowState
 
 log = logging.getLogger(__name__)
+#: What a worker says of its own episodes (``MemoryEpisode``) is logged under the worker's name.
+_worker_log = logging.getLogger("pspf.worker")
 
 #: What ``generate_latest`` writes: the classic text format, which every Prometheus reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -531,3 +533,42 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+class MemoryEpisode:
+    """An out-of-memory episode of a worker: a time the server refuses its writes for memory.
+
+    Logged once when it starts and once when it ends (not per retry), and exported in the
+    metrics while it lasts.
+    """
+
+    def __init__(self, metrics: WorkerMetrics | None) -> None:
+        self.metrics = metrics
+        self.since: float | None = None
+        self.refused = 0
+
+    def refusal(self, exc: BrokerOutOfMemory, retry_in_s: float) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            _worker_log.error(
+                "%s; the worker keeps its leases where it can, acknowledges nothing that is not "
+                "committed and retries (every %.1fs at most) until memory is freed",
+                exc,
+                retry_in_s,
+            )
+        self.refused += 1
+        if self.metrics is not None:
+            self.metrics.out_of_memory(True)
+
+    def over(self) -> None:
+        """The worker's calls went through again: the episode (if any) ends."""
+        if self.since is None:
+            return
+        _worker_log.warning(
+            "the server accepts writes again after %.1fs out of memory (%s calls refused)",
+            time.monotonic() - self.since,
+            self.refused,
+        )
+        self.since, self.refused = None, 0
+        if self.metrics is not None:
+            self.metrics.out_of_memory(False)

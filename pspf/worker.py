@@ -45,7 +45,7 @@ from pspf.errors import (
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
 from pspf.membership import VANISHED_WITHIN, Membership
-from pspf.metrics import MetricsServer, WorkerMetrics
+from pspf.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
 from pspf.ownership import (
     Leases,
     PartitionLeases,
@@ -74,45 +74,6 @@ _METRICS_REDIS_TIMEOUT_S = 2.0
 #: A lease held by a worker that is no member any more is looked at again this soon, then twice as
 #: late each time: it runs out with that membership or moments after (one set by hand, never).
 _GONE_HOLDER_LOOK_S = 0.01
-
-
-class MemoryEpisode:
-    """An out-of-memory episode: a time the server refuses the worker's writes for memory.
-
-    Logged once when it starts and once when it ends (not per retry), and exported in the
-    metrics while it lasts.
-    """
-
-    def __init__(self, metrics: WorkerMetrics | None) -> None:
-        self.metrics = metrics
-        self.since: float | None = None
-        self.refused = 0
-
-    def refusal(self, exc: BrokerOutOfMemory, retry_in_s: float) -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            log.error(
-                "%s; the worker keeps its leases where it can, acknowledges nothing that is not "
-                "committed and retries (every %.1fs at most) until memory is freed",
-                exc,
-                retry_in_s,
-            )
-        self.refused += 1
-        if self.metrics is not None:
-            self.metrics.out_of_memory(True)
-
-    def over(self) -> None:
-        """The worker's calls went through again: the episode (if any) ends."""
-        if self.since is None:
-            return
-        log.warning(
-            "the server accepts writes again after %.1fs out of memory (%s calls refused)",
-            time.monotonic() - self.since,
-            self.refused,
-        )
-        self.since, self.refused = None, 0
-        if self.metrics is not None:
-            self.metrics.out_of_memory(False)
 
 
 class RunSummary(Counts, kw_only=True):

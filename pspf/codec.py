@@ -173,7 +173,7 @@ def decode_headers(raw: bytes | None) -> dict[str, str]:
 
 def encode_value(value: Any) -> bytes:
     """JSON bytes for a value to produce; bytes pass unchanged (they are taken as JSON already)."""
-    if isinstance(value, bytes | bytearray | memoryview):
+    if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     try:
         return json_encoder.encode(value)

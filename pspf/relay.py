@@ -148,24 +148,29 @@ class Relay:
             while start < len(items):
                 chunk = items[start : start + PUBLISH_CHUNK]
                 first = chunk[0][2].rows[chunk[0][3]]
-                shape = (first[2] is not None, first[4], first[6] is None)
-                keyed, source_topic, sourced = shape
+                keyed, source_topic, sourced = first[2] is not None, first[4], first[6] is None
                 values: list[bytes] = []
-                runs: list[list[int]] = []
-                for n, (seq, _, page, index) in enumerate(chunk):
+                add = values.append
+                runs: list[tuple[int, int]] = []
+                run_first = run_next = chunk[0][0]
+                for n, (seq, _, page, index) in enumerate(chunk):  # per row: kept lean
                     entry = page.rows[index]
-                    if (entry[2] is not None, entry[4], entry[6] is None) != shape:
+                    if (
+                        (entry[2] is not None) is not keyed
+                        or entry[4] != source_topic
+                        or (entry[6] is None) is not sourced
+                    ):
                         chunk = chunk[:n]
                         break
-                    if runs and runs[-1][0] + runs[-1][1] == seq:
-                        runs[-1][1] += 1
-                    else:
-                        runs.append([seq, 1])
-                    last = entry[5] if sourced else entry[6]
+                    if seq != run_next:
+                        runs.append((run_first, run_next - run_first))
+                        run_first = seq
+                    run_next = seq + 1
                     if keyed:
-                        values += (entry[2], entry[3], last)  # type: ignore[arg-type]
-                    else:
-                        values += (entry[3], last)  # type: ignore[arg-type]
+                        add(entry[2])  # type: ignore[arg-type]
+                    add(entry[3])
+                    add(entry[5] if sourced else entry[6])  # type: ignore[arg-type]
+                runs.append((run_first, run_next - run_first))
                 call = PublishCall(
                     target,
                     prev,

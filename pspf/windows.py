@@ -192,11 +192,17 @@ class Aggregation:
         ctx.windowed = change
 
 
+_NO_REMOVES: list[tuple[int, int]] = []  # shared by every tumbling and hopping change: never written to
+
+
 def _encode_acc(acc: Any) -> bytes:
     try:
-        return msgspec.msgpack.encode(acc)
+        return _acc_encode(acc)
     except (TypeError, msgspec.EncodeError, OverflowError) as exc:
         raise ConfigError(f"the window's accumulator cannot be encoded: {exc}") from None
+
+
+_acc_encode = msgspec.msgpack.Encoder().encode
 
 
 def _types(func: Callable[..., Any]) -> tuple[Any, Any]:
@@ -249,7 +255,7 @@ def _to_ms(value: Any, what: str) -> int:
     """Epoch milliseconds from a number, an RFC 3339 string or a datetime."""
     if isinstance(value, bool):
         raise ConfigError(f"{what} is a bool, not a time")
-    if isinstance(value, int | float):
+    if isinstance(value, (int, float)):
         return int(value)
     if isinstance(value, str):
         try:
@@ -360,22 +366,24 @@ class PartitionWindows:
     def change(self, aggregation: Aggregation, key: str, ts: int, value: Any, entry_id: bytes) -> Change:
         """The windows ``value`` at ``ts`` changes (nothing applied yet: see ``apply``)."""
         state = self.open[aggregation.topic]
-        now = ts if self.stream_ms is None or ts > self.stream_ms else self.stream_ms
-        kind = aggregation.spec.kind
+        stream_ms = self.stream_ms
+        now = ts if stream_ms is None or ts > stream_ms else stream_ms
+        spec = aggregation.spec
+        kind = spec.kind
         if kind == "session":
             return self._session(state, key, ts, value, entry_id, now)
         if kind == "sliding":
             return self._sliding(state, key, ts, value, entry_id, now)
-        spec = aggregation.spec
         size, step, grace = spec.size_ms, spec.step_ms, spec.grace_ms
+        accs, fold = state.accs, aggregation.fold
         sets = []
         start = ts - ts % step
         while start > ts - size:
             end = start + size
             if end + grace > now:  # close_at of [start, end)
-                sets.append((start, end, aggregation.fold(state.accs.get((key, start, end)), value)))
+                sets.append((start, end, fold(accs.get((key, start, end)), value)))
             start -= step
-        return Change(aggregation.topic, key, ts, entry_id, sets, [], None, not sets)
+        return Change(aggregation.topic, key, ts, entry_id, sets, _NO_REMOVES, None, not sets)
 
     def _session(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
         """The session ``value`` joins (merging those it bridges), or late.
@@ -464,8 +472,8 @@ class PartitionWindows:
         state = self.open[change.topic]
         spec = state.aggregation.spec
         key, ts = change.key, change.ts
-        if self.stream_ms is None or ts > self.stream_ms:
-            self._set_stream_time(ts, (change.topic, change.entry_id))
+        if self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
+            self.stream_ms, self.source, self._time_moved = ts, (change.topic, change.entry_id), True
         for start, end in change.removes:
             self._drop_window(state, key, start, end)
         accs, dirty, topic = state.accs, self._dirty, change.topic

@@ -19,6 +19,7 @@ from pspf.context import Context, TimerContext
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
+from pspf.tables import Table
 from pspf.timers import Timer, check_callback, ms_of
 from pspf.windows import Aggregation, LatePolicy, TimestampFunc, WindowSpec
 
@@ -95,6 +96,9 @@ class App:
         self.handlers: dict[str, Handler] = {}
         #: the window aggregations, by topic (each also has the topic's handler)
         self.windows: dict[str, Aggregation] = {}
+        #: tables (co-partitioned) and global tables, by topic; a table's topic has its handler
+        self.tables: dict[str, Table] = {}
+        self.global_tables: dict[str, Table] = {}
         self.timers: list[Timer] = []
         self.callbacks: dict[str, Callback] = {}
         self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
@@ -134,6 +138,53 @@ class App:
             return func
 
         return register
+
+    def table(self, topic: str, value_type: Any = None) -> Table:
+        """Declare a table built from ``topic``, looked up with ``ctx.table(topic)``.
+
+        An entry of the topic sets its key's row to its value (decoded into ``value_type``, a
+        msgspec type; None: any JSON); a JSON ``null`` value deletes the row. The topic must have
+        the app's partition count: its rows live in the partition's store, are read in the same
+        batches as the app's other topics and follow the partition like ``ctx.state``. An entry
+        whose value does not decode goes to the DLQ at once.
+        """
+        check_name("topic", topic)
+        self._check_free(topic)
+        table = Table(topic, value_type, is_global=False)
+        self.tables[topic] = table
+        self.handlers[topic] = Handler(
+            topic=topic,
+            func=table.apply,
+            is_async=False,
+            decoder=table.value_decoder,
+            retry=RetryPolicy().validated().over(self.retry),
+            non_retryable=(Exception,),
+        )
+        return table
+
+    def global_table(self, topic: str, value_type: Any = None) -> Table:
+        """Declare a global table built from ``topic`` (any partition count), looked up by any key.
+
+        Every worker holds all of it in a store of its own under the state dir, reads it to the
+        end of its streams before it handles any entry, then follows it between batches. Rows as
+        for ``table``; an entry without a key or with a value that does not decode is skipped
+        (logged).
+        """
+        check_name("topic", topic)
+        self._check_free(topic)
+        table = Table(topic, value_type, is_global=True)
+        self.global_tables[topic] = table
+        return table
+
+    def _check_free(self, topic: str) -> None:
+        """A table's topic is read as the table only: refuse one that something else reads."""
+        for kind, taken in (
+            ("a table", self.tables),
+            ("a global table", self.global_tables),
+            ("a handler", self.handlers),
+        ):
+            if topic in taken:
+                raise ConfigError(f"app {self.name!r}: topic {topic!r} is already read by {kind}")
 
     def timer(self, every: timedelta) -> Callable[[TimerFunc], TimerFunc]:
         """Register ``func(ctx: TimerContext)`` to run every ``every`` of wall-clock time.

@@ -30,6 +30,7 @@ from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
 from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
+from pspf.tables import Lookups, TableError, TableWrites, lookup
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
@@ -71,16 +72,28 @@ class PartitionBatch:
         "emitted",
         "emitter",
         "failures",
+        "lookups",
         "overlay",
         "owned",
         "state_decoder",
+        "table_writes",
         "ttl_ms",
     )
 
-    def __init__(self, owned: OwnedPartition, state_decoder: StateDecoder, emitter: Emitter) -> None:
+    def __init__(
+        self,
+        owned: OwnedPartition,
+        state_decoder: StateDecoder,
+        emitter: Emitter,
+        lookups: Lookups | None = None,
+    ) -> None:
         self.owned = owned
         self.state_decoder = state_decoder
         self.emitter = emitter
+        #: the app's tables (None: it declares none)
+        self.lookups = lookups
+        #: the batch's table updates, each with its entry's id
+        self.table_writes = TableWrites()
         self.overlay: dict[str, bytes | None] = {}
         #: entries emitted by the attempts that returned, in the order they ran
         self.emitted: list[Emitted] = []
@@ -109,6 +122,16 @@ class PartitionBatch:
         if len(cache) < CACHE_LIMIT:
             cache[key] = value
         return value
+
+    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
+        """``ctx.table``'s row (see ``tables.lookup``); a store that fails stops the worker."""
+        try:
+            return lookup(self.lookups, self.owned, self.table_writes, (name, key, before, what, check))
+        except (TableError, msgspec.DecodeError, msgspec.ValidationError):
+            raise
+        except Exception as exc:
+            self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
+            raise self.broken from exc
 
     @property
     def windows(self) -> PartitionWindows:
@@ -139,6 +162,7 @@ class PartitionBatch:
             if entry_id in o.cursor.foreign
         ]
         time_writes = self._time_writes()
+        rows = self.table_writes.final()
         if not (
             checkpoints
             or self.overlay
@@ -147,6 +171,7 @@ class PartitionBatch:
             or foreign_done
             or self.emitted
             or time_writes
+            or rows
         ):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
@@ -160,6 +185,7 @@ class PartitionBatch:
         started = time.perf_counter()
         with owned.store.transaction() as tx:
             tx.put(keys.STATE_NAMESPACE, self.overlay)
+            tx.put(keys.TABLES_NAMESPACE, rows)
             for (namespace, key), value in page_writes.items():
                 tx.set(namespace, key, value)
             for (namespace, key), time_value in time_writes.items():
@@ -183,6 +209,7 @@ class PartitionBatch:
         if page is not None:
             owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)
+        owned.adopt_rows(rows)
         return took
 
     def _time_writes(self) -> dict[tuple[str, str], bytes | None]:

@@ -39,6 +39,9 @@ class StateSource(Protocol):
     @property
     def state_decoder(self) -> StateDecoder: ...
 
+    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
+        """A table's row as of the entry ``before`` (None: the latest); ``check`` the key's partition."""
+
 
 class Attempt:
     """What one run of a handler (or scheduled callback) did, read by the code that runs it.
@@ -151,6 +154,21 @@ class Context(Attempt):
         else:
             self.emitted.append(entry)
 
+    def table(self, name: str, key: str | None = None) -> Any:
+        """The row of ``key`` (this entry's key by default) in table ``name``; None when it has none.
+
+        A table (``App.table``) is looked up by keys of this entry's partition and shows the row
+        as of this entry: every update with a smaller id, none after. A global table
+        (``App.global_table``) takes any key and shows the row as of this worker's position.
+
+        Raises:
+            TableError: the app has no such table, or the key is in another partition.
+        """
+        before = self.entry_id if self.due_ms is None else None  # a scheduled call: the latest
+        if key is None:
+            return self.source.table_row(name, self.key, before, "ctx.table", False)
+        return self.source.table_row(name, key, before, "ctx.table", True)
+
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.
 
@@ -213,6 +231,10 @@ class TimerContext:
                 )
             context = self.attempts[key] = self._context(key)
         return context.state
+
+    def table(self, name: str, key: str) -> Any:
+        """The latest row of ``key`` in table ``name`` (a key of this partition, or of a global table)."""
+        return self._source.table_row(name, key, None, f"timer {self.name}", True)
 
     def emit(
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None

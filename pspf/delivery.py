@@ -87,6 +87,10 @@ class Delivery:
         self.streams = streams
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
+        #: streams whose read of new entries this cycle got all there was (less than a batch)
+        self._complete: set[str] = set()
+        #: streams whose entries ``hold_back`` held back: re-read their pending list after this id
+        self._held: dict[StreamCursor, StreamId] = {}
 
     def read(self, block: bool, block_ms: int | None = None) -> tuple[list[Read], list[str]]:
         """One cycle's reads, and the streams whose lease the read found taken.
@@ -95,6 +99,7 @@ class Delivery:
         entries; without, it only looks.
         """
         wait_ms = self.block_ms if block_ms is None else min(block_ms, self.block_ms)
+        self._complete = set()
         now = time.monotonic()
         ready = [c for c in self.streams.values() if c.retry_at <= now]
         if not ready:
@@ -127,6 +132,8 @@ class Delivery:
             )
             lost += lost_now
             new = [Read(self.streams[s.decode()], entries, {}) for s, entries in replies if entries]
+            full = {r.cursor.stream for r in new if len(r.entries) >= self.batch_size}
+            self._complete = {s for s, _, _ in live if s not in lost_now and s not in full}
             self._check_tails(new, last_ids)
             out += new
             if not self.broker.cluster and any(len(r.entries) >= self.batch_size for r in new):
@@ -277,6 +284,52 @@ class Delivery:
         first = min(c.retry_at for c in self.streams.values())
         time.sleep(max(0.0, min(first - now, wait_ms / 1000)))
 
+    # -- in id order across a partition's topics (apps with tables) ----------------------------
+
+    def hold_back(self, reads: list[Read], first: set[str]) -> list[Read]:
+        """The reads to apply now, each partition's topics in ``first`` first; the rest held back.
+
+        Within a partition the entries of the app's topics are applied in id order across them:
+        a stream that may still hold unread entries (its read was a full batch or of its pending
+        list, or it was not read this cycle) bounds the others at the last id it gave (or its
+        checkpoint). The entries above the bound wait: they stay pending here and are read again
+        from the pending list. So a table update is applied, and a lookup sees it, only with the
+        entries that come after it, and a replay after a crash sees the same.
+        """
+        by_partition: dict[int, list[Read]] = {}
+        for read in reads:
+            by_partition.setdefault(read.cursor.partition, []).append(read)
+        out: list[Read] = []
+        for partition, partition_reads in by_partition.items():
+            bound = self._bound(self.owned[partition], partition_reads)
+            kept = partition_reads if bound is None else [self._below(r, bound) for r in partition_reads]
+            kept.sort(key=lambda r: r.cursor.topic not in first)
+            out += [r for r in kept if r.entries]
+        return out
+
+    def _bound(self, owned: OwnedPartition, reads: list[Read]) -> StreamId | None:
+        """The largest id every stream of the partition has been read to (None: no bound)."""
+        last = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
+        points = [
+            last.get(c.stream) or c.checkpoint or keys.ZERO_ID
+            for c in owned.streams.values()
+            if c.stream not in self._complete
+        ]
+        return min(points) if points else None
+
+    def _below(self, read: Read, bound: StreamId) -> Read:
+        """``read`` without its entries above ``bound`` (a due read is kept whole)."""
+        entries = read.entries
+        if read.due or StreamId.parse(entries[-1][0]) <= bound:
+            return read
+        cut = next(i for i, (entry_id, _) in enumerate(entries) if StreamId.parse(entry_id) > bound)
+        cursor = read.cursor
+        for entry_id, _ in entries[cut:]:
+            cursor.unattempted[entry_id] = cursor.unattempted.get(entry_id, 0) + 1
+        resume = StreamId.parse(entries[cut - 1][0]) if cut else StreamId.parse(entries[0][0]).previous()
+        self._held[cursor] = resume
+        return read._replace(entries=entries[:cut])
+
     # -- step 2: what needs a handler -----------------------------------------------------------
 
     def screen(self, owned: OwnedPartition, read: Read) -> Screened:
@@ -367,3 +420,7 @@ class Delivery:
                 cursor.retry_at = 0.0
                 if cursor.pending_after is not None:
                     cursor.pending_after = last_read[cursor.stream]
+        for cursor, resume in self._held.items():  # held back: their pending list comes next
+            if cursor.pending_after is None or resume < cursor.pending_after:
+                cursor.pending_after = resume
+        self._held.clear()

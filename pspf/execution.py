@@ -258,6 +258,9 @@ class _ChainSource:
     def timers(self) -> PartitionTimers | None:
         return self.source.timers
 
+    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
+        return self.source.table_row(name, key, before, what, check)
+
 
 def run_async(
     loop: asyncio.AbstractEventLoop,

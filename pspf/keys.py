@@ -71,6 +71,10 @@ TIMER_PREFIX = "timer/"
 #: (``state_ttl``), by key (see ``pspf.timers``).
 SCHEDULES_NAMESPACE = "__schedules"
 EXPIRY_NAMESPACE = "__expiry"
+#: Rows of the app's co-partitioned tables (``App.table``), by "table/key" (``table_key``).
+TABLES_NAMESPACE = "__tables"
+#: Rows of the app's global tables in a worker's own store (``pspf.tables.GlobalTables``).
+GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (
     STATE_NAMESPACE,
@@ -87,6 +91,7 @@ STORE_NAMESPACES = (
     TIME_NAMESPACE,
     SCHEDULES_NAMESPACE,
     EXPIRY_NAMESPACE,
+    TABLES_NAMESPACE,
 )
 
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
@@ -111,6 +116,11 @@ def check_name(kind: str, name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def table_key(table: str, key: str) -> str:
+    """The store key of a table's row: the table's name (a topic name: no "/"), then the key."""
+    return f"{table}/{key}"
 
 
 def partition_for(key: bytes, partitions: int) -> int:

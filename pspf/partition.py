@@ -118,6 +118,8 @@ class OwnedPartition:
     #: what the partition's handlers emitted, to publish
     outbox: PartitionOutbox
     cache: dict[str, bytes | None] = field(default_factory=dict)
+    #: committed rows of the app's tables, by ``keys.table_key``
+    table_cache: dict[str, bytes | None] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
     dead: dict[str, Fields] = field(default_factory=dict)
     consumers: set[str] = field(default_factory=set)
@@ -177,6 +179,14 @@ class OwnedPartition:
             else:
                 self.failures[name] = failure
         self.dead.update((name, fields) for name, fields in dead.items() if fields is not None)
+
+    def adopt_rows(self, rows: dict[str, bytes | None]) -> None:
+        """After a commit: its table rows are the partition's (cached)."""
+        if not rows:
+            return
+        if len(self.table_cache) + len(rows) > CACHE_LIMIT:
+            self.table_cache.clear()
+        self.table_cache.update(rows)
 
     def load_bookkeeping(self) -> None:
         store = self.store

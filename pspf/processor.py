@@ -59,6 +59,7 @@ from pspf.outbox import RowState
 from pspf.partition import OwnedPartition, StreamCursor
 from pspf.relay import Relay
 from pspf.settings import OutboxSettings
+from pspf.tables import GlobalTables, Lookups
 from pspf.timekeeping import TimeKeeping
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,17 @@ class BatchProcessor:
         self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
         self.attempts = Attempts(app, consumer, self.emitter, policies)
         self.durability = Durability(broker, app.name, self.hooks)
+        #: the app's tables, once the worker knows the partition count (``start_tables``)
+        self.lookups: Lookups | None = None
+
+    def start_tables(self, partitions: int, global_tables: GlobalTables | None) -> None:
+        """Look tables up from now on; the global tables are read to their ends first."""
+        if global_tables is not None:
+            global_tables.bootstrap()
+        if self.app.tables or global_tables is not None:
+            tables = {**self.app.tables, **self.app.global_tables}
+            self.lookups = Lookups(tables, partitions, global_tables)
+            self.time.lookups = self.lookups
 
     # -- ownership bookkeeping (called by the worker) -----------------------------------------
 
@@ -127,6 +139,8 @@ class BatchProcessor:
         for owned in self.owned.values():
             self.relay.finish(owned.outbox)
         self.attempts.close()
+        if self.lookups is not None and self.lookups.global_tables is not None:
+            self.lookups.global_tables.close()
 
     # -- the cycle ------------------------------------------------------------------------------
 
@@ -137,11 +151,7 @@ class BatchProcessor:
         less when given: the worker's next lease round); without, it only looks.
         """
         result = CycleResult()
-        reads, lost = self.delivery.read(block, block_ms)
-        for stream in lost:
-            self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)
-        if not any(read.alone for read in reads):
-            reads = self.delivery.read_due() + reads
+        reads = self._read(block, block_ms, result)
         by_partition: dict[int, list[Read]] = {}
         for read in reads:
             by_partition.setdefault(read.cursor.partition, []).append(read)
@@ -150,7 +160,7 @@ class BatchProcessor:
             call_hook(self.hooks.on_read, result.read)
         outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]] = []
         for partition, partition_reads in by_partition.items():
-            batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter)
+            batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter, self.lookups)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
             if batch.owned.keeps_time:
                 self.time.advance(batch, result)
@@ -179,6 +189,20 @@ class BatchProcessor:
                 if owned.backup is not None:
                     self._given_up(flush(owned), result)
         return result
+
+    def _read(self, block: bool, block_ms: int | None, result: CycleResult) -> list[Read]:
+        """Step 1: what the global tables have new, then the owned streams' entries to apply now."""
+        lookups = self.lookups
+        if lookups is not None and lookups.global_tables is not None:
+            lookups.global_tables.follow()
+        reads, lost = self.delivery.read(block, block_ms)
+        for stream in lost:
+            self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)
+        if not any(read.alone for read in reads):
+            reads = self.delivery.read_due() + reads
+        if self.app.tables:
+            reads = self.delivery.hold_back(reads, set(self.app.tables))
+        return reads
 
     def apply_outbox_replays(self) -> None:
         """Apply operators' outbox replay requests for the owned partitions (``pspf outbox replay``)."""

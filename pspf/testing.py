@@ -47,6 +47,7 @@ from pspf.partition import OwnedPartition, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
+from pspf.tables import GlobalTables, Lookups
 from pspf.timekeeping import Clock, TimeKeeping
 from pspf.timers import ms_of
 
@@ -120,7 +121,7 @@ class TestApp:
             raise ConfigError(f"app {app.name!r} has no handlers")
         settings = settings or Settings.load({}, environ={})
         self.app = app
-        counts = dict.fromkeys(app.topics, partitions)
+        counts = dict.fromkeys([*app.topics, *app.global_tables], partitions)
         counts.update(dict.fromkeys((w.emit_to for w in app.windows.values()), partitions))
         counts.update(topics or {})
         if len({counts[topic] for topic in app.topics}) > 1:
@@ -140,6 +141,8 @@ class TestApp:
             app, self._emitter, self._hooks, settings.time.idle_close_ms / 1000, self._clock
         )
         self._attempts = Attempts(app, CONSUMER, self._emitter, self._policies)
+        self._lookups = _lookups(app, self.partitions, counts)
+        self._time.lookups = self._lookups
         self._acks = _Acknowledgements()
         self._durability = Durability(self._acks, app.name, self._hooks)
         self._owned = {p: self._partition(p) for p in range(self.partitions)}
@@ -191,14 +194,12 @@ class TestApp:
 
     def send_fields(self, topic: str, fields: Mapping[bytes, bytes]) -> str:
         """Send an entry's raw stream fields (what a producer in another language writes)."""
-        if topic not in self.app.handlers:
-            raise ConfigError(f"app {self.app.name!r} has no handler for topic {topic!r}")
+        if topic not in self.app.handlers and topic not in self.app.global_tables:
+            raise ConfigError(f"app {self.app.name!r} has no handler for topic {topic!r} (nor a table of it)")
         fields = dict(fields)
         raw_key = fields.get(codec.KEY)
-        if raw_key is None:
-            partition = next(self._round_robin)
-        else:
-            partition = keys.partition_for(raw_key, self.partitions)
+        count = self._topics.topic_partitions(topic)
+        partition = next(self._round_robin) % count if raw_key is None else keys.partition_for(raw_key, count)
         entry_id = self._append(topic, partition, fields)
         self._drain()
         return entry_id.decode()
@@ -232,6 +233,17 @@ class TestApp:
         """The committed state of ``key`` (``{}`` when it has none), decoded with the app's state type."""
         raw = self._store_of(key).get(keys.STATE_NAMESPACE, key)
         return {} if raw is None else self.app.state_decoder.decode(key, raw)
+
+    def table(self, name: str, key: str) -> Any:
+        """The committed row of ``key`` in table (or global table) ``name``; None when it has none."""
+        lookups = self._lookups
+        if lookups is None:
+            raise ConfigError(f"app {self.app.name!r} declares no tables")
+        table = lookups.table(name, "TestApp.table")
+        if table.is_global:
+            assert lookups.global_tables is not None
+            return table.row(lookups.global_tables.row(name, key))
+        return table.row(self._store_of(key).get(keys.TABLES_NAMESPACE, keys.table_key(name, key)))
 
     def keys(self) -> list[str]:
         """Every key that has state, in order."""
@@ -281,7 +293,12 @@ class TestApp:
 
     def _drain(self) -> None:
         while self._queue:
-            self._handle(*self._queue.popleft())
+            topic, partition, id_b, fields = self._queue.popleft()
+            if topic in self.app.global_tables:  # a worker follows it between batches
+                assert self._lookups is not None and self._lookups.global_tables is not None
+                self._lookups.global_tables.apply([(keys.stream_key(topic, partition), [(id_b, fields)])])
+            else:
+                self._handle(topic, partition, id_b, fields)
 
     def _handle(self, topic: str, partition: int, id_b: bytes, fields: dict[bytes, bytes]) -> None:
         """One entry as a batch of its own, through the worker's attempt loop and commit.
@@ -296,7 +313,7 @@ class TestApp:
             result = CycleResult(read=1 if attempt == 1 else 0)
             entries: list[Entry] = [(id_b, fields)]
             read = Read(cursor, list(entries), {id_b: attempt}, due=due)
-            batch = PartitionBatch(owned, self.app.state_decoder, self._emitter)
+            batch = PartitionBatch(owned, self.app.state_decoder, self._emitter, self._lookups)
             attempted = self._attempts.run(batch, read, entries, self._time.clock(batch, topic, result))
             attempted.report(result, self._hooks, topic, partition)
             self._time.entries_done(batch, topic, entries, attempted.last_done)
@@ -334,7 +351,7 @@ class TestApp:
             codec.decode_headers(headers),
         )
         self._emitted.setdefault(topic, []).append(entry)
-        if topic in self.app.handlers:
+        if topic in self.app.handlers or topic in self.app.global_tables:
             fields = {codec.VALUE: value}
             if key is not None:
                 fields[codec.KEY] = key
@@ -353,6 +370,16 @@ class _Acknowledgements:
         for request in requests:
             self.dead += [DeadLetter.from_fields(fields) for _, fields in request.dead]
         return [(len(request.ids), len(request.dead)) for request in requests]
+
+
+def _lookups(app: App, partitions: int, counts: dict[str, int]) -> Lookups | None:
+    """The app's tables for the test's batches; its global tables in memory."""
+    if not (app.tables or app.global_tables):
+        return None
+    global_tables = None
+    if app.global_tables:
+        global_tables = GlobalTables(app.global_tables.values(), MemoryStore(), None, counts)
+    return Lookups({**app.tables, **app.global_tables}, partitions, global_tables)
 
 
 def _epoch_ms(name: str, value: int | datetime) -> int:

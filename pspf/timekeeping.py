@@ -23,6 +23,7 @@ from pspf.execution import UNCHANGED, Entry, state_result
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
 from pspf.partition import OwnedPartition
+from pspf.tables import Lookups
 from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
 from pspf.windows import PartitionWindows
 
@@ -60,6 +61,8 @@ class TimeKeeping:
         self.idle_close_s = idle_close_s
         self.ttl = app.state_ttl_ms is not None or any(h.state_ttl_ms for h in app.handlers.values())
         self.active = bool(app.windows or app.callbacks or app.timers or self.ttl)
+        #: the app's tables, for timers and scheduled callbacks (``BatchProcessor.start_tables``)
+        self.lookups: Lookups | None = None
 
     def load(self, owned: OwnedPartition) -> None:
         """Load a partition's windows, schedules, timer periods and expiry from its store."""
@@ -200,7 +203,7 @@ class TimeKeeping:
         now_ms, now = self._clock.wall_ms(), self._clock.monotonic()
         for owned in owned_partitions:
             windows, timers = owned.windows, owned.timers
-            batch = PartitionBatch(owned, self.app.state_decoder, self.emitter)
+            batch = PartitionBatch(owned, self.app.state_decoder, self.emitter, self.lookups)
             if timers is not None:
                 for timer in self.app.timers:
                     for period in timers.periods_due(timer, now_ms):

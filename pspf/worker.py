@@ -57,6 +57,7 @@ from pspf.ownership import (
 from pspf.processor import BatchProcessor
 from pspf.settings import Settings
 from pspf.standby import Standby
+from pspf.tables import GlobalTables, check_table_partitions
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
@@ -273,6 +274,7 @@ class Worker:
         # check_server warned already when CONFIG cannot be read
         self._policy_unchecked = not self.broker.check_eviction()
         counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.topics}
+        check_table_partitions(self.app.name, list(self.app.tables), counts)
         if len(set(counts.values())) > 1:
             raise ConfigError(
                 f"the topics of app {self.app.name!r} must have the same partition count "
@@ -298,6 +300,7 @@ class Worker:
                     self.broker.ensure_group(stream, self.app.name, start_id)
                     self.broker.record_group_start(self.app.name, topic, partition, stream)
         self.broker.register_app(self.app.name, self.app.topics, self._partitions)
+        self.processor.start_tables(self._partitions, self._global_tables())
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",
             self.app.name,
@@ -667,6 +670,18 @@ class Worker:
         if release and leases:
             self.leases.release(partition, leases)
         log.info("partition released app=%s partition=%s", self.app.name, partition)
+
+    def _global_tables(self) -> GlobalTables | None:
+        """The app's global tables in this worker's own store (in memory with a store factory of a test's)."""
+        if not self.app.global_tables:
+            return None
+        state = self.settings.state
+        if self._store_factory != self._open_store:
+            store: StateStore = state_stores.MemoryStore()
+        else:
+            store = state_stores.open_globals_store(state.engine, state.dir, self.app.name, state.durability)
+        counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.global_tables}
+        return GlobalTables(self.app.global_tables.values(), store, self.broker, counts)
 
     def _open_store(self, group: str, partition: int) -> StateStore:
         state = self.settings.state

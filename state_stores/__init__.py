@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pspf.errors import ConfigError, NotFound
+from pspf.errors import ConfigError, NotFound, StoreLocked
 from pspf.state_stores.base import Durability, StateStore, StoreTransaction, TxStatus
 from pspf.state_stores.memory import MemoryStore
 from pspf.state_stores.sqlite import SQLiteStore
@@ -17,11 +17,14 @@ __all__ = [
     "StoreTransaction",
     "TxStatus",
     "missing_state",
+    "open_globals_store",
     "open_store",
     "stored_partitions",
 ]
 
 _SUFFIX = {"sqlite": ".sqlite", "rocksdb": ".rocksdb"}
+#: Worker processes that may share a state dir, each with its own store of the global tables.
+GLOBALS_SLOTS = 64
 
 
 def store_path(directory: Path, engine: str, group: str, partition: int) -> Path:
@@ -49,6 +52,26 @@ def open_store(
     path = store_path(Path(directory), engine, group, partition)
     if readonly and not path.exists():
         raise NotFound(missing_state(engine, directory, group, partition))
+    return _open(engine, path, durability, readonly)
+
+
+def open_globals_store(
+    engine: str, directory: Path | str, group: str, durability: Durability = "normal"
+) -> StateStore:
+    """A worker's store of the app's global tables: the first one no other worker holds open.
+
+    Workers sharing a state dir take one each; a restarted worker finds its rows again.
+    """
+    for slot in range(GLOBALS_SLOTS):
+        path = store_path(Path(directory), engine, group, 0).with_name(f"globals-{slot}{_SUFFIX[engine]}")
+        try:
+            return _open(engine, path, durability, readonly=False)
+        except StoreLocked:
+            continue
+    raise ConfigError(f"{GLOBALS_SLOTS} workers of app {group!r} hold global table stores under {directory}")
+
+
+def _open(engine: str, path: Path, durability: Durability, readonly: bool) -> StateStore:
     if engine == "rocksdb":
         try:
             from pspf.state_stores.rocksdb import RocksDBStore

@@ -30,7 +30,7 @@ from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
 from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
-from pspf.tables import Lookups, TableError, TableWrites, lookup
+from pspf.tables import MISSING, Lookups, Table, TableError, TableWrites, check_lookup_key
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 
@@ -124,14 +124,49 @@ class PartitionBatch:
         return value
 
     def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
-        """``ctx.table``'s row (see ``tables.lookup``); a store that fails stops the worker."""
+        """``ctx.table``'s row as of the entry ``before`` (None: the latest), decoded (``pspf.tables``).
+
+        A table's row comes from the batch's updates up to that entry, then the partition's
+        committed rows, then its store; a global table's from the worker's global store. ``check``:
+        the key was given, so it must belong here. Runs per lookup: kept flat.
+        """
+        lookups = self.lookups
+        table = None if lookups is None else lookups.tables.get(name)
+        if table is None or check:
+            table = self._checked_table(name, key, what, check)
+        stored = f"{name}/{key}"  # keys.table_key
+        if table.is_global:
+            assert lookups is not None and lookups.global_tables is not None
+            raw = lookups.global_tables.cache.get(stored, MISSING)
+        else:
+            raw = self.table_writes.find(stored, before) if self.table_writes.versions else MISSING
+            if raw is MISSING:
+                raw = self.owned.table_cache.get(stored, MISSING)
+        if raw is MISSING:
+            raw = self._stored_row(stored, table.is_global)
+        return None if raw is None else table.decode(raw)
+
+    def _checked_table(self, name: str, key: str, what: str, check: bool) -> Table:
+        """The table a lookup names, and its key checked when given (TableError otherwise)."""
+        if self.lookups is None:
+            raise TableError(f"{what}({name!r}): the app declares no tables")
+        table = self.lookups.table(name, what)
+        if check:
+            check_lookup_key(table, key, self.owned.partition, self.lookups.partitions, what)
+        return table
+
+    def _stored_row(self, stored: str, is_global: bool) -> bytes | None:
+        """A row from the store (remembered); a store that fails stops the worker."""
         try:
-            return lookup(self.lookups, self.owned, self.table_writes, (name, key, before, what, check))
-        except (TableError, msgspec.DecodeError, msgspec.ValidationError):
-            raise
+            if is_global:
+                assert self.lookups is not None and self.lookups.global_tables is not None
+                return self.lookups.global_tables.load(stored)
+            raw = self.owned.store.get(keys.TABLES_NAMESPACE, stored)
         except Exception as exc:
             self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
             raise self.broken from exc
+        self.owned.adopt_rows({stored: raw})
+        return raw
 
     @property
     def windows(self) -> PartitionWindows:

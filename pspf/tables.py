@@ -37,7 +37,6 @@ from pspf.keys import StreamId
 if TYPE_CHECKING:
     from pspf.broker import Broker, RawEntry
     from pspf.context import Context
-    from pspf.partition import OwnedPartition
     from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class TableError(ConfigError):
 class Table:
     """A declared table: its name (its topic's), whether global, and how its rows decode."""
 
-    __slots__ = ("_row_decoder", "is_global", "name", "value_decoder", "value_type")
+    __slots__ = ("_row_decoder", "decode", "is_global", "name", "value_decoder", "value_type")
 
     def __init__(self, name: str, value_type: Any, is_global: bool) -> None:
         self.name = keys.check_name("table", name)
@@ -69,6 +68,8 @@ class Table:
             #: what an entry of the topic decodes into: a row, or None (JSON null) to delete it
             self.value_decoder = ValueDecoder(self.value_type | None)
             self._row_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(self.value_type)
+            #: a stored row, decoded
+            self.decode = self._row_decoder.decode
         except TypeError as exc:
             raise ConfigError(
                 f"table {name!r}: msgspec cannot decode its rows into {value_type!r}: {exc}"
@@ -159,39 +160,6 @@ class Lookups:
         return table
 
 
-def lookup(
-    lookups: Lookups | None,
-    owned: OwnedPartition,
-    writes: TableWrites,
-    call: tuple[str, str, bytes | None, str, bool],
-) -> Any:
-    """A row for ``ctx.table``: ``call`` is (table, key, as of this entry id, who asks, check the key).
-
-    A table's row comes from the batch's updates before that entry, then the partition's
-    committed rows (cached), then its store; a global table's from the worker's global store.
-    """
-    name, key, before, what, check = call
-    if lookups is None:
-        raise TableError(f"{what}({name!r}): the app declares no tables")
-    table = lookups.table(name, what)
-    if check:
-        check_lookup_key(table, key, owned.partition, lookups.partitions, what)
-    if table.is_global:
-        assert lookups.global_tables is not None, "a worker with global tables has their store"
-        return table.row(lookups.global_tables.row(name, key))
-    stored = keys.table_key(name, key)
-    raw = writes.find(stored, before) if writes else MISSING
-    if raw is MISSING:
-        cache = owned.table_cache
-        raw = cache.get(stored, MISSING)
-        if raw is MISSING:
-            raw = owned.store.get(keys.TABLES_NAMESPACE, stored)
-            if len(cache) >= GLOBAL_CACHE_LIMIT:
-                cache.clear()
-            cache[stored] = raw
-    return table.row(raw)
-
-
 def check_table_partitions(app: str, tables: list[str], counts: dict[str, int]) -> None:
     """Refuse a table whose topic's partition count is not the app's other topics' (one line)."""
     others = {count for topic, count in counts.items() if topic not in tables}
@@ -237,15 +205,18 @@ class GlobalTables:
         self.skipped = 0
 
     def row(self, name: str, key: str) -> bytes | None:
+        """A row as stored (None: no row)."""
         stored = keys.table_key(name, key)
-        cache = self.cache
-        raw = cache.get(stored, MISSING)
-        if raw is MISSING:
-            raw = self.store.get(keys.GLOBAL_TABLES_NAMESPACE, stored)
-            if len(cache) >= GLOBAL_CACHE_LIMIT:
-                cache.clear()
-            cache[stored] = raw
-        return raw  # type: ignore[no-any-return]
+        raw = self.cache.get(stored, MISSING)
+        return self.load(stored) if raw is MISSING else raw
+
+    def load(self, stored: str) -> bytes | None:
+        """A row from the store, remembered."""
+        raw = self.store.get(keys.GLOBAL_TABLES_NAMESPACE, stored)
+        if len(self.cache) >= GLOBAL_CACHE_LIMIT:
+            self.cache.clear()
+        self.cache[stored] = raw
+        return raw
 
     def bootstrap(self) -> int:
         """Read every stream up to its end as of now; the entries applied."""

@@ -31,6 +31,7 @@ from pspf.broker import Broker, Fields, RawEntry, ReadAhead
 from pspf.execution import Entry
 from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
+from pspf.ordering import CrossTopicOrder
 from pspf.partition import OwnedPartition, StreamCursor, check_tail, parked
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Delivery:
         policies: dict[str, RetryPolicy],
         owned: dict[int, OwnedPartition],
         streams: dict[str, StreamCursor],
+        tables: frozenset[str] = frozenset(),
     ) -> None:
         self.broker = broker
         self.group = group
@@ -87,10 +89,8 @@ class Delivery:
         self.streams = streams
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
-        #: streams whose read of new entries this cycle got all there was (less than a batch)
-        self._complete: set[str] = set()
-        #: streams whose entries ``hold_back`` held back: re-read their pending list after this id
-        self._held: dict[StreamCursor, StreamId] = {}
+        #: id order across each partition's topics (apps with tables; see ``pspf.ordering``)
+        self.order = None if not tables else CrossTopicOrder(broker, tables, owned, batch_size)
 
     def read(self, block: bool, block_ms: int | None = None) -> tuple[list[Read], list[str]]:
         """One cycle's reads, and the streams whose lease the read found taken.
@@ -99,21 +99,19 @@ class Delivery:
         entries; without, it only looks.
         """
         wait_ms = self.block_ms if block_ms is None else min(block_ms, self.block_ms)
-        self._complete = set()
+        order = self.order
+        if order is not None:
+            order.begin()
         now = time.monotonic()
         ready = [c for c in self.streams.values() if c.retry_at <= now]
         if not ready:
             self._wait_for_retry(now, wait_ms)
             return [], []
-        windows = {c.stream: self._pending_window(c) for c in ready if c.pending_after is not None}
-        for stream, window in windows.items():
-            if window and self._unexplained(self.streams[stream], window[0]) >= 2:
-                # It may have crashed the worker before: it runs alone, nothing else is delivered,
-                # so if it crashes again only its own delivery count grows.
-                suspect = self._claim_pending(self.streams[stream], window[:1])
-                if suspect is None:
-                    return [], [stream]
-                return [r._replace(alone=True) for r in suspect], []
+        reading = ready if order is None else [c for c in ready if not order.full_of_held(c)]
+        windows = {c.stream: self._pending_window(c) for c in reading if c.pending_after is not None}
+        alone = self._suspect(windows)
+        if alone is not None:
+            return alone
         out: list[Read] = []
         lost: list[str] = []
         for stream, window in windows.items():
@@ -122,7 +120,7 @@ class Delivery:
                 lost.append(stream)
             else:
                 out += pending
-        live = [(c.stream, c.lease_key, c.lease_value) for c in ready if c.pending_after is None]
+        live = [(c.stream, c.lease_key, c.lease_value) for c in reading if c.pending_after is None]
         ahead = self._take_ahead(live)
         if ahead is None:  # a read ahead dropped just now sent its streams back to their pending lists
             live = [stream for stream in live if self.streams[stream[0]].pending_after is None]
@@ -132,16 +130,47 @@ class Delivery:
             )
             lost += lost_now
             new = [Read(self.streams[s.decode()], entries, {}) for s, entries in replies if entries]
-            full = {r.cursor.stream for r in new if len(r.entries) >= self.batch_size}
-            self._complete = {s for s, _, _ in live if s not in lost_now and s not in full}
+            if order is not None:
+                full = {r.cursor.stream for r in new if len(r.entries) >= self.batch_size}
+                order.complete = {s for s, _, _ in live if s not in lost_now and s not in full}
             self._check_tails(new, last_ids)
             out += new
             if not self.broker.cluster and any(len(r.entries) >= self.batch_size for r in new):
                 held = [stream for stream in live if stream[0] not in lost_now]
                 self._ahead = self.broker.read_ahead(self.group, self.consumer, held, self.batch_size), held
-            if block and wait_ms > 0 and not out and last_ids:  # BLOCK 0 would wait for ever
+            waiting = order is not None and any(c.held is not None for c in ready)
+            if block and wait_ms > 0 and not out and not waiting and last_ids:  # BLOCK 0: for ever
                 self.broker.wait_for_new(last_ids, wait_ms)
+        if order is not None:
+            out = order.with_held(out, ready)
         return out, lost
+
+    def _suspect(self, windows: dict[str, list[tuple[bytes, int]]]) -> tuple[list[Read], list[str]] | None:
+        """The read of a crash suspect, run alone; None when no suspect runs this cycle.
+
+        A suspect may have crashed the worker before: it runs alone, nothing else is delivered,
+        so if it crashes again only its own delivery count grows. With tables, only one that no
+        entry of another topic of its partition must precede (``pspf.ordering``); the others wait.
+        """
+        suspects = [
+            (self.streams[stream], window[0][0])
+            for stream, window in windows.items()
+            if window and self._unexplained(self.streams[stream], window[0]) >= 2
+        ]
+        if not suspects:
+            return None
+        index = 0 if self.order is None else self.order.first_suspect(suspects)
+        if index is None:
+            for cursor, entry_id in suspects:
+                assert self.order is not None
+                self.order.wait(cursor, entry_id)
+                del windows[cursor.stream]
+            return None
+        cursor = suspects[index][0]
+        suspect = self._claim_pending(cursor, windows[cursor.stream][:1])
+        if suspect is None:
+            return [], [cursor.stream]
+        return [r._replace(alone=True) for r in suspect], []
 
     def _take_ahead(
         self, live: list[tuple[str, str, str]]
@@ -284,52 +313,6 @@ class Delivery:
         first = min(c.retry_at for c in self.streams.values())
         time.sleep(max(0.0, min(first - now, wait_ms / 1000)))
 
-    # -- in id order across a partition's topics (apps with tables) ----------------------------
-
-    def hold_back(self, reads: list[Read], first: set[str]) -> list[Read]:
-        """The reads to apply now, each partition's topics in ``first`` first; the rest held back.
-
-        Within a partition the entries of the app's topics are applied in id order across them:
-        a stream that may still hold unread entries (its read was a full batch or of its pending
-        list, or it was not read this cycle) bounds the others at the last id it gave (or its
-        checkpoint). The entries above the bound wait: they stay pending here and are read again
-        from the pending list. So a table update is applied, and a lookup sees it, only with the
-        entries that come after it, and a replay after a crash sees the same.
-        """
-        by_partition: dict[int, list[Read]] = {}
-        for read in reads:
-            by_partition.setdefault(read.cursor.partition, []).append(read)
-        out: list[Read] = []
-        for partition, partition_reads in by_partition.items():
-            bound = self._bound(self.owned[partition], partition_reads)
-            kept = partition_reads if bound is None else [self._below(r, bound) for r in partition_reads]
-            kept.sort(key=lambda r: r.cursor.topic not in first)
-            out += [r for r in kept if r.entries]
-        return out
-
-    def _bound(self, owned: OwnedPartition, reads: list[Read]) -> StreamId | None:
-        """The largest id every stream of the partition has been read to (None: no bound)."""
-        last = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
-        points = [
-            last.get(c.stream) or c.checkpoint or keys.ZERO_ID
-            for c in owned.streams.values()
-            if c.stream not in self._complete
-        ]
-        return min(points) if points else None
-
-    def _below(self, read: Read, bound: StreamId) -> Read:
-        """``read`` without its entries above ``bound`` (a due read is kept whole)."""
-        entries = read.entries
-        if read.due or StreamId.parse(entries[-1][0]) <= bound:
-            return read
-        cut = next(i for i, (entry_id, _) in enumerate(entries) if StreamId.parse(entry_id) > bound)
-        cursor = read.cursor
-        for entry_id, _ in entries[cut:]:
-            cursor.unattempted[entry_id] = cursor.unattempted.get(entry_id, 0) + 1
-        resume = StreamId.parse(entries[cut - 1][0]) if cut else StreamId.parse(entries[0][0]).previous()
-        self._held[cursor] = resume
-        return read._replace(entries=entries[:cut])
-
     # -- step 2: what needs a handler -----------------------------------------------------------
 
     def screen(self, owned: OwnedPartition, read: Read) -> Screened:
@@ -420,7 +403,6 @@ class Delivery:
                 cursor.retry_at = 0.0
                 if cursor.pending_after is not None:
                     cursor.pending_after = last_read[cursor.stream]
-        for cursor, resume in self._held.items():  # held back: their pending list comes next
-            if cursor.pending_after is None or resume < cursor.pending_after:
-                cursor.pending_after = resume
-        self._held.clear()
+        if self.order is not None:
+            for cursor in self.streams.values():
+                self.order.after_cycle(cursor)

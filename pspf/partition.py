@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -98,14 +98,17 @@ class StreamCursor:
     foreign: set[bytes] = field(default_factory=set)
     #: Entries a redriven copy replaces (a replay marked them): done without a handler.
     superseded: Superseded = field(default_factory=Superseded)
+    #: Entries delivered and held back (``pspf.ordering``): the stream's next ones, a ``Read``
+    held: Any = None
 
     def rewind(self) -> None:
         """Re-read all own pending entries: after a failure or a lost connection.
 
         From the start, not from the checkpoint: entries at or below it may be pending too when
-        their acknowledgement was lost; reading them again acknowledges them.
+        their acknowledgement was lost; reading them again acknowledges them (held ones too).
         """
         self.pending_after = ZERO_ID
+        self.held = None
 
 
 @dataclass(slots=True, eq=False)

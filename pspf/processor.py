@@ -92,7 +92,15 @@ class BatchProcessor:
         if app.timers:  # a read waits no longer than a timer period (one it overruns runs late)
             block_ms = max(1, min([block_ms, *(t.every_ms for t in app.timers)]))
         self.delivery = Delivery(
-            broker, app.name, consumer, batch_size, block_ms, policies, self.owned, self._by_stream
+            broker,
+            app.name,
+            consumer,
+            batch_size,
+            block_ms,
+            policies,
+            self.owned,
+            self._by_stream,
+            frozenset(app.tables),
         )
         self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
         self.attempts = Attempts(app, consumer, self.emitter, policies)
@@ -200,8 +208,8 @@ class BatchProcessor:
             self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)
         if not any(read.alone for read in reads):
             reads = self.delivery.read_due() + reads
-        if self.app.tables:
-            reads = self.delivery.hold_back(reads, set(self.app.tables))
+        if self.delivery.order is not None:
+            reads = self.delivery.order.hold_back(reads, set(self.app.tables))
         return reads
 
     def apply_outbox_replays(self) -> None:

@@ -1,0 +1,157 @@
+"""Id order across a partition's topics, for apps with tables (DESIGN: Tables and lookups).
+
+Within a partition the entries of the app's topics are applied in id order across them (on equal
+ids, which entries of different streams may have, a table's first), so a lookup sees every table
+update before its entry and none after, and a replay sees the same. Streams are read in batches,
+so after a read a stream may still hold entries below what another stream delivered:
+
+- a stream whose read may have left entries (a full batch, its pending list, or no read at all
+  this cycle) bounds the partition at the last id it gave (else at a hint, else its checkpoint);
+  the entries above the bound are **held back** in memory (``StreamCursor.held``) and come first
+  in the stream's next read: they are not read again from Redis, so their delivery counts do not
+  grow (which would make them look like crash suspects, or poison);
+- a **crash suspect** (an entry whose delivery count says it may have crashed a worker) is run
+  alone, but only once no other stream of its partition holds an unapplied entry before it (a
+  look at each one's first entry after its checkpoint); until then it waits, and bounds the
+  partition just below itself.
+
+What is held is dropped with everything else read when a stream is rewound (a lost connection, a
+read ahead given up): it is still pending, and read again from the pending list.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pspf.keys import ZERO_ID, StreamId
+
+if TYPE_CHECKING:
+    from pspf.broker import Broker
+    from pspf.delivery import Read
+    from pspf.partition import OwnedPartition, StreamCursor
+
+
+class CrossTopicOrder:
+    """Keeps one cycle's reads of each partition in id order across its topics."""
+
+    def __init__(
+        self, broker: Broker, tables: frozenset[str], owned: dict[int, OwnedPartition], batch_size: int
+    ) -> None:
+        self.broker = broker
+        self.tables = tables
+        self.owned = owned
+        self.batch_size = batch_size
+        #: streams whose read of new entries this cycle got all there was (less than a batch)
+        self.complete: set[str] = set()
+        #: streams not read this cycle, and the id below which they have nothing left to apply
+        self.hints: dict[str, StreamId] = {}
+
+    def begin(self) -> None:
+        """A new cycle: nothing is known of it yet."""
+        self.complete = set()
+        self.hints = {}
+
+    def full_of_held(self, cursor: StreamCursor) -> bool:
+        """Whether a stream holds a batch back already: it reads nothing more this cycle."""
+        return cursor.held is not None and len(cursor.held.entries) >= self.batch_size
+
+    # -- crash suspects -------------------------------------------------------------------------
+
+    def first_suspect(self, suspects: list[tuple[StreamCursor, bytes]]) -> int | None:
+        """The index of the suspect to run alone now (None: each waits; see ``wait``).
+
+        Suspects are (cursor, entry id), each the head of its stream's pending list.
+        """
+        order = sorted(range(len(suspects)), key=lambda i: StreamId.parse(suspects[i][1]))
+        for index in order:
+            cursor, entry_id = suspects[index]
+            if self._first_in_partition(cursor, StreamId.parse(entry_id)):
+                return index
+        return None
+
+    def wait(self, cursor: StreamCursor, entry_id: bytes) -> None:
+        """A suspect not run this cycle: its stream bounds the partition just below it."""
+        self.hints[cursor.stream] = StreamId.parse(entry_id).previous()
+
+    def _first_in_partition(self, cursor: StreamCursor, at: StreamId) -> bool:
+        """Whether no other stream of the partition has an unapplied entry that comes before ``at``."""
+        others = [c for c in self.owned[cursor.partition].streams.values() if c is not cursor]
+        if not others:
+            return True
+        heads = dict(self.broker.read_after({c.stream: c.checkpoint for c in others}, 1))
+        for other in others:
+            head = heads.get(other.stream)
+            if not head:
+                continue
+            first = StreamId.parse(head[0][0])
+            if first < at or (first == at and other.topic in self.tables and cursor.topic not in self.tables):
+                return False
+        return True
+
+    # -- holding back -------------------------------------------------------------------------
+
+    def with_held(self, reads: list[Read], streams: list[StreamCursor]) -> list[Read]:
+        """Each stream's held entries first in its read this cycle (alone when it read nothing)."""
+        by_stream = {r.cursor.stream: i for i, r in enumerate(reads) if not r.due}
+        out = list(reads)
+        for cursor in streams:
+            held = cursor.held
+            if held is None:
+                continue
+            cursor.held = None
+            index = by_stream.get(cursor.stream)
+            if index is None:
+                out.append(held)
+                continue
+            read = out[index]
+            out[index] = read._replace(
+                entries=held.entries + read.entries,
+                counts={**held.counts, **read.counts},
+                poison=held.poison | read.poison,
+            )
+        return out
+
+    def hold_back(self, reads: list[Read], first: set[str]) -> list[Read]:
+        """The reads to apply now, each partition's tables first; what comes later is held back.
+
+        A read run alone (a crash suspect, found first in its partition) is applied as it is.
+        """
+        if any(read.alone for read in reads):
+            return reads
+        by_partition: dict[int, list[Read]] = {}
+        for read in reads:
+            by_partition.setdefault(read.cursor.partition, []).append(read)
+        out: list[Read] = []
+        for partition, partition_reads in by_partition.items():
+            bound = self._bound(self.owned[partition], partition_reads)
+            kept = partition_reads if bound is None else [self._below(r, bound) for r in partition_reads]
+            kept.sort(key=lambda r: r.cursor.topic not in first)
+            out += [r for r in kept if r.entries]
+        return out
+
+    def _bound(self, owned: OwnedPartition, reads: list[Read]) -> StreamId | None:
+        """The largest id every stream of the partition has been read to (None: no bound)."""
+        last = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
+        points = [
+            last.get(c.stream) or self.hints.get(c.stream) or c.checkpoint or ZERO_ID
+            for c in owned.streams.values()
+            if c.stream not in self.complete
+        ]
+        return min(points) if points else None
+
+    def _below(self, read: Read, bound: StreamId) -> Read:
+        """``read`` up to ``bound``; the rest is held for the stream's next read (a due read: whole)."""
+        entries = read.entries
+        if read.due or StreamId.parse(entries[-1][0]) <= bound:
+            return read
+        cut = next(i for i, (entry_id, _) in enumerate(entries) if StreamId.parse(entry_id) > bound)
+        read.cursor.held = read._replace(entries=entries[cut:])
+        return read._replace(entries=entries[:cut])
+
+    def after_cycle(self, cursor: StreamCursor) -> None:
+        """A stream reading its pending list goes on after what it holds (not over it again)."""
+        held = cursor.held
+        if held is not None and cursor.pending_after is not None:
+            last = StreamId.parse(held.entries[-1][0])
+            if last > cursor.pending_after:
+                cursor.pending_after = last

@@ -1,0 +1,65 @@
+"""The enrichment app the tables crash test runs in worker subprocesses
+(``pspf run tests.crash.apps_tables:main``).
+
+Orders (keyed by customer) are enriched with the customer's row of the ``customers`` table and the
+product's row of the ``products`` global table: each order adds ``qty * price`` to its customer's
+revenue, and is emitted to the output topic with the tier and price its lookups saw.
+
+Configured by environment variables, read when ``main`` is called:
+
+- ``PSPF_TEST_TOPIC``, ``PSPF_TEST_APP``: the orders topic and the app (consumer group) name;
+- ``PSPF_TEST_CUSTOMERS``, ``PSPF_TEST_PRODUCTS``, ``PSPF_TEST_TARGET``: the table's topic, the
+  global table's topic and the topic the enriched orders go to;
+- ``PSPF_TEST_WORK_US``: microseconds of busy work per order, so kills land mid-stream.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from pspf import App, Context
+
+
+class Customer(msgspec.Struct):
+    tier: str
+
+
+class Product(msgspec.Struct):
+    price: int
+
+
+class Order(msgspec.Struct):
+    n: int
+    product: str
+    qty: int
+
+
+def main() -> App:
+    env = os.environ
+    app = App(env["PSPF_TEST_APP"])
+    customers, products = env["PSPF_TEST_CUSTOMERS"], env["PSPF_TEST_PRODUCTS"]
+    target = env["PSPF_TEST_TARGET"]
+    work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
+    app.table(customers, value_type=Customer)
+    app.global_table(products, value_type=Product)
+
+    @app.handler(env["PSPF_TEST_TOPIC"])
+    def enrich(order: Order, ctx: Context) -> None:
+        customer: Customer | None = ctx.table(customers)
+        product: Product | None = ctx.table(products, key=order.product)
+        price = -1 if product is None else product.price
+        state: dict[str, Any] = ctx.state
+        state["revenue"] = state.get("revenue", 0) + order.qty * price
+        state["count"] = state.get("count", 0) + 1
+        tier = None if customer is None else customer.tier
+        ctx.emit(target, {"n": order.n, "tier": tier, "price": price}, key=ctx.key)
+        if work_s:
+            end = time.perf_counter() + work_s
+            while time.perf_counter() < end:
+                pass
+
+    return app

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from pspf.partition import OwnedPartition, StreamCursor
 
 
+#: (id, rank): entries up to it may be applied; rank 0 is a table's entry (first on equal ids)
+Bound = tuple[StreamId, int]
+
+
 class CrossTopicOrder:
     """Keeps one cycle's reads of each partition in id order across its topics."""
 
@@ -43,8 +47,8 @@ class CrossTopicOrder:
         self.batch_size = batch_size
         #: streams whose read of new entries this cycle got all there was (less than a batch)
         self.complete: set[str] = set()
-        #: streams not read this cycle, and the id below which they have nothing left to apply
-        self.hints: dict[str, StreamId] = {}
+        #: streams not read this cycle, and the bound their next entry sets (see ``_bound``)
+        self.hints: dict[str, Bound] = {}
 
     def begin(self) -> None:
         """A new cycle: nothing is known of it yet."""
@@ -65,13 +69,20 @@ class CrossTopicOrder:
         order = sorted(range(len(suspects)), key=lambda i: StreamId.parse(suspects[i][1]))
         for index in order:
             cursor, entry_id = suspects[index]
-            if self._first_in_partition(cursor, StreamId.parse(entry_id)):
+            at = StreamId.parse(entry_id)
+            # At or below its checkpoint it was applied (its acknowledgement was lost): it waits
+            # for nothing.
+            if (cursor.checkpoint is not None and at <= cursor.checkpoint) or self._first_in_partition(
+                cursor, at
+            ):
                 return index
         return None
 
     def wait(self, cursor: StreamCursor, entry_id: bytes) -> None:
-        """A suspect not run this cycle: its stream bounds the partition just below it."""
-        self.hints[cursor.stream] = StreamId.parse(entry_id).previous()
+        """A suspect not run this cycle: its stream bounds the partition just before it."""
+        at = StreamId.parse(entry_id)
+        # An entry of a table with the suspect's own id comes before it, unless it is a table's.
+        self.hints[cursor.stream] = (at.previous(), 1) if cursor.topic in self.tables else (at, 0)
 
     def _first_in_partition(self, cursor: StreamCursor, at: StreamId) -> bool:
         """Whether no other stream of the partition has an unapplied entry that comes before ``at``."""
@@ -129,22 +140,32 @@ class CrossTopicOrder:
             out += [r for r in kept if r.entries]
         return out
 
-    def _bound(self, owned: OwnedPartition, reads: list[Read]) -> StreamId | None:
-        """The largest id every stream of the partition has been read to (None: no bound)."""
+    def _bound(self, owned: OwnedPartition, reads: list[Read]) -> Bound | None:
+        """How far the partition's entries may be applied now (None: all of them).
+
+        An entry is applied when (its id, 0 for a table's or 1) is at most the bound. A stream
+        that may hold more after the last entry it gave (or after its checkpoint, when it gave
+        none) bounds at that id, for every stream; a waiting suspect at itself (``wait``).
+        """
         last = {r.cursor.stream: StreamId.parse(r.entries[-1][0]) for r in reads if not r.due}
-        points = [
-            last.get(c.stream) or self.hints.get(c.stream) or c.checkpoint or ZERO_ID
-            for c in owned.streams.values()
-            if c.stream not in self.complete
-        ]
+        points: list[Bound] = []
+        for c in owned.streams.values():
+            if c.stream in self.complete:
+                continue
+            read_to = last.get(c.stream)
+            if read_to is not None:
+                points.append((read_to, 1))
+            else:
+                points.append(self.hints.get(c.stream) or (c.checkpoint or ZERO_ID, 1))
         return min(points) if points else None
 
-    def _below(self, read: Read, bound: StreamId) -> Read:
+    def _below(self, read: Read, bound: Bound) -> Read:
         """``read`` up to ``bound``; the rest is held for the stream's next read (a due read: whole)."""
         entries = read.entries
-        if read.due or StreamId.parse(entries[-1][0]) <= bound:
+        rank = 0 if read.cursor.topic in self.tables else 1
+        if read.due or (StreamId.parse(entries[-1][0]), rank) <= bound:
             return read
-        cut = next(i for i, (entry_id, _) in enumerate(entries) if StreamId.parse(entry_id) > bound)
+        cut = next(i for i, (entry_id, _) in enumerate(entries) if (StreamId.parse(entry_id), rank) > bound)
         read.cursor.held = read._replace(entries=entries[cut:])
         return read._replace(entries=entries[:cut])
 

@@ -45,7 +45,7 @@ def aggregation(spec: WindowSpec) -> Aggregation:
 
     session = spec.kind == "session"
     app.window("clicks", spec, emit_to="out", merge=merge if session else None)(collect)
-    return app.windows["clicks"]
+    return app.windows["collect"]
 
 
 def run(spec: WindowSpec, events: list[Event], seed: int) -> tuple[list[Result], int]:
@@ -53,21 +53,21 @@ def run(spec: WindowSpec, events: list[Event], seed: int) -> tuple[list[Result],
     rng = random.Random(seed)
     agg = aggregation(spec)
     store = MemoryStore()
-    state = PartitionWindows.load(store, {"clicks": agg})
+    state = PartitionWindows.load(store, {agg.name: agg})
     out = Results()
     late = 0
     i = 0
     while i < len(events):
         batch = events[i : i + rng.randint(1, 12)]
         for j, (key, ts) in enumerate(batch, start=i):
-            state.apply(state.change(agg, key, ts, j, f"{1000 + j}-0".encode()))
+            state.apply([state.change(agg, key, ts, j, f"{1000 + j}-0".encode())])
         i += len(batch)
         state.close(out, 0)  # type: ignore[arg-type]
         late += sum(state.take_late().values())
         store.write(state.writes(), {})
         state.committed()
         if rng.random() < 0.2:
-            state = PartitionWindows.load(store, {"clicks": agg})
+            state = PartitionWindows.load(store, {agg.name: agg})
     state.advance_to_close_all()
     state.close(out, 0)  # type: ignore[arg-type]
     store.write(state.writes(), {})

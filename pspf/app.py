@@ -319,6 +319,7 @@ class App:
 
         def register(func: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
             window_name = self._window_name(topic, func, name)
+            self._check_not_table(topic, f"window {window_name!r}")
             if policy is not None:
                 self._check_window_retry(topic, window_name)
             own = self._own.get(topic)
@@ -357,8 +358,9 @@ class App:
         return chosen
 
     def _check_handler(self, topic: str, handler: Handler) -> None:
-        """A handler may join the topic: it has none, and the windows it has allow it."""
+        """A handler may join the topic: no table reads it, it has no handler, its windows allow it."""
         func = handler.func.__qualname__
+        self._check_not_table(topic, f"handler {func}")
         old = self._own.get(topic)
         if old is not None:
             raise ConfigError(
@@ -378,6 +380,14 @@ class App:
                 f"the handler {func} the topic's entries are retried with the handler's policy: "
                 "give retry= to the handler"
             )
+
+    def _check_not_table(self, topic: str, what: str) -> None:
+        """A table's topic is read as the table only (as ``_check_free`` says the other way round)."""
+        for kind, taken in (("a table", self.tables), ("a global table", self.global_tables)):
+            if topic in taken:
+                raise ConfigError(
+                    f"app {self.name!r}: topic {topic!r} is already read by {kind}: {what} cannot read it"
+                )
 
     def _check_window_retry(self, topic: str, name: str) -> None:
         """A window may set the topic's policy only as its first consumer."""

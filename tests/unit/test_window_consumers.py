@@ -247,3 +247,21 @@ def test_the_late_log_says_it_at_most_every_few_seconds_with_the_counts_since_th
         "late entries dropped (all their windows had closed) since the last such line, by window: "
         "long=4 short=2",
     ]
+
+
+def test_a_tables_topic_takes_neither_a_handler_nor_a_window() -> None:
+    app = App("tables")
+    app.table("users")
+    app.global_table("countries")
+
+    def handle(value: Any, ctx: Context) -> None: ...
+
+    with pytest.raises(ConfigError) as handler:
+        app.handler("users")(handle)
+    assert one_line(handler).startswith("app 'tables': topic 'users' is already read by a table: handler ")
+    with pytest.raises(ConfigError) as window:
+        app.window("countries", windows.tumbling(SECOND), emit_to="out")(count)
+    assert one_line(window) == (
+        "app 'tables': topic 'countries' is already read by a global table: window 'count' cannot read it"
+    )
+    assert (app.topics, list(app.windows)) == (["users"], [])

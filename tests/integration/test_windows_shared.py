@@ -8,6 +8,7 @@ Also: late entries in the run's summary and the log, the windows by name in ``ps
 
 from __future__ import annotations
 
+import json
 import logging
 import zlib
 from collections import Counter
@@ -195,6 +196,14 @@ def test_pspf_run_says_the_late_entries_and_state_get_shows_each_window_by_name(
         f"count ({source}) [{five}, {five + MINUTE_MS}]: 1\n"
         f"total ({source}) [{five}, {five + 2 * MINUTE_MS}]: 1\n"
     )
+    as_json = invoke("state", "get", app, "u", "--window", "--json")
+    assert json.loads(as_json.output)[1] == {
+        "window": "count",
+        "topic": source,
+        "start": five,
+        "end": five + MINUTE_MS,
+        "value": 1,
+    }
 
 
 def test_two_windows_of_one_name_stop_pspf_run_with_one_line_naming_them(

@@ -523,35 +523,32 @@ class PartitionWindows:
     def apply(self, changes: list[Change]) -> None:
         """Make an entry's changes the partition's (its attempt returned), in order."""
         for change in changes:
+            name = change.window
             if change.late:
-                self.late[change.window] = self.late.get(change.window, 0) + 1
+                self.late[name] = self.late.get(name, 0) + 1
                 continue
-            state = self.open[change.window]
+            state = self.open[name]
+            spec = state.aggregation.spec
             key, ts = change.key, change.ts
             if self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
                 self.stream_ms, self._time_moved = ts, True
                 self.source = (state.aggregation.topic, change.entry_id)
             for start, end in change.removes:
                 self._drop_window(state, key, start, end)
-            self._set(state, change)
-
-    def _set(self, state: _Open, change: Change) -> None:
-        spec = state.aggregation.spec
-        key, ts = change.key, change.ts
-        accs, dirty, name = state.accs, self._dirty, change.window
-        for start, end, acc in change.sets:
-            window = (key, start, end)
-            if window not in accs:
-                heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
-                if spec.kind == "session":
-                    bisect.insort(state.sessions.setdefault(key, []), (start, end))
-            accs[window] = acc
-            dirty[(name, "w", key, start, end)] = acc
-        if change.kept is not None:
-            entry_id = change.entry_id
-            bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))
-            heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
-            self._write(name, "e", key, ts, entry_id.decode(), change.kept)
+            accs, dirty = state.accs, self._dirty
+            for start, end, acc in change.sets:
+                window = (key, start, end)
+                if window not in accs:
+                    heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
+                    if spec.kind == "session":
+                        bisect.insort(state.sessions.setdefault(key, []), (start, end))
+                accs[window] = acc
+                dirty[(name, "w", key, start, end)] = acc
+            if change.kept is not None:
+                entry_id = change.entry_id
+                bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))
+                heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
+                self._write(name, "e", key, ts, entry_id.decode(), change.kept)
 
     def _write(self, name: str, kind: str, key: str, a: int, b: int | str, value: bytes | None) -> None:
         self._dirty[(name, kind, key, a, b)] = value

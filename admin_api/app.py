@@ -47,6 +47,7 @@ from pspf.service import (
     DeadLetterInfo,
     DlqChange,
     Health,
+    OpenWindow,
     OutboxReplay,
     OutboxRowDetail,
     OutboxRowInfo,
@@ -287,9 +288,9 @@ def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str,
     "/apps/{app:str}/state/{key:str}/windows",
     sync_to_thread=True,
     responses=_errors(404),
-    summary="The open windows of one key, oldest first",
+    summary="The open windows of one key, oldest first, each with its window's name",
 )
-def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[dict[str, Any]]:
+def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[OpenWindow]:
     return _service(state).state_windows(app, key)
 
 

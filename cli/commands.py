@@ -282,7 +282,8 @@ def state_get(
             print_json(windows)
             return
         for w in windows:
-            click.echo(f"{w['topic']} [{w['start']}, {w['end']}]: {json_text(w['value'])}")
+            name = f"{w.window} ({w.topic})" if w.window else f"({w.topic})"
+            click.echo(f"{name} [{w.start}, {w.end}]: {json_text(w.value)}")
         return
     value = service.state_get(app, key)
     if as_json:

@@ -370,14 +370,19 @@ def run_summary(summary: RunSummary) -> str:
     """The last line of ``pspf run``: entries processed and dead-lettered, attempts retried.
 
     Entries and attempts are counted apart: an entry tried three times before the DLQ is one
-    entry dead-lettered and two failed attempts retried (in order or parked).
+    entry dead-lettered and two failed attempts retried (in order or parked). Entries late for
+    a window (all their windows had closed) and dropped follow, by window, when there were any.
     """
     processed = counted(summary.handled, "entry")
     retried = counted(summary.retried + summary.parked, "failed attempt")
-    return (
+    line = (
         f"processed {processed} ({summary.skipped} already done), "
         f"{summary.dead_lettered} dead-lettered, {retried} retried"
     )
+    if summary.late:
+        by_window = ", ".join(f"{name} {late}" for name, late in sorted(summary.late_windows.items()))
+        line += f"; {counted(summary.late, 'late entry', 'late entries')} dropped ({by_window})"
+    return line
 
 
 def _at_least_one(workers: int) -> int:

@@ -2,6 +2,11 @@
 
 ``pspf run module:attr`` loads an App (or a zero-argument function returning one) and hands it
 to a worker.
+
+A topic has at most one handler and any number of windows. Whatever it has runs as ONE attempt
+per entry: the handler, then each window in the order declared; what they do (state writes,
+emits, window changes) joins the batch only if all of them return, and the first that raises
+fails the entry for all (retries, then the DLQ).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -31,17 +36,59 @@ TimerFunc = Callable[[TimerContext], None]
 ScheduleFunc = Callable[[Any, Context], None]
 
 
+class Decoder(Protocol):
+    """Turns an entry's fields into what a handler's function takes."""
+
+    @property
+    def value_type(self) -> Any: ...
+
+    def decode(self, fields: dict[bytes, bytes]) -> Any: ...
+
+
 class Handler(msgspec.Struct, frozen=True):
-    """A registered handler: its topic, function, value decoder and failure policy."""
+    """What a topic's entries run: its function, value decoder and failure policy.
+
+    The topic's ``@app.handler``, or its windows, or both run as one (``_Consumers``).
+    """
 
     topic: str
     func: Callable[..., Any]
     is_async: bool
-    decoder: ValueDecoder
+    decoder: Decoder
     retry: RetryPolicy
     non_retryable: tuple[type[BaseException], ...]
     #: the state this handler writes expires after this long without a write; None: never
     state_ttl_ms: int | None = None
+
+
+class _Consumers:
+    """A topic's handler and windows as the one function its entries run.
+
+    Each gets the value decoded into its own declared type (``value[index]``; the value itself
+    when they all declare one type).
+    """
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: list[tuple[Callable[[Any, Context], None], int | None]]) -> None:
+        self.calls = calls
+
+    def __call__(self, value: Any, ctx: Context) -> None:
+        for func, index in self.calls:
+            func(value if index is None else value[index], ctx)
+
+
+class _Values:
+    """Decodes an entry once into each value type the consumers of its topic declare."""
+
+    __slots__ = ("decoders", "value_type")
+
+    def __init__(self, types: list[Any]) -> None:
+        self.value_type = tuple(types)
+        self.decoders = [ValueDecoder(value_type) for value_type in types]
+
+    def decode(self, fields: dict[bytes, bytes]) -> tuple[Any, ...]:
+        return tuple([decoder.decode(fields) for decoder in self.decoders])
 
 
 class Callback(msgspec.Struct, frozen=True):
@@ -93,12 +140,17 @@ class App:
             ) from None
         self.retry = (retry or RetryPolicy()).validated()
         self.non_retryable = non_retryable
+        #: what each topic's entries run: its handler, its windows, or all of them as one
         self.handlers: dict[str, Handler] = {}
-        #: the window aggregations, by topic (each also has the topic's handler)
+        #: the window aggregations, by name
         self.windows: dict[str, Aggregation] = {}
         #: tables (co-partitioned) and global tables, by topic; a table's topic has its handler
         self.tables: dict[str, Table] = {}
         self.global_tables: dict[str, Table] = {}
+        #: each topic's ``@app.handler``
+        self._own: dict[str, Handler] = {}
+        #: the policy a topic's first window set with ``retry=``
+        self._window_retry: dict[str, RetryPolicy] = {}
         self.timers: list[Timer] = []
         self.callbacks: dict[str, Callback] = {}
         self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
@@ -116,17 +168,16 @@ class App:
         The annotation of the first parameter, when present, is the value type: entries are
         decoded into it (a msgspec Struct, dict, list, ...). ``async def`` handlers are awaited.
         ``retry`` overrides the app's policy for this handler (``mode="deferred"``,
-        ``timeout_ms``, ...); ``non_retryable`` adds to the app's list; ``state_ttl`` to the
-        app's for the keys this handler writes.
+        ``timeout_ms``, ...) and for the topic's windows; ``non_retryable`` adds to the app's
+        list; ``state_ttl`` to the app's for the keys this handler writes. One handler per topic;
+        windows may share it (``window``), when the handler is a plain ``def``.
         """
         check_name("topic", topic)
         policy = (retry or RetryPolicy()).validated().over(self.retry)
         ttl_ms = self.state_ttl_ms if state_ttl is None else ms_of("state_ttl", state_ttl)
 
         def register(func: HandlerFunc) -> HandlerFunc:
-            if topic in self.handlers:
-                raise ConfigError(f"app {self.name!r} already has a handler for topic {topic!r}")
-            self.handlers[topic] = Handler(
+            handler = Handler(
                 topic=topic,
                 func=func,
                 is_async=inspect.iscoroutinefunction(func),
@@ -135,6 +186,9 @@ class App:
                 non_retryable=(*self.non_retryable, *non_retryable),
                 state_ttl_ms=ttl_ms,
             )
+            self._check_handler(topic, handler)
+            self._own[topic] = handler
+            self._combine(topic)
             return func
 
         return register
@@ -236,6 +290,7 @@ class App:
         late: LatePolicy = "drop",
         merge: Callable[[Any, Any], Any] | None = None,
         retry: RetryPolicy | None = None,
+        name: str | None = None,
     ) -> Callable[[Callable[[Any, Any], Any]], Callable[[Any, Any], Any]]:
         """Register ``func(accumulator, value) -> accumulator`` over time windows of ``topic``.
 
@@ -244,31 +299,142 @@ class App:
         string), or a function of (value, ctx); without it, the time Redis appended the entry.
         When a window closes, ``{"key", "start", "end", "value"}`` is emitted to ``emit_to``
         under the entry key, exactly once. ``late``: what happens to an entry whose windows have
-        closed: "drop" (counted in a metric) or "dlq". ``merge(a, b)`` combines two sessions'
-        accumulators (session windows need it). The accumulator type is the annotation of the
-        first parameter, the value type that of the second.
+        closed: "drop" (counted in the run's summary, a log line and a metric) or "dlq".
+        ``merge(a, b)`` combines two sessions' accumulators (session windows need it). The
+        accumulator type is the annotation of the first parameter, the value type that of the
+        second.
+
+        ``name`` (default: the function's name) is the window's identity in the store and its
+        backup, ``pspf state get --window``, the metrics and the logs: unique in the app, and a
+        valid name (letters, digits, ``.``, ``_``, ``-``). A topic may have several windows and a
+        handler; each entry is one attempt for all of them, retried with ONE policy: the
+        handler's, or without a handler the first window's. So ``retry`` may be given only by
+        the topic's first window, and only when the topic has no handler.
         """
         check_name("topic", topic)
         if emit_to is None:
             raise ConfigError(f"window of topic {topic!r}: emit_to (the topic of its results) is required")
         check_name("topic", emit_to)
+        policy = None if retry is None else retry.validated().over(self.retry)
 
         def register(func: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-            if topic in self.handlers:
-                raise ConfigError(f"app {self.name!r} already has a handler for topic {topic!r}")
-            aggregation = Aggregation(topic, spec, func, emit_to, timestamp, late, merge)
-            self.windows[topic] = aggregation
-            self.handlers[topic] = Handler(
-                topic=topic,
-                func=aggregation.handler,
-                is_async=False,
-                decoder=ValueDecoder(aggregation.value_type),
-                retry=(retry or RetryPolicy()).validated().over(self.retry),
-                non_retryable=self.non_retryable,
-            )
+            window_name = self._window_name(topic, func, name)
+            self._check_not_table(topic, f"window {window_name!r}")
+            if policy is not None:
+                self._check_window_retry(topic, window_name)
+            own = self._own.get(topic)
+            if own is not None and own.is_async:
+                raise ConfigError(
+                    f"app {self.name!r}, topic {topic!r}: window {window_name!r} cannot share the topic "
+                    f"with the async handler {own.func.__qualname__}: a topic's handler and windows run "
+                    "as one attempt, in order, so the handler must be a plain def"
+                )
+            aggregation = Aggregation(window_name, topic, spec, func, emit_to, timestamp, late, merge)
+            self.windows[window_name] = aggregation
+            if policy is not None:
+                self._window_retry[topic] = policy
+            self._combine(topic)
             return func
 
         return register
+
+    def windows_of(self, topic: str) -> list[Aggregation]:
+        """The windows of ``topic``, in the order declared."""
+        return [w for w in self.windows.values() if w.topic == topic]
+
+    def _window_name(self, topic: str, func: Callable[..., Any], name: str | None) -> str:
+        """The name of a new window of ``topic``: valid, and no other window's."""
+        chosen = func.__name__ if name is None else name
+        try:
+            check_name("window", chosen)
+        except ConfigError as exc:
+            raise ConfigError(f"app {self.name!r}, window of topic {topic!r}: {exc} (name=)") from None
+        other = self.windows.get(chosen)
+        if other is not None:
+            raise ConfigError(
+                f"app {self.name!r} already has a window named {chosen!r} (of topic {other.topic!r}): "
+                f"the window of topic {topic!r} needs another name (name=)"
+            )
+        return chosen
+
+    def _check_handler(self, topic: str, handler: Handler) -> None:
+        """A handler may join the topic: no table reads it, it has no handler, its windows allow it."""
+        func = handler.func.__qualname__
+        self._check_not_table(topic, f"handler {func}")
+        old = self._own.get(topic)
+        if old is not None:
+            raise ConfigError(
+                f"app {self.name!r} already has a handler for topic {topic!r} ({old.func.__qualname__}): "
+                f"{func} cannot be a second one"
+            )
+        windows = self.windows_of(topic)
+        if windows and handler.is_async:
+            raise ConfigError(
+                f"app {self.name!r}, topic {topic!r}: the async handler {func} cannot share the topic "
+                f"with window {windows[0].name!r}: a topic's handler and windows run as one attempt, "
+                "in order, so the handler must be a plain def"
+            )
+        if topic in self._window_retry:
+            raise ConfigError(
+                f"app {self.name!r}, topic {topic!r}: window {windows[0].name!r} sets retry=, but with "
+                f"the handler {func} the topic's entries are retried with the handler's policy: "
+                "give retry= to the handler"
+            )
+
+    def _check_not_table(self, topic: str, what: str) -> None:
+        """A table's topic is read as the table only (as ``_check_free`` says the other way round)."""
+        for kind, taken in (("a table", self.tables), ("a global table", self.global_tables)):
+            if topic in taken:
+                raise ConfigError(
+                    f"app {self.name!r}: topic {topic!r} is already read by {kind}: {what} cannot read it"
+                )
+
+    def _check_window_retry(self, topic: str, name: str) -> None:
+        """A window may set the topic's policy only as its first consumer."""
+        if topic in self._own:
+            setter = f"its handler {self._own[topic].func.__qualname__}"
+        elif windows := self.windows_of(topic):
+            setter = f"its first window {windows[0].name!r}"
+        else:
+            return
+        raise ConfigError(
+            f"app {self.name!r}, topic {topic!r}: window {name!r} sets retry=, but the topic's "
+            f"entries are one attempt for all its consumers, retried with the policy of {setter}: "
+            "give retry= there"
+        )
+
+    def _combine(self, topic: str) -> None:
+        """Make ``handlers[topic]`` what the topic's entries run (see the module docstring)."""
+        own, windows = self._own.get(topic), self.windows_of(topic)
+        if not windows:
+            assert own is not None
+            self.handlers[topic] = own
+            return
+        calls: list[tuple[Callable[[Any, Context], None], Any]] = [(w.handler, w.value_type) for w in windows]
+        if own is not None:
+            calls.insert(0, (own.func, own.decoder.value_type))
+        types: list[Any] = []
+        for _, value_type in calls:
+            if value_type not in types:
+                types.append(value_type)
+        func: Callable[..., Any]
+        decoder: Decoder
+        if len(calls) == 1:
+            func, decoder = calls[0][0], ValueDecoder(types[0])
+        elif len(types) == 1:
+            func, decoder = _Consumers([(f, None) for f, _ in calls]), ValueDecoder(types[0])
+        else:
+            func, decoder = _Consumers([(f, types.index(t)) for f, t in calls]), _Values(types)
+        default = RetryPolicy().validated().over(self.retry)
+        self.handlers[topic] = Handler(
+            topic=topic,
+            func=func,
+            is_async=False,
+            decoder=decoder,
+            retry=own.retry if own is not None else self._window_retry.get(topic, default),
+            non_retryable=own.non_retryable if own is not None else self.non_retryable,
+            state_ttl_ms=None if own is None else own.state_ttl_ms,
+        )
 
     @property
     def topics(self) -> list[str]:

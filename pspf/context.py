@@ -63,8 +63,8 @@ class Attempt:
     base: bytes | None
     #: the entries ``emit`` made, in order (None: none)
     emitted: list[Emitted] | None
-    #: what a window aggregation's entry changes in its windows (a ``pspf.windows.Change``;
-    #: typed by name only, as ``StateSource.windows`` is)
+    #: what the entry changes in its topic's windows: a list of ``pspf.windows.Change``, one per
+    #: window, None for a topic without windows (typed by name only, as ``StateSource.windows`` is)
     windowed: Any
     schedules: list[ScheduledCall] | None
     #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)

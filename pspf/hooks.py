@@ -35,7 +35,8 @@ class Counts(msgspec.Struct, kw_only=True):
     #: outbox rows published, and publish attempts that failed
     published: int = 0
     publish_failed: int = 0
-    #: entries whose windows had all closed (not applied), and windows closed
+    #: entries whose windows had all closed (not applied; an entry counts once per such window),
+    #: and windows closed
     late: int = 0
     windows_closed: int = 0
     #: scheduled callbacks and timer periods that ran, and those that raised (dropped)
@@ -43,10 +44,17 @@ class Counts(msgspec.Struct, kw_only=True):
     callbacks_failed: int = 0
     timers_run: int = 0
     timers_failed: int = 0
+    #: ``late`` by window name
+    late_windows: dict[str, int] = msgspec.field(default_factory=dict)
 
     def add(self, other: Counts) -> None:
-        for name in Counts.__struct_fields__:
+        for name in _SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for window, entries in other.late_windows.items():
+            self.late_windows[window] = self.late_windows.get(window, 0) + entries
+
+
+_SUMMED = tuple(name for name in Counts.__struct_fields__ if name != "late_windows")
 
 
 class CycleResult(Counts, kw_only=True):
@@ -129,8 +137,12 @@ class ProcessorHooks(RelayHooks):
     def on_dead_letter(self, record: DeadLetter) -> None:
         """An entry was moved to the DLQ."""
 
-    def on_late(self, topic: str, partition: int, entries: int) -> None:
-        """``entries`` of a window aggregation came after all their windows closed: not applied."""
+    def on_late(self, window: str, topic: str, partition: int, entries: int) -> None:
+        """``entries`` of ``topic`` came after all their windows of ``window`` (its name) closed.
+
+        They were not applied to that window (the topic's other windows and handler may have
+        taken them).
+        """
 
 
 class HookChain(ProcessorHooks):
@@ -167,8 +179,8 @@ class HookChain(ProcessorHooks):
     def on_dead_letter(self, record: DeadLetter) -> None:
         self._each("on_dead_letter", record)
 
-    def on_late(self, topic: str, partition: int, entries: int) -> None:
-        self._each("on_late", topic, partition, entries)
+    def on_late(self, window: str, topic: str, partition: int, entries: int) -> None:
+        self._each("on_late", window, topic, partition, entries)
 
     def on_outbox_claimed(self, partition: int, rows: int) -> None:
         self._each("on_outbox_claimed", partition, rows)

@@ -193,19 +193,34 @@ def entry_name(topic: str, entry_id: bytes) -> str:
     return f"{topic}/{entry_id.decode()}"
 
 
-def window_key(topic: str, kind: str, key: str, a: int, b: int | str) -> str:
+class WindowKey(NamedTuple):
+    """The parts of a ``window_key``."""
+
+    topic: str
+    #: the window's name; "" in the layout of stores written before windows had names, which
+    #: keyed a topic's one window by the topic alone
+    name: str
+    kind: str
+    key: str
+    a: int
+    b: str
+
+
+def window_key(topic: str, name: str, kind: str, key: str, a: int, b: int | str) -> str:
     """The store key of a window's state, the entry key last (it may hold any character).
 
-    Kinds: a window's accumulator ("w": start, end), a closed session's marker ("c": start,
-    end), a sliding window's kept entry ("e": event time, entry id).
+    A window is known by its name and its topic (``topic:name``; names cannot hold ``:``). Kinds:
+    a window's accumulator ("w": start, end), a closed session's marker ("c": start, end), a
+    sliding window's kept entry ("e": event time, entry id).
     """
-    return f"{topic}/{kind}/{a}/{b}/{key}"
+    return f"{topic}:{name}/{kind}/{a}/{b}/{key}"
 
 
-def split_window_key(name: str) -> tuple[str, str, str, int, str]:
-    """(topic, kind, key, a, b) of a ``window_key``."""
-    topic, kind, a, b, key = name.split("/", 4)
-    return topic, kind, key, int(a), b
+def split_window_key(stored: str) -> WindowKey:
+    """The parts of a ``window_key``, or of a key that names a topic alone (``name`` "")."""
+    window, kind, a, b, key = stored.split("/", 4)
+    topic, _, name = window.partition(":")
+    return WindowKey(topic, name, kind, key, int(a), b)
 
 
 def backup_key(topic: str, partition: int, group: str) -> str:

@@ -74,7 +74,7 @@ _APP = ("app",)
 
 
 class _Instruments(NamedTuple):
-    """A worker's series; per entry ones are labelled (app, topic, partition), the rest by app."""
+    """A worker's series: per entry ones by (app, topic, partition; late ones also window), others by app."""
 
     processed: Counter
     skipped: Counter
@@ -119,8 +119,8 @@ _SERIES: dict[str, tuple[type[Counter | Gauge | Histogram], str, str, tuple[str,
     "late": (
         Counter,
         "pspf_window_late_entries",
-        "Entries of a window aggregation that came after all their windows closed: not applied.",
-        _ENTRY,
+        "Entries that came after all their windows of a window aggregation closed: not applied to it.",
+        (*_ENTRY, "window"),
         (),
     ),
     "batch_size": (
@@ -343,8 +343,8 @@ class WorkerMetrics(ProcessorHooks):
     def on_dead_letter(self, record: DeadLetter) -> None:
         self._counters(record.source_topic, record.source_partition).dead_lettered.inc()
 
-    def on_late(self, topic: str, partition: int, entries: int) -> None:
-        self.m.late.labels(self.app, topic, str(partition)).inc(entries)
+    def on_late(self, window: str, topic: str, partition: int, entries: int) -> None:
+        self.m.late.labels(self.app, topic, str(partition), window).inc(entries)
 
     def on_outbox_settled(
         self, partition: int, published: list[tuple[int, int]], failed: list[OutboxRow]

@@ -399,3 +399,15 @@ class ExportValue(msgspec.Struct, frozen=True, kw_only=True, tag="value", tag_fi
 class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
     partitions: int
     values: int
+
+
+class OpenWindow(msgspec.Struct, frozen=True, kw_only=True):
+    """One open window of a key and its accumulator so far (``pspf state get --window``)."""
+
+    #: the window's name (``@app.window``'s ``name=``, by default its function's name); null for
+    #: state written before windows had names, which a worker adopts when it loads it
+    window: str | None
+    topic: str
+    start: int
+    end: int
+    value: Any

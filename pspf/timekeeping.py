@@ -43,6 +43,36 @@ class Clock:
         return time.monotonic()
 
 
+class LateLog:
+    """Says in the log that windows dropped late entries: a line at most every ``every_s``.
+
+    Each line sums, per window, what came since the previous one, so a stream of stragglers
+    costs a line every few seconds rather than one per batch.
+    """
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._counts: dict[str, int] = {}
+        self._last: float | None = None
+
+    def add(self, late: dict[str, int], now: float) -> None:
+        """Count ``late`` (entries by window name) and log them if a line is due (``now``: monotonic)."""
+        counts = self._counts
+        for name, entries in late.items():
+            counts[name] = counts.get(name, 0) + entries
+        self.flush(now)
+
+    def flush(self, now: float) -> None:
+        """Log what was counted since the last line, unless that line is less than ``every_s`` old."""
+        if not self._counts or (self._last is not None and now - self._last < self.every_s):
+            return
+        counts, self._counts, self._last = self._counts, {}, now
+        log.warning(
+            "late entries dropped (all their windows had closed) since the last such line, by window: %s",
+            " ".join(f"{name}={entries}" for name, entries in sorted(counts.items())),
+        )
+
+
 class TimeKeeping:
     """Windows, scheduled callbacks, timers and state expiry of the app's owned partitions."""
 
@@ -63,6 +93,7 @@ class TimeKeeping:
         self.active = bool(app.windows or app.callbacks or app.timers or self.ttl)
         #: the app's tables, for timers and scheduled callbacks (``BatchProcessor.start_tables``)
         self.lookups: Lookups | None = None
+        self.late_log = LateLog()
 
     def load(self, owned: OwnedPartition) -> None:
         """Load a partition's windows, schedules, timer periods and expiry from its store."""
@@ -85,7 +116,7 @@ class TimeKeeping:
         windows, timers = batch.owned.windows, batch.owned.timers
         if not self.app.callbacks or windows is None or timers is None or self.app.handlers[topic].is_async:
             return None
-        plain = topic not in self.app.windows
+        plain = not self.app.windows_of(topic)
 
         def passed(entry_id: bytes) -> None:
             if plain:
@@ -107,7 +138,7 @@ class TimeKeeping:
         windows = batch.owned.windows
         if windows is None and not self.ttl:
             return
-        if windows is not None and last_done is not None and topic not in self.app.windows:
+        if windows is not None and last_done is not None and not self.app.windows_of(topic):
             windows.advance(StreamId.parse(last_done).ms, (topic, last_done))
         ttl_ms = self.app.handlers[topic].state_ttl_ms
         if self.ttl and ttl_ms != self.app.state_ttl_ms:
@@ -124,10 +155,10 @@ class TimeKeeping:
         """
         windows, timers = batch.owned.windows, batch.owned.timers
         if windows is not None:
-            windows.last_entry_at = self._clock.monotonic()  # once per batch, not per entry
-            for topic, entries in windows.take_late().items():
-                result.late += entries
-                call_hook(self.hooks.on_late, topic, batch.owned.partition, entries)
+            windows.last_entry_at = now = self._clock.monotonic()  # once per batch, not per entry
+            late = windows.take_late()
+            if late:
+                self._count_late(late, batch.owned.partition, result, now)
             closed = windows.close(self.emitter, batch.owned.partition)
             if closed:
                 batch.emitted += closed
@@ -137,6 +168,14 @@ class TimeKeeping:
                 self._run_callbacks(batch, timers, windows.stream_ms, result)
             if timers.ttl:
                 self._expire(batch, timers)
+
+    def _count_late(self, late: dict[str, int], partition: int, result: CycleResult, now: float) -> None:
+        """Late entries (by window name) into the cycle's counts, the hooks and the log."""
+        for name, entries in late.items():
+            result.late += entries
+            result.late_windows[name] = result.late_windows.get(name, 0) + entries
+            call_hook(self.hooks.on_late, name, self.app.windows[name].topic, partition, entries)
+        self.late_log.add(late, now)
 
     def _run_callbacks(
         self, batch: PartitionBatch, timers: PartitionTimers, stream_ms: int | None, result: CycleResult
@@ -201,6 +240,7 @@ class TimeKeeping:
             return []
         batches = []
         now_ms, now = self._clock.wall_ms(), self._clock.monotonic()
+        self.late_log.flush(now)
         for owned in owned_partitions:
             windows, timers = owned.windows, owned.timers
             batch = PartitionBatch(owned, self.app.state_decoder, self.emitter, self.lookups)

@@ -25,9 +25,16 @@ grace (an entry that could bridge one after that is late by its own session's cl
 Every such test is against stream time, never against what was swept at the end of the last
 batch, so the results do not depend on where batches begin and end.
 
-Store layout (namespace ``__windows``; ``keys.window_key``): a window's accumulator, a closed
-session's marker, and a sliding aggregation's entries (kept while a window could still need
-them); the stream time and the entry that set it in ``__time``.
+A topic may have several windows (and a handler): each entry is one attempt for all of them
+(``pspf.app``). Each window is known by its name, in the store, the backup, the metrics and the
+CLI. Stream time is the partition's, shared by all its windows.
+
+Store layout (namespace ``__windows``; ``keys.window_key``, by topic and window name): a window's
+accumulator, a closed session's marker, and a sliding aggregation's entries (kept while a window
+could still need them); the stream time and the entry that set it in ``__time``. Stores written
+before windows had names key a topic's window by the topic alone: ``PartitionWindows.load``
+adopts such state as the window of that topic when the topic has exactly one, and moves it to
+its new keys in the next commit.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import inspect
+import logging
 import typing
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -51,6 +59,8 @@ if TYPE_CHECKING:
     from pspf.context import Context
     from pspf.emit import Emitted, Emitter
     from pspf.state_stores import StateStore
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["tumbling", "hopping", "sliding", "session"]
 LatePolicy = Literal["drop", "dlq"]
@@ -125,6 +135,7 @@ class Aggregation:
 
     def __init__(
         self,
+        name: str,
         topic: str,
         spec: WindowSpec,
         func: Callable[[Any, Any], Any],
@@ -133,19 +144,19 @@ class Aggregation:
         late: LatePolicy,
         merge: Callable[[Any, Any], Any] | None,
     ) -> None:
+        where = f"window {name!r} of topic {topic!r}"
         if not isinstance(spec, WindowSpec):
-            raise ConfigError(
-                f"window of topic {topic!r}: the spec must come from pspf.windows, got {spec!r}"
-            )
+            raise ConfigError(f"{where}: the spec must come from pspf.windows, got {spec!r}")
         if late not in ("drop", "dlq"):
-            raise ConfigError(f"window of topic {topic!r}: late must be 'drop' or 'dlq', got {late!r}")
+            raise ConfigError(f"{where}: late must be 'drop' or 'dlq', got {late!r}")
         if spec.kind == "session" and merge is None:
             raise ConfigError(
-                f"window of topic {topic!r}: session windows need merge=(a, b) -> accumulator, "
+                f"{where}: session windows need merge=(a, b) -> accumulator, "
                 "to combine two sessions an entry bridges"
             )
         if inspect.iscoroutinefunction(func):
             raise ConfigError(f"window function {func.__qualname__} must be a plain def, not async")
+        self.name = name
         self.topic = topic
         self.spec = spec
         self.func = func
@@ -156,7 +167,7 @@ class Aggregation:
         self.value_type = value_type
         self._acc_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(acc_type)
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
-        self._timestamp = _timestamp_reader(topic, timestamp)
+        self._timestamp = _timestamp_reader(where, timestamp)
 
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
@@ -177,19 +188,24 @@ class Aggregation:
         return self._value_decoder.decode(raw)
 
     def handler(self, value: Any, ctx: Context) -> None:
-        """The handler the app registers for the topic: it computes the entry's window changes.
+        """What the entry's attempt runs for this window: it computes the entry's window changes.
 
-        The changes join the partition's windows only if this returns (as ``ctx.state`` writes do).
+        They join the partition's windows only if the whole attempt returns (as ``ctx.state``
+        writes do): with those of the topic's other windows and its handler, or not at all.
         """
         windows: PartitionWindows = ctx.source.windows
         ts = self._timestamp(value, ctx)
         change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
         if change.late and self.late == "dlq":
             raise LateEntry(
-                f"late: event time {ts} is behind every open window of key {ctx.key!r} "
-                f"(stream time {windows.stream_ms}, grace {self.spec.grace_ms} ms)"
+                f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "
+                f"{self.name!r} (stream time {windows.stream_ms}, grace {self.spec.grace_ms} ms)"
             )
-        ctx.windowed = change
+        windowed = ctx.windowed
+        if windowed is None:
+            ctx.windowed = [change]
+        else:
+            windowed.append(change)
 
 
 _NO_REMOVES: list[tuple[int, int]] = []  # shared by every tumbling and hopping change: never written to
@@ -230,14 +246,14 @@ def _types(func: Callable[..., Any]) -> tuple[Any, Any]:
     return acc_type, value_type
 
 
-def _timestamp_reader(topic: str, timestamp: str | TimestampFunc | None) -> Callable[[Any, Context], int]:
+def _timestamp_reader(where: str, timestamp: str | TimestampFunc | None) -> Callable[[Any, Context], int]:
     """The event time of an entry, in epoch milliseconds."""
     if timestamp is None:
         return lambda value, ctx: int(ctx.entry_id.split(b"-", 1)[0])
     if callable(timestamp):
         return lambda value, ctx: _to_ms(timestamp(value, ctx), "the timestamp function")
     if not isinstance(timestamp, str) or not timestamp:
-        raise ConfigError(f"window of topic {topic!r}: timestamp must be a field name or a function")
+        raise ConfigError(f"{where}: timestamp must be a field name or a function")
     name = timestamp
 
     def field(value: Any, ctx: Context) -> int:
@@ -275,9 +291,10 @@ def _to_ms(value: Any, what: str) -> int:
 
 
 class Change(NamedTuple):
-    """What one entry does to its aggregation's windows, applied only if its handler returns."""
+    """What one entry does to a window's state, applied only if its whole attempt returns."""
 
-    topic: str
+    #: the window's name
+    window: str
     key: str
     ts: int
     entry_id: bytes
@@ -315,13 +332,17 @@ class PartitionWindows:
     """
 
     def __init__(self, aggregations: dict[str, Aggregation]) -> None:
-        self.open = {topic: _Open(a) for topic, a in aggregations.items()}
+        #: by window name
+        self.open = {name: _Open(a) for name, a in aggregations.items()}
         self.stream_ms: int | None = None
         #: the entry that last moved stream time: results name it as their source
         self.source: tuple[str, bytes] = ("", b"0-0")
-        #: window state to write at the next commit: (topic, kind, key, a, b) -> value, None to delete
+        #: window state to write at the next commit: (name, kind, key, a, b) -> value, None to delete
         self._dirty: dict[tuple[str, str, str, int, int | str], bytes | None] = {}
+        #: store writes that move adopted state from a topic's key to its window's (``load``)
+        self._moved: dict[tuple[str, str], bytes | None] = {}
         self._time_moved = False
+        #: late entries not applied since ``take_late``, by window name
         self.late: dict[str, int] = {}
         #: when the partition last had a batch of entries, monotonic (``TimeKeeping`` sets it)
         self.last_entry_at = 0.0
@@ -330,23 +351,58 @@ class PartitionWindows:
 
     @classmethod
     def load(cls, store: StateStore, aggregations: dict[str, Aggregation]) -> PartitionWindows:
+        """The partition's windows as its store holds them.
+
+        State of a window the app no longer declares is left alone. State keyed by a topic
+        alone (written before windows had names) is the window of that topic when it has
+        exactly one, and moves to that window's keys in the next commit; with several, which
+        one it was is unknown: it is left alone, and the log says so.
+        """
         windows = cls(aggregations)
         raw = store.get(keys.TIME_NAMESPACE, keys.STREAM_TIME)
         if raw is not None:
             stream_ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
             windows.stream_ms, windows.source = stream_ms, (topic, entry_id)
-        for name, value in store.items(keys.WINDOWS_NAMESPACE):
-            topic, kind, key, a, b = keys.split_window_key(name)
-            state = windows.open.get(topic)
-            if state is not None:  # an aggregation the app no longer declares is left alone
-                windows._restore(state, kind, key, a, b, value)
+        by_topic: dict[str, list[_Open]] = {}
+        for state in windows.open.values():
+            by_topic.setdefault(state.aggregation.topic, []).append(state)
+        unplaced: dict[str, int] = {}
+        for stored, value in store.items(keys.WINDOWS_NAMESPACE):
+            found = keys.split_window_key(stored)
+            if found.name:
+                named = windows.open.get(found.name)
+                if named is not None and named.aggregation.topic == found.topic:
+                    windows._restore(named, found, value)
+            elif len(by_topic.get(found.topic, ())) == 1:
+                adopter = by_topic[found.topic][0]
+                windows._restore(adopter, found, value)
+                windows._adopt(adopter, stored, found, value)
+            elif found.topic in by_topic:
+                unplaced[found.topic] = unplaced.get(found.topic, 0) + 1
+        for topic, count in unplaced.items():
+            log.warning(
+                "%s values of window state keyed by topic %r alone (written before windows had names) "
+                "are left alone: the topic has several windows (%s), and which one they belong to is "
+                "unknown; declare one window on the topic to adopt them",
+                count,
+                topic,
+                ", ".join(s.aggregation.name for s in by_topic[topic]),
+            )
         for state in windows.open.values():
             heapq.heapify(state.closing)
             heapq.heapify(state.forget)
         return windows
 
-    def _restore(self, state: _Open, kind: str, key: str, a: int, b: str, value: bytes) -> None:
+    def _adopt(self, state: _Open, stored: str, found: keys.WindowKey, value: bytes) -> None:
+        """Move the state at ``stored``, keyed by its topic alone, to its window's key."""
+        aggregation = state.aggregation
+        self._moved[(keys.WINDOWS_NAMESPACE, stored)] = None
+        new = keys.window_key(aggregation.topic, aggregation.name, found.kind, found.key, found.a, found.b)
+        self._moved[(keys.WINDOWS_NAMESPACE, new)] = value
+
+    def _restore(self, state: _Open, found: keys.WindowKey, value: bytes) -> None:
         spec = state.aggregation.spec
+        kind, key, a, b = found.kind, found.key, found.a, found.b
         if kind == "w":
             end = int(b)
             state.accs[(key, a, end)] = value
@@ -365,7 +421,7 @@ class PartitionWindows:
 
     def change(self, aggregation: Aggregation, key: str, ts: int, value: Any, entry_id: bytes) -> Change:
         """The windows ``value`` at ``ts`` changes (nothing applied yet: see ``apply``)."""
-        state = self.open[aggregation.topic]
+        state = self.open[aggregation.name]
         stream_ms = self.stream_ms
         now = ts if stream_ms is None or ts > stream_ms else stream_ms
         spec = aggregation.spec
@@ -383,7 +439,7 @@ class PartitionWindows:
             if end + grace > now:  # close_at of [start, end)
                 sets.append((start, end, fold(accs.get((key, start, end)), value)))
             start -= step
-        return Change(aggregation.topic, key, ts, entry_id, sets, _NO_REMOVES, None, not sets)
+        return Change(aggregation.name, key, ts, entry_id, sets, _NO_REMOVES, None, not sets)
 
     def _session(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
         """The session ``value`` joins (merging those it bridges), or late.
@@ -410,11 +466,11 @@ class PartitionWindows:
         start = min([ts, *(s for s, _ in touched)])
         end = max([ts, *(e for _, e in touched)])
         if late or spec.close_at(start, end) <= now:
-            return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
+            return Change(aggregation.name, key, ts, entry_id, [], [], None, True)
         accs = [state.accs[(key, s, e)] for s, e in touched]
         base = None if not accs else accs[0] if len(accs) == 1 else aggregation.merged(accs)
         acc = aggregation.fold(base, value)
-        return Change(aggregation.topic, key, ts, entry_id, [(start, end, acc)], touched, None, False)
+        return Change(aggregation.name, key, ts, entry_id, [(start, end, acc)], touched, None, False)
 
     def _sliding(self, state: _Open, key: str, ts: int, value: Any, entry_id: bytes, now: int) -> Change:
         """Every open window ``value`` falls in, and the windows it creates (see the module)."""
@@ -442,7 +498,7 @@ class PartitionWindows:
                 acc = self._fold_kept(state, near, start, end)
             sets.append((start, end, aggregation.fold(acc, value)))
         if not sets:  # late: it creates no window either
-            return Change(aggregation.topic, key, ts, entry_id, [], [], None, True)
+            return Change(aggregation.name, key, ts, entry_id, [], [], None, True)
         # This entry's right window, created when entries already fall in it.
         start, end = ts + 1, ts + 1 + size
         if (key, start, end) not in state.accs and spec.close_at(start, end) > now:
@@ -451,7 +507,7 @@ class PartitionWindows:
                 acc = self._fold_kept(state, inside, start, end)
                 assert acc is not None
                 sets.append((start, end, acc))
-        return Change(aggregation.topic, key, ts, entry_id, sets, [], msgspec.msgpack.encode(value), False)
+        return Change(aggregation.name, key, ts, entry_id, sets, [], msgspec.msgpack.encode(value), False)
 
     def _fold_kept(
         self, state: _Open, near: list[tuple[int, bytes, bytes]], start: int, end: int
@@ -464,35 +520,38 @@ class PartitionWindows:
             acc = aggregation.fold(acc, aggregation.value(value))
         return acc
 
-    def apply(self, change: Change) -> None:
-        """Make an entry's change the partition's (its handler returned)."""
-        if change.late:
-            self.late[change.topic] = self.late.get(change.topic, 0) + 1
-            return
-        state = self.open[change.topic]
-        spec = state.aggregation.spec
-        key, ts = change.key, change.ts
-        if self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
-            self.stream_ms, self.source, self._time_moved = ts, (change.topic, change.entry_id), True
-        for start, end in change.removes:
-            self._drop_window(state, key, start, end)
-        accs, dirty, topic = state.accs, self._dirty, change.topic
-        for start, end, acc in change.sets:
-            window = (key, start, end)
-            if window not in accs:
-                heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
-                if spec.kind == "session":
-                    bisect.insort(state.sessions.setdefault(key, []), (start, end))
-            accs[window] = acc
-            dirty[(topic, "w", key, start, end)] = acc
-        if change.kept is not None:
-            entry_id = change.entry_id
-            bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))
-            heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
-            self._write(change.topic, "e", key, ts, entry_id.decode(), change.kept)
+    def apply(self, changes: list[Change]) -> None:
+        """Make an entry's changes the partition's (its attempt returned), in order."""
+        for change in changes:
+            name = change.window
+            if change.late:
+                self.late[name] = self.late.get(name, 0) + 1
+                continue
+            state = self.open[name]
+            spec = state.aggregation.spec
+            key, ts = change.key, change.ts
+            if self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
+                self.stream_ms, self._time_moved = ts, True
+                self.source = (state.aggregation.topic, change.entry_id)
+            for start, end in change.removes:
+                self._drop_window(state, key, start, end)
+            accs, dirty = state.accs, self._dirty
+            for start, end, acc in change.sets:
+                window = (key, start, end)
+                if window not in accs:
+                    heapq.heappush(state.closing, (spec.close_at(start, end), key, start, end))
+                    if spec.kind == "session":
+                        bisect.insort(state.sessions.setdefault(key, []), (start, end))
+                accs[window] = acc
+                dirty[(name, "w", key, start, end)] = acc
+            if change.kept is not None:
+                entry_id = change.entry_id
+                bisect.insort(state.entries.setdefault(key, []), (ts, entry_id, change.kept))
+                heapq.heappush(state.forget, (_forget_entry_at(spec, ts), "e", key, ts, entry_id))
+                self._write(name, "e", key, ts, entry_id.decode(), change.kept)
 
-    def _write(self, topic: str, kind: str, key: str, a: int, b: int | str, value: bytes | None) -> None:
-        self._dirty[(topic, kind, key, a, b)] = value
+    def _write(self, name: str, kind: str, key: str, a: int, b: int | str, value: bytes | None) -> None:
+        self._dirty[(name, kind, key, a, b)] = value
 
     def _set_stream_time(self, ms: int, source: tuple[str, bytes]) -> None:
         self.stream_ms, self.source = ms, source
@@ -500,10 +559,10 @@ class PartitionWindows:
 
     def writes(self) -> dict[tuple[str, str], bytes | None]:
         """The store writes since the last commit: (namespace, key) -> value, None to delete."""
-        found: dict[tuple[str, str], bytes | None] = {
-            (keys.WINDOWS_NAMESPACE, keys.window_key(topic, kind, key, a, b)): value
-            for (topic, kind, key, a, b), value in self._dirty.items()
-        }
+        found = dict(self._moved)
+        topics = {name: state.aggregation.topic for name, state in self.open.items()}
+        for (name, kind, key, a, b), value in self._dirty.items():
+            found[(keys.WINDOWS_NAMESPACE, keys.window_key(topics[name], name, kind, key, a, b))] = value
         if self._time_moved:
             found[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode(
                 (self.stream_ms, *self.source)
@@ -512,6 +571,7 @@ class PartitionWindows:
 
     def committed(self) -> None:
         self._dirty = {}
+        self._moved = {}
         self._time_moved = False
 
     def advance(self, ms: int, source: tuple[str, bytes]) -> None:
@@ -521,7 +581,7 @@ class PartitionWindows:
 
     def _drop_window(self, state: _Open, key: str, start: int, end: int) -> None:
         del state.accs[(key, start, end)]
-        self._write(state.aggregation.topic, "w", key, start, end, None)
+        self._write(state.aggregation.name, "w", key, start, end, None)
         if state.aggregation.spec.kind == "session":
             sessions = state.sessions[key]
             sessions.remove((start, end))
@@ -539,7 +599,7 @@ class PartitionWindows:
         if now is None:
             return []
         results: list[Emitted] = []
-        for topic, state in self.open.items():
+        for name, state in self.open.items():
             aggregation = state.aggregation
             closing = state.closing
             while closing and closing[0][0] <= now:
@@ -552,7 +612,7 @@ class PartitionWindows:
                     bisect.insort(state.closed.setdefault(key, []), (start, end))
                     forget_at = _forget_session_at(aggregation.spec, end)
                     heapq.heappush(state.forget, (forget_at, "c", key, start, end))
-                    self._write(topic, "c", key, start, end, b"")
+                    self._write(name, "c", key, start, end, b"")
                 value = {"key": key, "start": start, "end": end, "value": aggregation.result(acc)}
                 results.append(emitter.result(aggregation.emit_to, key, value, self.source, partition))
             self._forget(state, now)
@@ -560,7 +620,7 @@ class PartitionWindows:
 
     def _forget(self, state: _Open, now: int) -> None:
         forget = state.forget
-        topic = state.aggregation.topic
+        name = state.aggregation.name
         while forget and forget[0][0] <= now:
             _, kind, key, a, b = heapq.heappop(forget)
             if kind == "c":
@@ -568,13 +628,13 @@ class PartitionWindows:
                 closed.remove((a, b))
                 if not closed:
                     del state.closed[key]
-                self._write(topic, "c", key, a, b, None)
+                self._write(name, "c", key, a, b, None)
             else:
                 entries = state.entries[key]
                 del entries[bisect.bisect_left(entries, (a, b))]
                 if not entries:
                     del state.entries[key]
-                self._write(topic, "e", key, a, b.decode(), None)
+                self._write(name, "e", key, a, b.decode(), None)
 
     def idle_close_due(self, idle_s: float, now: float) -> bool:
         """True when windows are open and no entry came for ``idle_s`` seconds before ``now`` (monotonic)."""
@@ -590,6 +650,7 @@ class PartitionWindows:
             self._set_stream_time(target, self.source)
 
     def take_late(self) -> dict[str, int]:
+        """The late entries not applied since the last call, by window name."""
         late, self.late = self.late, {}
         return late
 

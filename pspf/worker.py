@@ -214,12 +214,13 @@ class Worker:
         finally:
             self._close_metrics()
         log.info(
-            "worker stopped app=%s handled=%s skipped=%s dead_lettered=%s failed_attempts=%s",
+            "worker stopped app=%s handled=%s skipped=%s dead_lettered=%s failed_attempts=%s late=%s",
             self.app.name,
             summary.handled,
             summary.skipped,
             summary.dead_lettered,
             summary.failed,
+            summary.late,
         )
         return summary
 
@@ -285,7 +286,7 @@ class Worker:
             try:
                 self.broker.topic_partitions(aggregation.emit_to)
             except NotFound as exc:
-                where = f"the window of topic {aggregation.topic!r}"
+                where = f"window {aggregation.name!r} of topic {aggregation.topic!r}"
                 raise NotFound(f"{where} emits to a missing topic: {exc}") from None
         self._check_state_dir()
         self._check_app_record()

@@ -19,7 +19,7 @@ from pspf.backup import field, snapshot, split_field
 from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
 from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership import check_partition_count
-from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult
+from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
 from pspf.service.base import ServiceBase
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 
@@ -57,11 +57,11 @@ class State(ServiceBase):
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return _shown_state(key, raw)
 
-    def state_windows(self, app: str, key: str) -> list[dict[str, Any]]:
+    def state_windows(self, app: str, key: str) -> list[OpenWindow]:
         """The open windows of ``key`` in ``app``'s window aggregations, oldest first.
 
         From the partition's backup in Redis, or without one from its store here, as
-        ``state_get``; each is ``{"topic", "start", "end", "value"}`` (the accumulator so far).
+        ``state_get``; each with its window's name and topic, and the accumulator so far.
         """
         keys.check_name("app", app)
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
@@ -78,13 +78,20 @@ class State(ServiceBase):
                 found = list(store.items(keys.WINDOWS_NAMESPACE))
         windows = []
         for name, raw in found:
-            topic, kind, window_key, start, end = keys.split_window_key(name)
-            if kind == "w" and window_key == key:
-                value = msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True)
-                windows.append({"topic": topic, "start": start, "end": int(end), "value": value})
+            window = keys.split_window_key(name)
+            if window.kind == "w" and window.key == key:
+                windows.append(
+                    OpenWindow(
+                        window=window.name or None,
+                        topic=window.topic,
+                        start=window.a,
+                        end=int(window.b),
+                        value=msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True),
+                    )
+                )
         if not windows:
             raise NotFound(f"app {app!r} has no open window for key {key!r}")
-        return sorted(windows, key=lambda w: (w["start"], w["end"], w["topic"]))
+        return sorted(windows, key=lambda w: (w.start, w.end, w.window or "", w.topic))
 
     def state_keys(self, app: str, prefix: str = "", limit: int | None = None) -> list[str]:
         """The keys that have state in ``app``, over every partition store found, sorted."""

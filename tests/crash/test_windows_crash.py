@@ -21,7 +21,13 @@ Late entries are counted by a worker's metric, which a process loses when it die
 worker handles every straggler (none existed before), so its ``pspf_window_late_entries`` must
 count them all; that none was applied shows in the counts, which would differ.
 
-``PSPF_TEST_WINDOW_ENTRIES`` and ``PSPF_TEST_WINDOW_KILLS`` shrink the tests for quick runs;
+A third test runs a handler and two windows on the topic (``tests.crash.apps_windows:shared``:
+the same count, a hopping sum to a second target, the handler counting each key's clicks in its
+state), on fewer clicks and kills: each entry is one attempt for the three, so every result of
+both windows equals its reference once and each key's state counts its clicks once.
+
+``PSPF_TEST_WINDOW_ENTRIES`` and ``PSPF_TEST_WINDOW_KILLS`` shrink the tests for quick runs
+(``PSPF_TEST_SHARED_ENTRIES`` and ``PSPF_TEST_SHARED_KILLS`` the third);
 ``PSPF_TEST_SEED`` repeats the input and the kill times.
 """
 
@@ -60,16 +66,19 @@ from tests.crash.support import (
 )
 from tests.crash.test_outbox_crash import Apps, outbox_rows, outputs, states
 from tests.integration.test_windows import MINUTE_MS, clicks, reference
+from tests.integration.test_windows_shared import Reference, shared_clicks
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
 COUNTS = "tests.crash.apps_windows:counts"
+SHARED = "tests.crash.apps_windows:shared"
 PARTITIONS, TARGET_PARTITIONS = 4, 2
 ENTRIES = int(os.environ.get("PSPF_TEST_WINDOW_ENTRIES", "100000"))
-LATE = ENTRIES // 200
 KEYS = 100
 KILLS = int(os.environ.get("PSPF_TEST_WINDOW_KILLS", "12"))
+SHARED_ENTRIES = int(os.environ.get("PSPF_TEST_SHARED_ENTRIES", "20000"))
+SHARED_KILLS = int(os.environ.get("PSPF_TEST_SHARED_KILLS", "6"))
 LEASE_TTL_MS = 1000
 #: Busy work per entry: a few thousand entries a second, so the kills land mid-stream.
 WORK_US = 150
@@ -82,7 +91,10 @@ METRICS_URL = re.compile(r"serving metrics on (http://\S+/metrics)")
 
 
 class Windowed:
-    """The counting app on its source and target, the input, and what the reference expects."""
+    """The counting app on its source and target, the input, and what the reference expects.
+
+    ``shared``: the handler and two windows of ``SHARED`` instead, the sums to a second target.
+    """
 
     def __init__(
         self,
@@ -94,21 +106,37 @@ class Windowed:
         names: Names,
         seed: int,
         engine: str,
+        shared: bool = False,
     ) -> None:
         self.apps, self.client, self.tmp_path = apps, client, tmp_path
-        self.engine = engine
+        self.engine, self.shared = engine, shared
+        self.entries = SHARED_ENTRIES if shared else ENTRIES
+        self.stragglers = self.entries // 200
+        self.kills = SHARED_KILLS if shared else KILLS
         self.source, self.target = make_topic(PARTITIONS), make_topic(TARGET_PARTITIONS)
+        #: where the second window's results go (``shared``)
+        self.sums = make_topic(TARGET_PARTITIONS) if shared else ""
         self.app = names.app()
-        self.produced = clicks(ENTRIES, keys=KEYS, late=LATE, seed=seed)
-        self.expected, self.late = reference(self.produced, PARTITIONS)
+        if shared:
+            self.produced = shared_clicks(self.entries, KEYS, self.stragglers, seed, fail_every=10**9)
+            ref = Reference(self.produced, PARTITIONS)
+            assert ref.late == {"count": self.stragglers, "total": self.stragglers}
+            self.expected, self.expected_sums, self.seen = ref.counts, ref.sums, ref.seen
+            #: late entries the metrics must count: each straggler once per window
+            self.late = 2 * self.stragglers
+        else:
+            self.produced = clicks(self.entries, keys=KEYS, late=self.stragglers, seed=seed)
+            self.expected, self.late = reference(self.produced, PARTITIONS)
+            self.expected_sums, self.seen = Counter(), Counter()
+            assert self.late == self.stragglers
         # The input is what the test means it to be: the shuffle within the grace makes no entry
         # late, every straggler is.
-        assert self.late == LATE and sum(self.expected.values()) == ENTRIES
+        assert sum(self.expected.values()) == self.entries
         self.produce = produce
-        assert produce(self.source, self.produced[:ENTRIES]) == ENTRIES
+        assert produce(self.source, self.produced[: self.entries]) == self.entries
         #: each source partition's entry ids, in stream order
         self.ids = self.entry_ids()
-        assert sum(len(ids) for ids in self.ids.values()) == ENTRIES
+        assert sum(len(ids) for ids in self.ids.values()) == self.entries
 
     def entry_ids(self) -> dict[int, list[StreamId]]:
         return {
@@ -118,9 +146,9 @@ class Windowed:
 
     def produce_stragglers(self) -> None:
         """The stragglers, after the clicks in every partition (as the reference has them)."""
-        assert self.produce(self.source, self.produced[ENTRIES:]) == LATE
+        assert self.produce(self.source, self.produced[self.entries :]) == self.stragglers
         self.ids = self.entry_ids()
-        assert sum(len(ids) for ids in self.ids.values()) == ENTRIES + LATE
+        assert sum(len(ids) for ids in self.ids.values()) == self.entries + self.stragglers
 
     def open_in_backups(self) -> int:
         """Windows the state backups hold open (a closed window's state is deleted)."""
@@ -138,9 +166,11 @@ class Windowed:
     def run(self, machine: str, label: str, *args: str, env: dict[str, str] | None = None) -> WorkerProcess:
         """Start a worker on ``machine``: its consumer name and state dir are the machine's."""
         extra = {"PSPF_TEST_TARGET": self.target, "PSPF_TEST_WORK_US": str(WORK_US), **(env or {})}
+        if self.shared:
+            extra["PSPF_TEST_SUMS"] = self.sums
         return self.apps.run(
             label,
-            COUNTS,
+            SHARED if self.shared else COUNTS,
             self.source,
             self.app,
             self.state_dir(machine),
@@ -161,8 +191,22 @@ class Windowed:
             done += 0 if checkpoint is None else bisect.bisect_right(ids, checkpoint)
         return done
 
+    def targets(self) -> list[tuple[str, Counter[tuple[str, int]], int]]:
+        """Each window's target, expected results and window size."""
+        found = [(self.target, self.expected, MINUTE_MS)]
+        if self.shared:
+            found.append((self.sums, self.expected_sums, 2 * MINUTE_MS))
+        return found
+
+    def results_expected(self) -> int:
+        return sum(len(expected) for _, expected, _ in self.targets())
+
     def in_target(self) -> int:
-        return sum(self.client.xlen(stream_key(self.target, p)) for p in range(TARGET_PARTITIONS))
+        return sum(
+            self.client.xlen(stream_key(target, p))
+            for target, _, _ in self.targets()
+            for p in range(TARGET_PARTITIONS)
+        )
 
     def unpublished(self) -> bool:
         """Whether the backups hold results not published yet."""
@@ -178,35 +222,38 @@ class Windowed:
         )
 
     def assert_once(self) -> int:
-        """No window's result is in the target twice (also while results are still coming); how
+        """No window's result is in a target twice (also while results are still coming); how
         many results there are."""
-        emitted = outputs(self.client, self.target, TARGET_PARTITIONS)
-        seen = Counter((out.value["key"], out.value["start"]) for out in emitted)
-        twice = sorted(window for window, n in seen.items() if n > 1)
-        assert not twice, f"{len(twice)} of {len(seen)} windows emitted more than once: {twice[:5]}"
-        return len(emitted)
+        total = 0
+        for target, _, _ in self.targets():
+            emitted = outputs(self.client, target, TARGET_PARTITIONS)
+            seen = Counter((out.value["key"], out.value["start"]) for out in emitted)
+            twice = sorted(window for window, n in seen.items() if n > 1)
+            assert not twice, f"{len(twice)} of {len(seen)} windows emitted more than once: {twice[:5]}"
+            total += len(emitted)
+        return total
 
     def assert_results(self) -> None:
-        """The target holds each window's count once, equal to the reference, under its key."""
-        emitted = outputs(self.client, self.target, TARGET_PARTITIONS)
+        """Each target holds each window's result once, equal to the reference, under its key."""
+        for target, expected, size_ms in self.targets():
+            self.assert_target(target, expected, size_ms)
+
+    def assert_target(self, target: str, expected: Counter[tuple[str, int]], size_ms: int) -> None:
+        emitted = outputs(self.client, target, TARGET_PARTITIONS)
         seen = Counter((out.value["key"], out.value["start"]) for out in emitted)
         twice = sorted(window for window, n in seen.items() if n > 1)
         got = Counter({(out.value["key"], out.value["start"]): out.value["value"] for out in emitted})
-        missing = sorted(self.expected.keys() - got.keys())
-        extra = sorted(got.keys() - self.expected.keys())
-        wrong = {
-            w: (got[w], self.expected[w])
-            for w in self.expected.keys() & got.keys()
-            if got[w] != self.expected[w]
-        }
+        missing = sorted(expected.keys() - got.keys())
+        extra = sorted(got.keys() - expected.keys())
+        wrong = {w: (got[w], expected[w]) for w in expected.keys() & got.keys() if got[w] != expected[w]}
         assert not (twice or missing or extra or wrong), (
-            f"{len(emitted)} results for {len(self.expected)} windows: {len(twice)} emitted more than once "
+            f"{len(emitted)} results for {len(expected)} windows: {len(twice)} emitted more than once "
             f"{twice[:5]}, {len(missing)} never {missing[:5]}, {len(extra)} unknown {extra[:5]}, "
             f"{len(wrong)} wrong (got, want) {dict(list(wrong.items())[:5])}"
         )
-        assert got == self.expected and len(emitted) == len(self.expected)
+        assert got == expected and len(emitted) == len(expected)
         for out in emitted:
-            assert out.value["end"] == out.value["start"] + MINUTE_MS, out
+            assert out.value["end"] == out.value["start"] + size_ms, out
             assert out.key == out.value["key"], out
             assert out.partition == partition_for(out.key.encode(), TARGET_PARTITIONS), out
 
@@ -234,7 +281,12 @@ class Windowed:
                 if row.row_id.startswith(f"{p}:")
             ]
             # The windows of a source partition's keys: each emitted once, by that partition.
-            want = sum(1 for key, _ in self.expected if partition_for(key.encode(), PARTITIONS) == p)
+            want = sum(
+                1
+                for _, expected, _ in self.targets()
+                for key, _ in expected
+                if partition_for(key.encode(), PARTITIONS) == p
+            )
             for where, rows in [("the backup", backup_rows)] + [
                 (f"the store in {d.name}", [row for row in rows_of[d] if row.row_id.startswith(f"{p}:")])
                 for d in dirs
@@ -245,6 +297,13 @@ class Windowed:
                     held = [name for name, _ in store.items(WINDOWS_NAMESPACE)]
                 assert not held, f"partition {p}: the store in {d.name} holds windows {held[:3]}"
         assert not self.open_in_backups(), "the backups hold open windows"
+
+    def assert_handler_state(self, state_dirs: list[Path]) -> None:
+        """Each key's state (``shared``'s handler) counts its clicks once: the last stores hold it."""
+        found: dict[str, dict[str, Any]] = {}
+        for p, dirs in self.current_stores(state_dirs).items():
+            found.update(read_store(dirs[0], self.app, p, self.engine)[1])
+        assert found == {key: {"count": n} for key, n in self.seen.items()}
 
 
 def late_counted(worker: WorkerProcess, app: str) -> int:
@@ -266,7 +325,7 @@ def finish(windowed: Windowed, workers: list[WorkerProcess]) -> int:
     Stops them with SIGTERM: each must exit 0."""
     deadline = time.monotonic() + 120
     found, changed = windowed.in_target(), time.monotonic()
-    while found < len(windowed.expected) and time.monotonic() < deadline:
+    while found < windowed.results_expected() and time.monotonic() < deadline:
         time.sleep(0.1)
         now = windowed.in_target()
         if now != found:
@@ -298,6 +357,12 @@ def engine() -> str:
 
 
 @pytest.fixture
+def shared() -> bool:
+    """Whether the workers run ``SHARED`` (a test parametrized on ``shared`` says so)."""
+    return False
+
+
+@pytest.fixture
 def windowed(
     spawn: Spawner,
     tmp_path: Path,
@@ -307,8 +372,9 @@ def windowed(
     names: Names,
     seed: int,
     engine: str,
+    shared: bool,
 ) -> Windowed:
-    return Windowed(Apps(spawn), rclient, tmp_path, make_topic, produce, names, seed, engine)
+    return Windowed(Apps(spawn), rclient, tmp_path, make_topic, produce, names, seed, engine, shared)
 
 
 def takeovers(windowed: Windowed, machine: str) -> Counter[str]:
@@ -319,9 +385,9 @@ def takeovers(windowed: Windowed, machine: str) -> Counter[str]:
     return found
 
 
-def kill_target(life: int) -> int:
+def kill_target(windowed: Windowed, life: int) -> int:
     """How far the backups must be before the kill of ``life``: up to four fifths of the clicks."""
-    return (life + 1) * ENTRIES * 4 // (5 * KILLS)
+    return (life + 1) * windowed.entries * 4 // (5 * windowed.kills)
 
 
 def holds_any(windowed: Windowed, worker: WorkerProcess) -> bool:
@@ -365,7 +431,7 @@ def assert_acked_committed(windowed: Windowed, machines: list[str]) -> bool:
 
 
 def kill_again_and_again(windowed: Windowed, rng: random.Random, machines: list[str]) -> int:
-    """Run a worker on each machine; SIGKILL one at a random moment and restart it, ``KILLS``
+    """Run a worker on each machine; SIGKILL one at a random moment and restart it, ``kills``
     times; then SIGKILL every worker once the backups hold every click. Returns the kills."""
     lives: Counter[str] = Counter()
 
@@ -376,7 +442,7 @@ def kill_again_and_again(windowed: Windowed, rng: random.Random, machines: list[
     workers = {m: start(m) for m in machines}
     progress, published = [0], [0]
     kills = mid_batch = unpublished = 0
-    for life in range(KILLS):
+    for life in range(windowed.kills):
         victim = rng.choice(machines)
         worker = workers[victim]
         if life % 4 == 3:  # right after it took a partition: restoring, barely started
@@ -387,7 +453,7 @@ def kill_again_and_again(windowed: Windowed, rng: random.Random, machines: list[
             wait_until(took, LEASE_TTL_MS / 1000 + 15, f"{victim} to take a partition")
             time.sleep(rng.uniform(0.0, 0.05))
         else:
-            target = kill_target(life)
+            target = kill_target(windowed, life)
 
             def reached(target: int = target) -> bool:
                 return windowed.in_backups() >= target or not all(w.alive() for w in workers.values())
@@ -408,7 +474,8 @@ def kill_again_and_again(windowed: Windowed, rng: random.Random, machines: list[
         workers[victim] = start(victim)
 
     # Once more when every click is handled: windows are open, waiting for stream time.
-    wait_until(lambda: windowed.in_backups() == ENTRIES, 60, "the backups to hold every click", interval=0.05)
+    every = windowed.entries
+    wait_until(lambda: windowed.in_backups() == every, 60, "the backups to hold every click", interval=0.05)
     time.sleep(rng.uniform(0.0, 0.3))
     for worker in workers.values():
         assert worker.alive(), f"a worker exited by itself\n{worker.tail()}"
@@ -419,10 +486,11 @@ def kill_again_and_again(windowed: Windowed, rng: random.Random, machines: list[
 
     print(f"entries in the backups after each kill: {progress[1:]}")
     print(f"results in the target after each kill: {published[1:]}")
-    assert kills >= KILLS >= 10
-    assert 0 < progress[-1] < ENTRIES, "the kills should land mid-stream"
-    assert sum(1 for a, b in itertools.pairwise(progress) if b > a) >= KILLS // 2, progress
-    assert 0 < published[KILLS] < len(windowed.expected), "the kills should land while results come"
+    assert kills >= windowed.kills >= (6 if windowed.shared else 10)
+    assert 0 < progress[-1] < windowed.entries, "the kills should land mid-stream"
+    assert sum(1 for a, b in itertools.pairwise(progress) if b > a) >= windowed.kills // 2, progress
+    results = published[windowed.kills]
+    assert 0 < results < windowed.results_expected(), "the kills should land while results come"
     assert mid_batch, "no kill left entries pending"
     assert unpublished, "no kill left results unpublished"
     return kills
@@ -441,13 +509,15 @@ def run_to_the_end(windowed: Windowed, machines: list[str]) -> None:
     handled = sum(worker.summary()[0] for worker in finals)
     skipped = sum(worker.summary()[1] for worker in finals)
     # A store ahead of its backup is rolled back to it: the last workers handle the rest once.
-    assert (handled, skipped) == (ENTRIES + LATE - in_backup, 0)
+    assert (handled, skipped) == (windowed.entries + windowed.stragglers - in_backup, 0)
 
     windowed.assert_results()
     assert late == windowed.late, (
         f"the last workers counted {late} late entries, the reference {windowed.late}"
     )
     windowed.assert_published_and_closed(state_dirs)
+    if windowed.shared:
+        windowed.assert_handler_state(state_dirs)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -457,7 +527,8 @@ def test_tumbling_counts_under_random_kill9_equal_the_reference_each_window_once
     started = time.monotonic()
     kills = kill_again_and_again(windowed, random.Random(seed), ["host"])
     run_to_the_end(windowed, ["host"])
-    print(f"{ENTRIES} + {LATE} entries, {kills} kills: {time.monotonic() - started:.1f}s")
+    took = time.monotonic() - started
+    print(f"{windowed.entries} + {windowed.stragglers} entries, {kills} kills: {took:.1f}s")
 
 
 def test_two_machines_under_random_kill9_emit_each_window_once(windowed: Windowed, seed: int) -> None:
@@ -472,4 +543,18 @@ def test_two_machines_under_random_kill9_emit_each_window_once(windowed: Windowe
         print(f"{machine} took partitions: {dict(taken)}")
         assert taken["restored"], f"{machine} never restored a partition from its backup: {dict(taken)}"
     run_to_the_end(windowed, machines)
-    print(f"{ENTRIES} + {LATE} entries on two machines, {kills} kills: {time.monotonic() - started:.1f}s")
+    took = time.monotonic() - started
+    print(f"{windowed.entries} + {windowed.stragglers} entries on two machines, {kills} kills: {took:.1f}s")
+
+
+@pytest.mark.parametrize("shared", [True])
+def test_a_handler_and_two_windows_on_one_topic_under_random_kill9_emit_each_window_once(
+    windowed: Windowed, seed: int
+) -> None:
+    """Each entry is one attempt for the handler and both windows: after the kills, every result
+    of both windows equals its reference once, and each key's state counts its clicks once."""
+    started = time.monotonic()
+    kills = kill_again_and_again(windowed, random.Random(seed), ["host"])
+    run_to_the_end(windowed, ["host"])
+    took = time.monotonic() - started
+    print(f"{windowed.entries} + {windowed.stragglers} entries, {kills} kills: {took:.1f}s")

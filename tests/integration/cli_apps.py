@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
-from pspf import App, Context
+import msgspec
+
+from pspf import App, Context, windows
 
 
 def make() -> App:
@@ -98,4 +101,76 @@ def flaky() -> App:
             raise RuntimeError(f"attempt {attempt} fails")
         ctx.state["count"] = ctx.state.get("count", 0) + 1
 
+    return app
+
+
+MINUTE = timedelta(minutes=1)
+GRACE = timedelta(seconds=10)
+
+
+class Click(msgspec.Struct):
+    ts: int
+    n: int = 1
+    fail: bool = False
+
+
+def counts_and_sums(
+    name: str,
+    topic: str,
+    counts_to: str,
+    sums_to: str,
+    work_s: float = 0.0,
+    handler: bool = True,
+    total: bool = True,
+) -> App:
+    """A handler and two windows on one topic, each entry one attempt for the three.
+
+    ``seen`` counts each key's clicks in ``ctx.state["count"]`` and raises for a click that says
+    ``"fail": true``; window ``count`` counts them in tumbling minutes (to ``counts_to``), window
+    ``total`` sums their ``n`` in two-minute windows every minute (to ``sums_to``, a value type of
+    its own); both over the ``ts`` field with a grace of ten seconds. ``work_s``: busy work per
+    entry (the crash tests' kills then land mid-stream). Without ``handler`` or ``total``, the
+    app has not that one (with neither, the topic has one consumer, as it had to before).
+    """
+    app = App(name)
+
+    @app.window(topic, windows.tumbling(MINUTE, grace=GRACE), timestamp="ts", emit_to=counts_to)
+    def count(total: int | None, click: Click) -> int:
+        return (total or 0) + 1
+
+    def seen(click: Click, ctx: Context) -> None:
+        if work_s:
+            end = time.perf_counter() + work_s
+            while time.perf_counter() < end:
+                pass
+        if click.fail:
+            raise ValueError(f"click {ctx.id} fails")
+        ctx.state["count"] = ctx.state.get("count", 0) + 1
+
+    def add_n(acc: int | None, click: dict[str, Any]) -> int:
+        return (acc or 0) + click.get("n", 1)
+
+    if handler:
+        app.handler(topic)(seen)
+    if total:
+        hopping = windows.hopping(2 * MINUTE, MINUTE, grace=GRACE)
+        app.window(topic, hopping, timestamp="ts", emit_to=sums_to, name="total")(add_n)
+    return app
+
+
+def windowed() -> App:
+    """``counts_and_sums`` on ``PSPF_TEST_TOPIC``, its results to ``PSPF_TEST_TARGET`` (both windows)."""
+    target = os.environ["PSPF_TEST_TARGET"]
+    return counts_and_sums(os.environ["PSPF_TEST_APP"], os.environ["PSPF_TEST_TOPIC"], target, target)
+
+
+def clashing_windows() -> App:
+    """Two windows named ``count``, on two topics."""
+    app = App(os.environ["PSPF_TEST_APP"])
+
+    @app.window("clicks", windows.tumbling(MINUTE), emit_to="counts")
+    def count(acc: int | None, click: Any) -> int:
+        return (acc or 0) + 1
+
+    app.window("views", windows.tumbling(MINUTE), emit_to="counts")(count)
     return app

@@ -25,7 +25,7 @@ from pspf.cli import cli
 from pspf.errors import NotFound
 from pspf.hooks import ProcessorHooks
 from pspf.keys import stream_key
-from pspf.service import Service
+from pspf.service import OpenWindow, Service
 from tests.conftest import Names
 from tests.integration.test_emit import outputs
 from tests.unit.test_windows import REFERENCES
@@ -47,7 +47,7 @@ class LateCount(ProcessorHooks):
     def __init__(self) -> None:
         self.late: Counter[int] = Counter()
 
-    def on_late(self, topic: str, partition: int, entries: int) -> None:
+    def on_late(self, window: str, topic: str, partition: int, entries: int) -> None:
         self.late[partition] += entries
 
 
@@ -154,19 +154,22 @@ def test_an_idle_partition_closes_its_window_after_the_timeout_and_later_entries
     service = Service(settings)
     try:
         assert service.state_windows(app, "u1") == [
-            {"topic": source, "start": T0, "end": T0 + MINUTE_MS, "value": 2}
+            OpenWindow(window="count", topic=source, start=T0, end=T0 + MINUTE_MS, value=2)
         ]
         with pytest.raises(NotFound, match="no open window"):
             service.state_windows(app, "u3")
         with TestClient(create_app(service, token="t")) as api:
             reply = api.get(f"/apps/{app}/state/u1/windows")
-            assert (reply.status_code, reply.json()) == (200, service.state_windows(app, "u1"))
+            assert (reply.status_code, reply.json()) == (
+                200,
+                msgspec.to_builtins(service.state_windows(app, "u1")),
+            )
             assert api.get(f"/apps/{app}/state/u3/windows").status_code == 404
     finally:
         service.close()
     cli_args = ["state", "get", app, "u1", "--window", "--broker", settings.redis.url]
     shown = CliRunner().invoke(cli, cli_args)
-    assert (shown.exit_code, shown.output) == (0, f"{source} [{T0}, {T0 + MINUTE_MS}]: 2\n")
+    assert (shown.exit_code, shown.output) == (0, f"count ({source}) [{T0}, {T0 + MINUTE_MS}]: 2\n")
     missing = CliRunner().invoke(cli, [*cli_args[:3], "u3", *cli_args[4:]])
     assert missing.exit_code == 4 and "no open window for key 'u3'" in missing.output
     assert rclient.xlen(stream_key(target, 0)) == 0  # stream time alone closes nothing yet
@@ -209,7 +212,9 @@ def test_a_missing_emit_to_topic_stops_the_worker_at_start_with_a_clear_error(
     make_settings: Callable[..., Settings], make_topic: Callable[[int], str], names: Names
 ) -> None:
     source = make_topic(1)
-    with pytest.raises(NotFound, match=r"window of topic .* emits to a missing topic: topic 'nowhere'"):
+    with pytest.raises(
+        NotFound, match=r"window 'count' of topic .* emits to a missing topic: topic 'nowhere'"
+    ):
         Worker(counting_app(names.app(), source, "nowhere"), make_settings()).run(until_idle=True)
 
 

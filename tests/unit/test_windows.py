@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pspf import App, windows
+from pspf import App, keys, windows
 from pspf.errors import ConfigError
 from pspf.state_stores.memory import MemoryStore
 from pspf.windows import Aggregation, PartitionWindows, WindowSpec
@@ -45,7 +45,7 @@ def aggregation(spec: WindowSpec) -> Aggregation:
 
     session = spec.kind == "session"
     app.window("clicks", spec, emit_to="out", merge=merge if session else None)(collect)
-    return app.windows["clicks"]
+    return app.windows["collect"]
 
 
 def run(spec: WindowSpec, events: list[Event], seed: int) -> tuple[list[Result], int]:
@@ -53,21 +53,21 @@ def run(spec: WindowSpec, events: list[Event], seed: int) -> tuple[list[Result],
     rng = random.Random(seed)
     agg = aggregation(spec)
     store = MemoryStore()
-    state = PartitionWindows.load(store, {"clicks": agg})
+    state = PartitionWindows.load(store, {agg.name: agg})
     out = Results()
     late = 0
     i = 0
     while i < len(events):
         batch = events[i : i + rng.randint(1, 12)]
         for j, (key, ts) in enumerate(batch, start=i):
-            state.apply(state.change(agg, key, ts, j, f"{1000 + j}-0".encode()))
+            state.apply([state.change(agg, key, ts, j, f"{1000 + j}-0".encode())])
         i += len(batch)
         state.close(out, 0)  # type: ignore[arg-type]
         late += sum(state.take_late().values())
         store.write(state.writes(), {})
         state.committed()
         if rng.random() < 0.2:
-            state = PartitionWindows.load(store, {"clicks": agg})
+            state = PartitionWindows.load(store, {agg.name: agg})
     state.advance_to_close_all()
     state.close(out, 0)  # type: ignore[arg-type]
     store.write(state.writes(), {})
@@ -247,3 +247,91 @@ def test_bad_declarations_are_clear_errors() -> None:
         windows.hopping(timedelta(seconds=1), timedelta(seconds=2))
     with pytest.raises(ConfigError, match=r"pspf\.windows"):
         app.window("t", "1m", emit_to="out")(count)  # type: ignore[arg-type]
+
+
+# -- stores written before windows had names ---------------------------------------------------
+
+
+def legacy_copy(store: MemoryStore) -> MemoryStore:
+    """``store`` as a version before window names wrote it: window state keyed by its topic alone."""
+    old = MemoryStore()
+    values = {}
+    for (namespace, key), value in store._values.items():
+        if namespace == "__windows":
+            window, rest = key.split("/", 1)
+            key = window.partition(":")[0] + "/" + rest
+        values[(namespace, key)] = value
+    old.write(values, {})
+    return old
+
+
+def feed(
+    state: PartitionWindows, agg: Aggregation, made: list[Event], first: int, store: MemoryStore
+) -> list[Result]:
+    """Apply ``made`` (indexes from ``first``) and commit, closing what stream time closed."""
+    out = Results()
+    for j, (key, ts) in enumerate(made, start=first):
+        state.apply([state.change(agg, key, ts, j, f"{1000 + j}-0".encode())])
+    state.close(out, 0)  # type: ignore[arg-type]
+    store.write(state.writes(), {})
+    state.committed()
+    return out.found
+
+
+def windows_held(store: MemoryStore) -> dict[str, bytes]:
+    return {key: value for (namespace, key), value in store._values.items() if namespace == "__windows"}
+
+
+@pytest.mark.parametrize("spec", SPECS[::2], ids=lambda s: s.kind)
+def test_open_windows_of_a_store_keyed_by_topic_are_adopted_by_the_topics_one_window(
+    spec: WindowSpec,
+) -> None:
+    """A store of the old layout, loaded: its open windows go on as the topic's window's, and the
+    first commit moves them to the window's keys; the results equal those of a store never
+    written in the old layout."""
+    made = events(5, count=300, keys=4, spread_ms=2_000, disorder_ms=60)
+    agg = aggregation(spec)
+    expected, _ = REFERENCES[spec.kind](spec, made)
+    store = MemoryStore()
+    found = feed(PartitionWindows.load(store, {agg.name: agg}), agg, made[:150], 0, store)
+    old = legacy_copy(store)
+    assert windows_held(old) and all(key.startswith("clicks/") for key in windows_held(old))
+
+    adopted = PartitionWindows.load(old, {agg.name: agg})
+    later = feed(adopted, agg, made[150:], 150, old)
+    kept = PartitionWindows.load(store, {agg.name: agg})
+    assert later == feed(kept, agg, made[150:], 150, store)
+    assert windows_held(old) == windows_held(store)  # nothing left under the topic alone
+    assert all(key.startswith("clicks:collect/") for key in windows_held(old))
+    adopted.advance_to_close_all()
+    out = Results()
+    adopted.close(out, 0)  # type: ignore[arg-type]
+    assert _normal(found + later + out.found) == _normal(expected)
+
+
+def test_state_keyed_by_a_topic_with_several_windows_is_left_alone_and_the_log_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agg = aggregation(windows.tumbling(timedelta(milliseconds=100)))
+    store = MemoryStore()
+    feed(PartitionWindows.load(store, {agg.name: agg}), agg, [("k", 1_000_050)], 0, store)
+    old = legacy_copy(store)
+    app = App("two-windows")
+    app.window("clicks", windows.tumbling(timedelta(milliseconds=100)), emit_to="out", name="a")(agg.func)
+    app.window("clicks", windows.tumbling(timedelta(milliseconds=100)), emit_to="out", name="b")(agg.func)
+    with caplog.at_level("WARNING", logger="pspf.windows"):
+        loaded = PartitionWindows.load(old, app.windows)
+    assert not any(state.accs for state in loaded.open.values())
+    assert not [key for key in loaded.writes() if key[0] == "__windows"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 values of window state keyed by topic 'clicks' alone (written before windows had names) are "
+        "left alone: the topic has several windows (a, b), and which one they belong to is unknown; "
+        "declare one window on the topic to adopt them"
+    ]
+
+
+def test_window_keys_carry_topic_and_name_and_keys_of_the_old_layout_still_split() -> None:
+    stored = keys.window_key("clicks", "per-minute", "w", "user/1:x", 60_000, 120_000)
+    assert stored == "clicks:per-minute/w/60000/120000/user/1:x"
+    assert keys.split_window_key(stored) == ("clicks", "per-minute", "w", "user/1:x", 60_000, "120000")
+    assert keys.split_window_key("clicks/e/5/7-0/k") == keys.WindowKey("clicks", "", "e", "k", 5, "7-0")

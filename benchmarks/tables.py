@@ -224,11 +224,13 @@ def report(url: str, description: str, args: argparse.Namespace) -> None:
     runs = [throughput_run(url, args, orders) for _ in range(args.runs)]
     ratios = [r["with"] / r["without"] for r in runs]
     print(
-        f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, {os.cpu_count()} cores"
+        f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, "
+        f"{os.cpu_count()} cores"
     )
     print(f"Throughput, entries/s, median of {args.runs} run(s)")
     print(
-        f"  order totals                               {statistics.median(r['without'] for r in runs):>10,.0f}"
+        f"  order totals                               "
+        f"{statistics.median(r['without'] for r in runs):>10,.0f}"
     )
     print(
         f"  + ctx.table lookup and global lookup/entry {statistics.median(r['with'] for r in runs):>10,.0f}"

@@ -132,11 +132,12 @@ class TimeKeeping:
     ) -> None:
         """Move stream time past a plain handler's entries; note its ``state_ttl`` for its keys.
 
-        A plain handler's entry counts at the time Redis appended it; its keys expire after its
-        own ``state_ttl`` where that is not the app's.
+        A plain handler's entry counts at the time Redis appended it (a table's update is no
+        event: it moves no time); its keys expire after its own ``state_ttl`` where that is not
+        the app's.
         """
         windows = batch.owned.windows
-        if windows is None and not self.ttl:
+        if (windows is None and not self.ttl) or topic in self.app.tables:
             return
         if windows is not None and last_done is not None and not self.app.windows_of(topic):
             windows.advance(StreamId.parse(last_done).ms, (topic, last_done))

@@ -3,13 +3,16 @@
 
 Orders (keyed by customer) are enriched with the customer's row of the ``customers`` table and the
 product's row of the ``products`` global table: each order adds ``qty * price`` to its customer's
-revenue, and is emitted to the output topic with the tier and price its lookups saw.
+revenue, and is emitted to the output topic with the tier and price its lookups saw. A tumbling
+one-minute window beside the handler counts each customer's orders (event time: the order's
+``ts``) and emits each closed window's count.
 
 Configured by environment variables, read when ``main`` is called:
 
 - ``PSPF_TEST_TOPIC``, ``PSPF_TEST_APP``: the orders topic and the app (consumer group) name;
-- ``PSPF_TEST_CUSTOMERS``, ``PSPF_TEST_PRODUCTS``, ``PSPF_TEST_TARGET``: the table's topic, the
-  global table's topic and the topic the enriched orders go to;
+- ``PSPF_TEST_CUSTOMERS``, ``PSPF_TEST_PRODUCTS``, ``PSPF_TEST_TARGET``, ``PSPF_TEST_COUNTS``:
+  the table's topic, the global table's topic, the topic the enriched orders go to and the one
+  the window's counts go to;
 - ``PSPF_TEST_WORK_US``: microseconds of busy work per order, so kills land mid-stream.
 """
 
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import msgspec
 
-from pspf import App, Context
+from pspf import App, Context, windows
 
 
 class Customer(msgspec.Struct):
@@ -36,6 +40,7 @@ class Order(msgspec.Struct):
     n: int
     product: str
     qty: int
+    ts: int
 
 
 def main() -> App:
@@ -61,5 +66,14 @@ def main() -> App:
             end = time.perf_counter() + work_s
             while time.perf_counter() < end:
                 pass
+
+    @app.window(
+        env["PSPF_TEST_TOPIC"],
+        windows.tumbling(timedelta(minutes=1)),
+        timestamp="ts",
+        emit_to=env["PSPF_TEST_COUNTS"],
+    )
+    def per_minute(count: int | None, order: Order) -> int:
+        return (count or 0) + 1
 
     return app

@@ -1,5 +1,5 @@
 """SIGKILL workers of an enrichment app at random on two state dirs: every order enriched once,
-with the row that was current at its entry."""
+with the row that was current at its entry, and a window beside the handler counts exactly."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ def test_random_sigkills_on_two_state_dirs_enrich_every_order_once_with_its_curr
     print(f"seed {seed} (set PSPF_TEST_SEED to repeat)")
     rng = random.Random(seed)
     orders, customers, target = make_topic(PARTITIONS), make_topic(PARTITIONS), make_topic(PARTITIONS)
+    counts = make_topic(PARTITIONS)
     products, app = make_topic(3), names.app()
     prices = {f"p{i}": rng.randrange(1, 100) for i in range(PRODUCTS)}
     pipe = rclient.pipeline(transaction=False)
@@ -64,7 +65,8 @@ def test_random_sigkills_on_two_state_dirs_enrich_every_order_once_with_its_curr
     for n, kind in enumerate(kinds):
         user = rng.choice(users)
         if kind == "order":
-            value: Any = {"n": n, "product": rng.choice(list(prices)), "qty": rng.randrange(1, 5)}
+            product = rng.choice(list(prices))
+            value: Any = {"n": n, "product": product, "qty": rng.randrange(1, 5), "ts": n * 1000}
             _add(pipe, orders, PARTITIONS, user, value)
         else:
             value = None if rng.random() < 0.25 else {"tier": rng.choice(["gold", "silver", "bronze"])}
@@ -80,6 +82,7 @@ def test_random_sigkills_on_two_state_dirs_enrich_every_order_once_with_its_curr
         "PSPF_TEST_CUSTOMERS": customers,
         "PSPF_TEST_PRODUCTS": products,
         "PSPF_TEST_TARGET": target,
+        "PSPF_TEST_COUNTS": counts,
         "PSPF_TEST_WORK_US": str(WORK_US),
     }
     options = ["--batch-size", "50", "--block-ms", "100", "--lease-ttl-ms", str(LEASE_TTL_MS)]
@@ -130,6 +133,16 @@ def test_random_sigkills_on_two_state_dirs_enrich_every_order_once_with_its_curr
     # first topic: the table's, declared first).
     revenue = _backup_revenue(rclient, customers, app)
     assert revenue == expected["revenue"]
+    # Every window that stream time closed emitted its count exactly once.
+    results: Counter[tuple[str, int]] = Counter()
+    found: dict[tuple[str, int], int] = {}
+    for partition in range(PARTITIONS):
+        for _, fields in rclient.xrange(stream_key(counts, partition)):
+            value = msgspec.json.decode(fields[b"value"])
+            results[(value["key"], value["start"])] += 1
+            found[(value["key"], value["start"])] = value["value"]
+    assert [w for w, n in results.items() if n != 1] == []
+    assert found == expected["windows"]
 
 
 def _stamp(sent: list[tuple[str, str, Any]], ids: list[Any]) -> None:
@@ -145,13 +158,24 @@ def _expected(sent: list[Any], prices: dict[str, int]) -> dict[str, Any]:
     current: dict[str, str | None] = {}
     seen: dict[int, tuple[str | None, int]] = {}
     revenue: Counter[str] = Counter()
+    per_minute: Counter[tuple[str, int]] = Counter()
+    stream_ms: dict[int, int] = {}
     for kind, user, value, _ in sorted(sent, key=lambda e: (e[3], e[0] != "update")):
         if kind == "update":
             current[user] = None if value is None else value["tier"]
         else:
             seen[value["n"]] = (current.get(user), prices[value["product"]])
             revenue[user] += value["qty"] * prices[value["product"]]
-    return {"seen": seen, "revenue": dict(revenue)}
+            per_minute[(user, value["ts"] - value["ts"] % 60_000)] += 1
+            partition = partition_for(user.encode(), PARTITIONS)
+            stream_ms[partition] = max(stream_ms.get(partition, 0), value["ts"])
+    # A window closes once its partition's stream time reaches its end (no grace).
+    closed = {
+        window: count
+        for window, count in per_minute.items()
+        if window[1] + 60_000 <= stream_ms[partition_for(window[0].encode(), PARTITIONS)]
+    }
+    return {"seen": seen, "revenue": dict(revenue), "windows": closed}
 
 
 def _backup_revenue(rclient: redis.Redis, topic: str, app: str) -> dict[str, int]:

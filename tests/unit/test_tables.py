@@ -1,0 +1,128 @@
+"""Tables through ``TestApp``: rows, tombstones, typed rows, lookups' rules, declarations."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import pytest
+
+from pspf import App, Context, windows
+from pspf.errors import ConfigError
+from pspf.keys import partition_for
+from pspf.tables import TableError
+from pspf.testing import TestApp
+
+
+class Customer(msgspec.Struct):
+    tier: str
+
+
+def enrich_app() -> App:
+    app = App("shop")
+    app.table("customers", value_type=Customer)
+    app.global_table("products")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        customer = ctx.table("customers")
+        product = ctx.table("products", key=value["product"])
+        seen = [None if customer is None else customer.tier, None if product is None else product["price"]]
+        ctx.state["seen"] = [*ctx.state.get("seen", []), seen]
+
+    return app
+
+
+def test_rows_typed_updated_and_deleted_as_their_topic_says() -> None:
+    with TestApp(enrich_app(), partitions=2, topics={"products": 3}) as t:
+        t.send("orders", {"product": "p1"}, key="c1")
+        t.send("customers", {"tier": "gold"}, key="c1")
+        t.send("products", {"price": 5}, key="p1")
+        t.send("orders", {"product": "p1"}, key="c1")
+        t.send("customers", {"tier": "silver"}, key="c1")
+        t.send("orders", {"product": "p1"}, key="c1")
+        t.send("customers", None, key="c1")  # a tombstone
+        t.send("orders", {"product": "p2"}, key="c1")
+        assert t.state("c1")["seen"] == [[None, None], ["gold", 5], ["silver", 5], [None, None]]
+        assert t.table("customers", "c1") is None
+        assert t.table("products", "p1") == {"price": 5}
+        assert t.table("customers", "c2") is None
+
+
+def test_a_row_that_does_not_decode_goes_to_the_dlq_at_once_and_keeps_the_old_row() -> None:
+    with TestApp(enrich_app(), partitions=1) as t:
+        t.send("customers", {"tier": "gold"}, key="c1")
+        t.send("customers", {"rank": 3}, key="c1")
+        assert t.table("customers", "c1") == Customer("gold")
+        [dead] = t.dead_letters("customers")
+        assert dead.attempts == 1 and "tier" in dead.message
+
+
+def test_a_key_of_another_partition_and_an_undeclared_table_fail_their_entry_clearly() -> None:
+    app = App("shop")
+    app.table("customers")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.table(value["table"], key=value.get("key"))
+
+    other = next(
+        k for k in (f"k{i}" for i in range(50)) if partition_for(k.encode(), 4) != partition_for(b"c1", 4)
+    )
+    with TestApp(app, partitions=4, settings=None) as t:
+        t.send("orders", {"table": "customers", "key": other}, key="c1")
+        t.send("orders", {"table": "nope"}, key="c1")
+        first, second = t.dead_letters("orders")
+    assert first.error_type == "TableError"
+    assert f"is in partition {partition_for(other.encode(), 4)}" in first.message
+    assert f"this entry's partition is {partition_for(b'c1', 4)}" in first.message
+    assert second.error_type == "TableError" and "no table 'nope'" in second.message
+
+
+def test_timers_look_rows_up_by_key_of_their_partition() -> None:
+    app = App("shop")
+    app.table("customers")
+
+    @app.timer(timedelta(seconds=10))
+    def tally(ctx: Any) -> None:
+        row = ctx.table("customers", "c1")
+        if row is not None:
+            ctx.state("c1")["tier"] = row["tier"]
+
+    with TestApp(app, partitions=1) as t:
+        t.send("customers", {"tier": "gold"}, key="c1")
+        t.advance(timedelta(seconds=11))
+        assert t.state("c1") == {"tier": "gold"}
+
+
+def test_a_table_update_moves_no_windows_stream_time() -> None:
+    """Its id is the time it was added, not an event time: it must close no window."""
+    app = App("shop")
+    app.table("customers")
+
+    @app.window("orders", windows.tumbling(timedelta(minutes=1)), timestamp="ts", emit_to="counts")
+    def per_minute(count: int | None, order: dict[str, Any]) -> int:
+        return (count or 0) + 1
+
+    with TestApp(app, partitions=1) as t:
+        t.send("orders", {"ts": 1000}, key="c1")
+        t.send("customers", {"tier": "gold"}, key="c1")
+        t.send("orders", {"ts": 2000}, key="c1")
+        assert t.counts.late == 0 and t.emitted("counts") == []
+
+
+def test_declarations_that_clash_are_refused_in_one_line() -> None:
+    app = App("shop")
+    app.table("customers")
+    with pytest.raises(ConfigError, match="'customers' is already read by a table"):
+        app.global_table("customers")
+
+    @app.handler("orders")
+    def order(value: Any, ctx: Context) -> None: ...
+
+    with pytest.raises(ConfigError, match="'orders' is already read by a handler"):
+        app.table("orders")
+    with pytest.raises(ConfigError, match="cannot decode its rows"):
+        app.table("other", value_type=object())
+    assert issubclass(TableError, ConfigError)

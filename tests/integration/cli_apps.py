@@ -174,3 +174,17 @@ def clashing_windows() -> App:
 
     app.window("views", windows.tumbling(MINUTE), emit_to="counts")(count)
     return app
+
+
+def enrich() -> App:
+    """Orders (``PSPF_TEST_TOPIC``) looked up in a table (``PSPF_TEST_TABLE``): the customer's tier."""
+    app = App(os.environ["PSPF_TEST_APP"])
+    table = os.environ["PSPF_TEST_TABLE"]
+    app.table(table)
+
+    @app.handler(os.environ["PSPF_TEST_TOPIC"])
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        row = ctx.table(table)
+        ctx.state["tier"] = None if row is None else row["tier"]
+
+    return app

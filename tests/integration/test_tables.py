@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.errors import ConfigError
 from pspf.keys import StreamId, dlq_key, partition_for, stream_key
 from pspf.state_stores import open_store
+from tests.conftest import pspf_command, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -181,3 +183,23 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_pspf_run_refuses_a_table_of_another_partition_count_with_exit_2_and_one_line(
+    make_topic: Callable[[int], str], redis_url: str, names: Any, tmp_path: Any
+) -> None:
+    orders, customers = make_topic(4), make_topic(2)
+    env = subprocess_env(PSPF_TEST_APP=names.app(), PSPF_TEST_TOPIC=orders, PSPF_TEST_TABLE=customers)
+    args = ["run", "tests.integration.cli_apps:enrich", "--broker", redis_url, "--until-idle"]
+    done = subprocess.run(
+        pspf_command(*args, "--state-dir", str(tmp_path / "state")),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert f"table {customers!r}" in errors[0] and "has 2 partitions" in errors[0] and "have 4" in errors[0]

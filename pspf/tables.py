@@ -271,9 +271,11 @@ class GlobalTables:
             tx.put(keys.GLOBAL_TABLES_NAMESPACE, rows)
         for stream, entries in read:
             self.positions[stream] = StreamId.parse(entries[-1][0])
-        if len(self.cache) + len(rows) > GLOBAL_CACHE_LIMIT:
-            self.cache.clear()
-        self.cache.update(rows)
+        cache = self.cache
+        if cache:  # rows looked up before are refreshed; others are read when looked up
+            for stored, row in rows.items():
+                if stored in cache:
+                    cache[stored] = row
         return count
 
     def _apply(self, table: Table, entry_id: bytes, fields: Any, rows: dict[str, bytes | None]) -> None:

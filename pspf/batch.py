@@ -132,8 +132,8 @@ class PartitionBatch:
         """
         lookups = self.lookups
         table = None if lookups is None else lookups.tables.get(name)
-        if table is None or check:
-            table = self._checked_table(name, key, what, check)
+        if table is None or (check and (not table.is_global or type(key) is not str)):
+            table = self._checked_table(name, key, what, check)  # a global table takes any str key
         stored = f"{name}/{key}"  # keys.table_key
         if table.is_global:
             assert lookups is not None and lookups.global_tables is not None

@@ -438,7 +438,13 @@ class App:
 
     @property
     def topics(self) -> list[str]:
-        return list(self.handlers)
+        """The topics the app reads in groups, tables' last.
+
+        The first holds the partitions' state backups: its acknowledgement carries the backup
+        update, and the others' go after it (a table's topic, quiet most of the time, would add
+        that second round trip to every batch).
+        """
+        return sorted(self.handlers, key=lambda topic: topic in self.tables)
 
     def __repr__(self) -> str:
         return f"App({self.name!r}, topics={self.topics})"

@@ -10,8 +10,8 @@ partition's store (namespace ``__tables``) and follow the partition through the 
 a batch the table's entries run first, and each update is kept with its entry's id
 (``TableWrites``): a lookup sees the updates with an id up to its own entry's (ids of
 different streams may be equal: the update comes first), never a later one, so a replay after a
-crash sees the same rows (``delivery.Delivery.hold_back`` holds
-back the entries a later read could still precede).
+crash sees the same rows (``pspf.ordering`` holds back the entries a later read could still
+precede).
 
 A **global table** (``App.global_table``): any partition count; every worker holds all of it in
 a store of its own under the state dir, with its read position per stream
@@ -98,9 +98,6 @@ class TableWrites:
     def __init__(self) -> None:
         #: table_key -> [(entry id, row or None)], in id order
         self.versions: dict[str, list[tuple[StreamId, bytes | None]]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self.versions)
 
     def write(self, name: str, entry_id: bytes, row: bytes | None) -> None:
         self.versions.setdefault(name, []).append((StreamId.parse(entry_id), row))
@@ -201,8 +198,6 @@ class GlobalTables:
             stream: saved.get(name) for stream, (_, name) in self.streams.items()
         }
         self.cache: dict[str, bytes | None] = {}
-        #: entries read so far that set no row (no key, an unreadable value)
-        self.skipped = 0
 
     def row(self, name: str, key: str) -> bytes | None:
         """A row as stored (None: no row)."""
@@ -286,7 +281,6 @@ class GlobalTables:
             value = table.value_decoder.decode(fields)
             key = raw_key.decode()
         except (DecodeError, UnicodeDecodeError) as exc:
-            self.skipped += 1
             log.warning("global table %s: entry %s skipped: %s", table.name, entry_id.decode(), exc)
             return
         rows[keys.table_key(table.name, key)] = None if value is None else _encode_row(value)

@@ -130,8 +130,8 @@ def test_random_sigkills_on_two_state_dirs_enrich_every_order_once_with_its_curr
     assert [n for n, count in emitted.items() if count != 1] == []
     assert seen == expected["seen"]
     # Revenue per customer exact, in the state backup the last owner left (kept under the app's
-    # first topic: the table's, declared first).
-    revenue = _backup_revenue(rclient, customers, app)
+    # first topic: not a table's).
+    revenue = _backup_revenue(rclient, orders, app)
     assert revenue == expected["revenue"]
     # Every window that stream time closed emitted its count exactly once.
     results: Counter[tuple[str, int]] = Counter()

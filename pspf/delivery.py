@@ -180,10 +180,38 @@ class Delivery:
             return None
         ahead, sent_for = self._ahead
         if sent_for != live:
-            self.drop_ahead()
+            if self.order is not None:
+                self._hold_ahead()
+            else:
+                self.drop_ahead()
             return None
         self._ahead = None
         return ahead.take()
+
+    def _hold_ahead(self) -> None:
+        """With tables: what the read sent ahead delivered is held, first in its streams' next reads.
+
+        Dropped, it would be read again from the pending lists, its delivery counts grown: crash
+        suspects all. Streams re-reading their pending list (or given up) read it there anyway.
+        """
+        assert self._ahead is not None
+        ahead, _ = self._ahead
+        self._ahead = None
+        taken = ahead.take()
+        if taken is None:
+            return  # nothing was delivered
+        for stream, entries in taken[1]:
+            cursor = self.streams.get(stream.decode())
+            if cursor is None or not entries:
+                continue
+            if cursor.pending_after is not None:  # read again there: that delivery explained
+                for entry_id, _ in entries:
+                    cursor.unattempted[entry_id] = cursor.unattempted.get(entry_id, 0) + 1
+                continue
+            read = Read(cursor, entries, {})
+            cursor.held = (
+                read if cursor.held is None else cursor.held._replace(entries=cursor.held.entries + entries)
+            )
 
     def drop_ahead(self) -> None:
         """Give the read sent ahead up: its streams re-read their pending entries, in id order."""

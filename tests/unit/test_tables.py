@@ -126,3 +126,24 @@ def test_declarations_that_clash_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="cannot decode its rows"):
         app.table("other", value_type=object())
     assert issubclass(TableError, ConfigError)
+
+
+def test_a_scheduled_callback_sees_the_latest_row() -> None:
+    app = App("shop")
+    app.table("customers")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.schedule(timedelta(seconds=5), "remind")
+
+    @app.on_schedule("remind")
+    def remind(payload: Any, ctx: Context) -> None:
+        row = ctx.table("customers")
+        ctx.state["reminded_tier"] = None if row is None else row["tier"]
+
+    with TestApp(app, partitions=1) as t:
+        t.send("orders", {}, key="c1")
+        t.send("customers", {"tier": "gold"}, key="c1")  # added after the order, before the call
+        t.advance(timedelta(seconds=6))
+        t.send("orders", {}, key="c2")  # moves stream time past the schedule
+        assert t.state("c1") == {"reminded_tier": "gold"}

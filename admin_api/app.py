@@ -147,7 +147,7 @@ _STATUS: list[tuple[type[PSPFError], int]] = [
 _DESCRIPTIONS = {
     401: "no or malformed Authorization header",
     403: "wrong token, or the API is read-only",
-    404: "unknown topic, app, DLQ id or key",
+    404: "unknown topic, app, DLQ id, key, table or row",
     409: "the app is running, or its state store is in use",
     422: "invalid request: parameters, body or a selection the operation refuses",
     502: "Redis refused a command",
@@ -294,6 +294,17 @@ def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[
     return _service(state).state_windows(app, key)
 
 
+@get(
+    "/apps/{app:str}/tables/{table:str}/{key:str}",
+    sync_to_thread=True,
+    responses=_errors(404),
+    summary="The row of one key in a table, from its state backup (a global table's is held by the "
+    "workers, not here: 404)",
+)
+def table_row(state: State, app: FromPath[str], table: FromPath[str], key: FromPath[str]) -> Any:
+    return _service(state).table_row(app, table, key, read_global=False)
+
+
 @get("/apps/{app:str}/outbox", sync_to_thread=True, responses=_errors(404), summary="An app's outbox rows")
 def outbox_list(
     state: State,
@@ -428,6 +439,7 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     app_lag,
     state_get,
     state_windows,
+    table_row,
     outbox_list,
     outbox_show,
     prometheus_metrics,

@@ -259,6 +259,7 @@ def state() -> None:
 @click.argument("app")
 @click.argument("key")
 @click.option("--window", is_flag=True, help="Show KEY's open windows (of @app.window) instead.")
+@click.option("--table", help="Show KEY's row in this table (or global table) of APP instead.")
 @broker_option
 @state_dir_option
 @store_option
@@ -269,13 +270,23 @@ def state_get(
     app: str,
     key: str,
     window: bool,
+    table: str | None,
     broker: str | None,
     state_dir: Path | None,
     store: str | None,
     as_json: bool,
 ) -> None:
-    """Print the state of KEY in APP (with --window, its open windows)."""
+    """Print the state of KEY in APP (with --window, its open windows; with --table, its row).
+
+    A table's row comes from the state backup in Redis, as state does; a global table's from the
+    store of a worker under --state-dir (each worker holds it whole, in no backup).
+    """
+    if window and table is not None:
+        raise click.UsageError("give --window or --table, not both")
     service = service_for(obj, broker, state_dir, store)
+    if table is not None:
+        _print_value(service.table_row(app, table, key), as_json)
+        return
     if window:
         windows = service.state_windows(app, key)
         if as_json:
@@ -285,12 +296,18 @@ def state_get(
             name = f"{w.window} ({w.topic})" if w.window else f"({w.topic})"
             click.echo(f"{name} [{w.start}, {w.end}]: {json_text(w.value)}")
         return
-    value = service.state_get(app, key)
+    _print_value(service.state_get(app, key), as_json)
+
+
+def _print_value(value: Any, as_json: bool) -> None:
+    """A key's state or row: JSON, or a mapping's fields one a line (another value on one)."""
     if as_json:
         print_json(value)
-    else:
+    elif isinstance(value, dict):
         for name, item in value.items():
             click.echo(f"{name}: {json_text(item)}")
+    else:
+        click.echo(json_text(value))
 
 
 @state.command("list")

@@ -66,7 +66,9 @@ def lag(
 ) -> None:
     """Show APP per topic partition (last id, checkpoint, lag, pending, owner), then its workers.
 
-    The checkpoint comes from the app's state directory when it is reachable from here.
+    The checkpoint comes from the app's state directory when it is reachable from here. For an
+    app with global tables, last comes how many entries each worker is behind in each, as the
+    worker counted them (every few seconds).
     """
     found: AppLag = service_for(obj, broker, state_dir, store).lag(app)
     if as_json:
@@ -97,6 +99,10 @@ def lag(
             for m in found.members
         ],
     )
+    behind = [[m.id, table, count] for m in found.members for table, count in sorted(m.global_tables.items())]
+    if behind:
+        click.echo()
+        print_table(["MEMBER", "GLOBAL TABLE", "BEHIND"], behind)
 
 
 @cli.command(

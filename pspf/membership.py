@@ -17,6 +17,10 @@ The contract:
   committed and acknowledged) it releases the partitions it should not own, and it takes the ones
   it should own once their leases are free. Leases and fencing are unchanged, so two workers that
   briefly disagree about the members can never both own a partition.
+- Global tables: a member says, with its membership, how many entries each global table's
+  streams hold past its own read position (``count_global_lag``, every ``GLOBAL_LAG_EVERY_S``):
+  the position lives in the worker's own store, so only the worker can say. It goes and expires
+  with the membership; ``pspf lag`` shows it per live member.
 - Settling: after a change, the partitions that move are released at the old owner's next lease
   round and taken at the new owner's next one: within about two thirds of the lease TTL plus a
   batch, after ``JOIN_DELAY`` for a join. A dead worker's partitions move when its membership
@@ -32,10 +36,14 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from pspf.broker import Broker
+
+if TYPE_CHECKING:
+    from pspf.tables import Lookups
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,9 @@ JOIN_DELAY = 1
 #: A lease or membership gone sooner than this share of its TTL after its last renewal did not
 #: expire by time: its keys vanished (evicted or deleted). The margin covers clocks that drift.
 VANISHED_WITHIN = 0.9
+#: How often a member counts the entries its global tables are behind (not per batch: it reads
+#: each table's streams from its positions to their ends).
+GLOBAL_LAG_EVERY_S = 5.0
 
 
 class MemberInfo(msgspec.Struct, frozen=True):
@@ -53,6 +64,8 @@ class MemberInfo(msgspec.Struct, frozen=True):
     host: str
     pid: int
     ttl_ms: int
+    #: entries each global table's streams hold past this worker's positions, as last counted
+    global_lag: dict[str, int] = {}
 
 
 class Member(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +79,8 @@ class Member(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat_ms: int
     #: when its membership runs out unless it renews it (server ms)
     expiry_ms: int
+    #: entries each global table's streams hold past its positions (``MemberInfo.global_lag``)
+    global_lag: dict[str, int] = {}
 
 
 _info_encoder = msgspec.json.Encoder()
@@ -109,7 +124,10 @@ class Membership:
         self.app = app
         self.member = member
         self.ttl_ms = ttl_ms
-        self._info = _info_encoder.encode(MemberInfo(consumer, socket.gethostname(), os.getpid(), ttl_ms))
+        self._about = MemberInfo(consumer, socket.gethostname(), os.getpid(), ttl_ms)
+        self._info = _info_encoder.encode(self._about)
+        #: when (monotonic) to count the global tables' lag next
+        self._count_lag_at = 0.0
         self.members: list[Member] = []
         self._now = 0
         #: the last target, to log changes of it
@@ -150,6 +168,21 @@ class Membership:
         self.members = [_member(*row) for row in found]
         self._now = now
         return self.members
+
+    def count_global_lag(self, lookups: Lookups | None) -> dict[str, int] | None:
+        """Count the global tables' lag for the next heartbeats, when due; the counts, else None.
+
+        Counted here, not by ``pspf lag`` from published positions, because the worker's own
+        metrics need the figure too; a reader gets it ready with the members.
+        """
+        tables = None if lookups is None else lookups.global_tables
+        if tables is None or time.monotonic() < self._count_lag_at:
+            return None
+        self._count_lag_at = time.monotonic() + GLOBAL_LAG_EVERY_S
+        behind = tables.lag()
+        self._about = msgspec.structs.replace(self._about, global_lag=behind)
+        self._info = _info_encoder.encode(self._about)
+        return behind
 
     def first_expiry_at(self) -> float | None:
         """When (monotonic) the first other member's membership runs out, as of the last heartbeat.
@@ -205,4 +238,5 @@ def _member(member: str, joined_ms: int, expiry_ms: int, raw: bytes) -> Member:
         joined_ms=joined_ms,
         last_heartbeat_ms=expiry_ms - info.ttl_ms,
         expiry_ms=expiry_ms,
+        global_lag=info.global_lag,
     )

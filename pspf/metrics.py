@@ -94,6 +94,7 @@ class _Instruments(NamedTuple):
     outbox_dead: Counter
     out_of_memory: Gauge
     refused: Counter
+    global_lag: Gauge
 
 
 #: Per series (a field of ``_Instruments``): its kind, name, help, labels and histogram buckets.
@@ -202,6 +203,14 @@ _SERIES: dict[str, tuple[type[Counter | Gauge | Histogram], str, str, tuple[str,
         _APP,
         (),
     ),
+    "global_lag": (
+        Gauge,
+        "pspf_global_table_lag_entries",
+        "Entries a global table's streams hold past this worker's positions, as last counted "
+        "(every few seconds).",
+        ("app", "table"),
+        (),
+    ),
 }
 
 
@@ -306,6 +315,11 @@ class WorkerMetrics(ProcessorHooks):
             self.m.refused.inc()
         self._refusing = refused
         self.m.out_of_memory.set(1 if refused else 0)
+
+    def global_tables_lag(self, behind: dict[str, int]) -> None:
+        """The entries each global table is behind, as the worker just counted them."""
+        for table, entries in behind.items():
+            self.m.global_lag.labels(self.app, table).set(entries)
 
     # -- processor hooks ------------------------------------------------------------------------
 

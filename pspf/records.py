@@ -218,6 +218,9 @@ class AppMember(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat: str
     #: the partitions whose leases it holds now
     partitions: list[int]
+    #: per global table of the app: entries its streams hold past this worker's read position,
+    #: as the worker counted them (every few seconds) before its last heartbeat
+    global_tables: dict[str, int] = {}
 
     @classmethod
     def of(cls, member: Member, partitions: list[int]) -> AppMember:
@@ -230,6 +233,7 @@ class AppMember(msgspec.Struct, frozen=True, kw_only=True):
             since=iso_time(member.joined_ms),
             last_heartbeat=iso_time(member.last_heartbeat_ms),
             partitions=partitions,
+            global_tables=member.global_lag,
         )
 
 

@@ -456,6 +456,9 @@ class Worker:
             self._recheck_after_reconnect()
             self._recheck_streams = False
         self._renew(self._held)
+        behind = self.membership.count_global_lag(self.processor.lookups)  # sent with the heartbeat
+        if behind is not None and self.metrics is not None:
+            self.metrics.global_tables_lag(behind)
         members = self.membership.heartbeat()
         target = self.membership.target(self._partitions)
         if self.metrics is not None:

@@ -17,8 +17,10 @@ __all__ = [
     "StoreTransaction",
     "TxStatus",
     "missing_state",
+    "open_globals_readonly",
     "open_globals_store",
     "open_store",
+    "stored_globals",
     "stored_partitions",
 ]
 
@@ -63,12 +65,32 @@ def open_globals_store(
     Workers sharing a state dir take one each; a restarted worker finds its rows again.
     """
     for slot in range(GLOBALS_SLOTS):
-        path = store_path(Path(directory), engine, group, 0).with_name(f"globals-{slot}{_SUFFIX[engine]}")
+        path = _globals_path(directory, engine, group, slot)
         try:
             return _open(engine, path, durability, readonly=False)
         except StoreLocked:
             continue
     raise ConfigError(f"{GLOBALS_SLOTS} workers of app {group!r} hold global table stores under {directory}")
+
+
+def _globals_path(directory: Path | str, engine: str, group: str, slot: int) -> Path:
+    """Where the global table store of one worker slot of ``group`` lives under the state directory."""
+    return store_path(Path(directory), engine, group, 0).with_name(f"globals-{slot}{_SUFFIX[engine]}")
+
+
+def stored_globals(engine: str, directory: Path | str, group: str) -> list[Path]:
+    """The global table stores of ``group`` under ``directory``, one per worker slot, by slot."""
+    found = [_globals_path(directory, engine, group, slot) for slot in range(GLOBALS_SLOTS)]
+    return [path for path in found if path.exists()]
+
+
+def open_globals_readonly(engine: str, path: Path) -> StateStore:
+    """A worker's global table store (a ``stored_globals`` path), opened without taking its lock.
+
+    Raises:
+        NotFound: it holds nothing yet (its worker is creating it).
+    """
+    return _open(engine, path, "normal", readonly=True)
 
 
 def _open(engine: str, path: Path, durability: Durability, readonly: bool) -> StateStore:

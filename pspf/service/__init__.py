@@ -10,6 +10,7 @@ parsers re-exported here, never the families:
 - ``apps``: the apps that ran, their lag, owners and members;
 - ``replay``: delivering a stopped app's entries again, rewinding its state to match;
 - ``state``: an app's state: get, windows, keys, export, import, adopt;
+- ``tables``: a row of an app's table or global table;
 - ``outbox``: an app's outbox rows: list, show, replay.
 
 The records they return live in ``pspf.records``.
@@ -46,6 +47,7 @@ from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_i
 from pspf.service.outbox import OutboxRows, parse_row_id
 from pspf.service.replay import Replaying, parse_position
 from pspf.service.state import State
+from pspf.service.tables import Tables
 from pspf.service.topics import Topics
 
 __all__ = [
@@ -80,5 +82,5 @@ __all__ = [
 ]
 
 
-class Service(Topics, DeadLetters, Apps, Replaying, State, OutboxRows):
+class Service(Topics, DeadLetters, Apps, Replaying, State, Tables, OutboxRows):
     """Topic, produce and state operations over one broker and one state directory."""

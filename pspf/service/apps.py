@@ -97,6 +97,10 @@ class Apps(ServiceBase):
         found: dict[int, dict[str, StreamId]] = {}
         for partition in stored_partitions(state.engine, state.dir, app):
             if partition < partitions:
-                with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+                try:
+                    store = open_store(state.engine, state.dir, app, partition, readonly=True)
+                except NotFound:
+                    continue  # its worker is creating it: nothing committed yet
+                with store:
                     found[partition] = store.checkpoints()
         return found

@@ -4,7 +4,8 @@
 backups in Redis (``local_state``), and one ``Broker`` (connected on first use; one pool, shared by
 the admin API's request threads). The checks more than one family makes live here: a topic's or
 app's partition count, a partition's state backup keys, refusing while the app runs. So do the
-helpers several families use: reading a whole stream by pages, parsing a duration.
+helpers several families use: a value of a key's partition, reading a whole stream by pages,
+parsing a duration.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from collections.abc import Iterator
 
 import msgspec
 
-from pspf import keys
+from pspf import codec, keys
+from pspf.backup import field
 from pspf.broker import Broker
 from pspf.errors import AppRunning, NotFound, ParameterError
 from pspf.keys import BACKUP_IDENTITY, StreamId
 from pspf.settings import Settings
+from pspf.state_stores import open_store
 
 #: Any JSON value (a produced line, an owner's reply to an outbox replay).
 json_any = msgspec.json.Decoder()
@@ -54,6 +57,20 @@ class ServiceBase:
             return None
         backup = keys.backup_keys(first[0], partition, app)
         return backup if self.broker.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
+
+    def _partition_value(self, app: str, key: str, namespace: str, name: str) -> bytes | None:
+        """A value of the store of ``key``'s partition: from its backup in Redis (any machine).
+
+        Without a backup (it is off), or when the service reads local state, from the partition's
+        store here, read without locking it.
+        """
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        backup = None if self.local_state else self._backup_keys(app, partition)
+        if backup is not None:
+            return self.broker.backup_value(backup.values, field(namespace, name))
+        state = self.settings.state
+        with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
+            return store.get(namespace, name)
 
     def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
         leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]

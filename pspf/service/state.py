@@ -44,15 +44,7 @@ class State(ServiceBase):
         Without a backup (it is off), from the partition's store here, read without locking it.
         """
         keys.check_name("app", app)
-        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
-        backup = None if self.local_state else self._backup_keys(app, partition)
-        if backup is not None:
-            raw = self.broker.backup_value(backup.values, field(STATE_NAMESPACE, key))
-        else:
-            with open_store(
-                self.settings.state.engine, self.settings.state.dir, app, partition, readonly=True
-            ) as store:
-                raw = store.get(STATE_NAMESPACE, key)
+        raw = self._partition_value(app, key, STATE_NAMESPACE, key)
         if raw is None:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return _shown_state(key, raw)

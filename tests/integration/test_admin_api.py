@@ -208,6 +208,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/apps/{app}/lag"),
         ("GET", "/apps/{app}/state/{key}"),
         ("GET", "/apps/{app}/state/{key}/windows"),
+        ("GET", "/apps/{app}/tables/{table}/{key}"),
         ("GET", "/metrics"),
         ("POST", "/topics/{topic}/dlq/redrive"),
         ("POST", "/topics/{topic}/dlq/purge"),

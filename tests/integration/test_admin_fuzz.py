@@ -66,10 +66,12 @@ def test_no_operation_answers_a_server_error(
     names: Names,
 ) -> None:
     topic, outputs, app_name = make_topic(2), make_topic(1), names.app()
-    clicks = make_topic(2)
+    clicks, customers = make_topic(2), make_topic(2)
     produce(topic, [(f"k{n % 7}", {"n": n, "bad": n % 3 == 0}) for n in range(60)])
     produce(clicks, [("k1", {"n": n}) for n in range(3)])
+    produce(customers, [("k1", {"tier": "gold"})])  # k1 has a row: the table route has one
     app = App(app_name)
+    app.table(customers)
 
     @app.handler(topic)
     def count(value: dict[str, Any], ctx: Context) -> None:
@@ -87,7 +89,14 @@ def test_no_operation_answers_a_server_error(
     service = Service(config)
     dlq_ids = [d.dlq_id for d in service.dlq_list(topic)]
     row_ids = [r.row_id for r in service.outbox_list(app_name)]
-    real = {"topic": topic, "app": app_name, "dlq_id": dlq_ids[0], "key": "k1", "row_id": row_ids[0]}
+    real = {
+        "topic": topic,
+        "app": app_name,
+        "dlq_id": dlq_ids[0],
+        "key": "k1",
+        "row_id": row_ids[0],
+        "table": customers,
+    }
 
     # Bodies an operator would send, so the writes also succeed, not only fail validation.
     realistic: dict[str, list[dict[str, Any]]] = {
@@ -119,7 +128,7 @@ def test_no_operation_answers_a_server_error(
     results = list(schema.get_all_operations())
     assert not [r.err() for r in results if isinstance(r, Err)]  # the document itself is valid
     operations = [r.ok() for r in results if not isinstance(r, Err)]
-    assert len(operations) == 16
+    assert len(operations) == 17
     for operation in operations:
         names_in_path = {p.name for p in operation.path_parameters}
         pinned = {name: value for name, value in real.items() if name in names_in_path}

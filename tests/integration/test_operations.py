@@ -127,6 +127,21 @@ def test_lag_shows_checkpoint_lag_pending_and_owner_per_partition(
     assert table.output.splitlines()[0].split()[:4] == ["TOPIC", "PARTITION", "LAST", "ID"]
 
 
+def test_lag_of_a_store_its_worker_is_creating_shows_no_checkpoint_for_it(
+    ops: Callable[[int], Ops], tmp_path: Path
+) -> None:
+    o = ops(2)
+    o.produce(10, 1)
+    o.run()
+    # A worker taking partition 1 has created its file and not its tables yet.
+    for stale in (tmp_path / "state" / o.app).glob("p1.sqlite*"):
+        stale.unlink()
+    (tmp_path / "state" / o.app / "p1.sqlite").touch()
+    detail = {d["partition"]: d for d in o.lag()["detail"]}
+    assert detail[0]["checkpoint"] == detail[0]["last_id"] is not None
+    assert detail[1]["checkpoint"] is None
+
+
 def test_lag_is_counted_when_the_server_cannot_say(ops: Callable[[int], Ops], rclient: redis.Redis) -> None:
     """A deleted entry after the group's position: Redis 7 answers lag nil, 6.2 has no lag field."""
     o = ops(1)

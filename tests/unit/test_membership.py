@@ -7,7 +7,11 @@ from collections import Counter
 
 import pytest
 
-from pspf.membership import assign
+from pspf import membership
+from pspf.broker import Broker
+from pspf.membership import Membership, assign
+from pspf.settings import Settings
+from pspf.tables import Lookups
 
 
 def _members(n: int, seed: int) -> list[tuple[str, str]]:
@@ -61,3 +65,41 @@ def test_a_leave_moves_the_leavers_partitions_and_a_bounded_few_more(seed: int) 
     if leaver == count - 1:
         assert moved == theirs
     assert len(moved) <= 3 * len(theirs) + count
+
+
+class CountingTables:
+    """Stands in for ``GlobalTables``: each count says how many were made."""
+
+    def __init__(self) -> None:
+        self.counts = 0
+
+    def lag(self) -> dict[str, int]:
+        self.counts += 1
+        return {"products": self.counts}
+
+
+class Clock:
+    """``membership``'s view of ``time``: monotonic seconds set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_global_tables_lag_is_counted_every_few_seconds_not_at_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(membership, "time", clock)
+    broker = Broker(Settings.load({}, environ={}).redis)  # never connects: nothing is sent here
+    member = Membership(broker, "app", "host/1/ab", "host", 3000)
+    tables = CountingTables()
+    lookups = Lookups({}, 1, tables)  # type: ignore[arg-type]
+    assert member.count_global_lag(None) is None and member.count_global_lag(Lookups({}, 1)) is None
+    assert member.count_global_lag(lookups) == {"products": 1}
+    clock.now += membership.GLOBAL_LAG_EVERY_S - 0.1
+    assert member.count_global_lag(lookups) is None and tables.counts == 1  # not due yet
+    clock.now += 0.1
+    assert member.count_global_lag(lookups) == {"products": 2}

@@ -1,0 +1,100 @@
+"""An app's tables: one row, from the state backup (a table) or a worker's own store (a global table).
+
+A table (``App.table``) lives in the partitions' stores beside the state and is backed up with
+it, so its row is read as ``state_get`` reads state: from the key's partition's backup in Redis,
+or from its store here. A global table (``App.global_table``) is in no backup: each worker holds
+it whole in a store of its own under its state dir, read here without its lock. The service does
+not import the app, so it knows a table only by what Redis and the stores hold: a topic the app
+reads (a table's rows are simply under "table/key"), a worker's store of a global table here, or a
+live worker saying it follows one (``Member.global_lag``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pspf import keys
+from pspf.errors import NotFound, StateValueError
+from pspf.keys import StreamId
+from pspf.membership import live_members
+from pspf.service.base import ServiceBase
+from pspf.state_stores import open_globals_readonly, stored_globals
+
+
+class Tables(ServiceBase):
+    """Table rows."""
+
+    def table_row(self, app: str, table: str, key: str, read_global: bool = True) -> Any:
+        """The row of ``key`` in ``table`` of ``app``, as JSON shows it.
+
+        A table's from its backup in Redis, or without one from its store here (as
+        ``state_get``). A global table's from the store of a worker under the state dir here,
+        when ``read_global`` (the CLI; the admin API does not, and says where it is held).
+        """
+        keys.check_name("app", app)
+        keys.check_name("table", table)
+        self.broker.app_partitions(app)  # NotFound for an app that never ran here
+        stored = keys.table_key(table, key)
+        if table in self.broker.app_topic_list(app):
+            raw = self._partition_value(app, key, keys.TABLES_NAMESPACE, stored)
+            if raw is None:
+                raise NotFound(f"table {table!r} of app {app!r} has no row for key {key!r}")
+            return _shown_row(table, key, raw)
+        copy = self._global_copy(app, table, stored) if read_global else None
+        if copy is None:
+            raise NotFound(self._no_global(app, table, key, read_global))
+        raw, where = copy
+        if raw is None:
+            raise NotFound(f"global table {table!r} of app {app!r} has no row for key {key!r} (in {where})")
+        return _shown_row(table, key, raw)
+
+    def _global_copy(self, app: str, table: str, stored: str) -> tuple[bytes | None, str] | None:
+        """The row in the worker's store here that read ``table`` furthest, and the store's path.
+
+        Workers sharing a state dir each hold a copy (their positions differ by what each has yet
+        to follow): the one whose last entry read is the newest. None when no store here has it.
+        """
+        state = self.settings.state
+        best: tuple[StreamId, bytes | None, str] | None = None
+        for path in stored_globals(state.engine, state.dir, app):
+            try:
+                store = open_globals_readonly(state.engine, path)
+            except NotFound:
+                continue  # its worker is creating it: nothing read yet
+            with store:
+                read = [at for name, at in store.checkpoints().items() if name.startswith(f"{table}/")]
+                if read and (best is None or max(read) > best[0]):
+                    best = max(read), store.get(keys.GLOBAL_TABLES_NAMESPACE, stored), str(path)
+        return None if best is None else best[1:]
+
+    def _no_global(self, app: str, table: str, key: str, read_global: bool) -> str:
+        """Why no row of ``table`` was read here: where a global table is held, or that it is none."""
+        state = self.settings.state
+        followed = any(table in member.global_lag for member in live_members(self.broker, app))
+        if followed:
+            if read_global:
+                return (
+                    f"global table {table!r} of app {app!r} is held by each worker in its state dir, "
+                    f"and no worker's store of it is under {state.dir}: pass a worker's --state-dir"
+                )
+            return (
+                f"global table {table!r} of app {app!r} is held by each worker in its state dir, not "
+                f"in Redis: read it where a worker runs, with `pspf state get {app} {key} --table "
+                f"{table} --state-dir DIR`"
+            )
+        topics = ", ".join(self.broker.app_topic_list(app))
+        text = (
+            f"app {app!r} has no table {table!r} known here: it is none of the app's topics ({topics}), "
+            f"no live worker follows a global table {table!r}"
+        )
+        return text + (f", and no worker's store under {state.dir} holds one" if read_global else "")
+
+
+def _shown_row(table: str, key: str, raw: bytes) -> Any:
+    """A stored row (msgpack) as JSON shows it; StateValueError when it cannot be."""
+    try:
+        return msgspec.to_builtins(msgspec.msgpack.decode(raw), str_keys=True)
+    except (msgspec.DecodeError, TypeError, RecursionError) as exc:
+        raise StateValueError(f"stored row of key {key!r} of table {table!r} is unreadable: {exc}") from None

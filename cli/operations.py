@@ -1,4 +1,4 @@
-"""``pspf groups``, ``lag``, ``replay``, ``outbox`` and ``admin serve``: thin calls into ``pspf.service``.
+"""``pspf groups``, ``lag``, ``replay``, ``app``, ``outbox``, ``admin serve``: thin calls to the service.
 
 Each command calls the service and prints its result through ``pspf.cli.render`` (tables, fields,
 ``--json``), so only the sentences a single command says are written here, beside it.
@@ -341,6 +341,55 @@ def _say_waiting(app: str, waiting: list[int], wait_s: float) -> None:
         f"within {wait_s:g}s; it stays queued until one owns them",
         err=True,
     )
+
+
+@cli.group("app")
+def app_group() -> None:
+    """Retire an app."""
+
+
+@app_group.command(
+    "delete",
+    epilog="\b\nExamples:\n  pspf app delete old-totals --dry-run\n  pspf app delete old-totals --yes",
+)
+@click.argument("app")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
+@click.option("--force", is_flag=True, help="Delete even while workers of the app are alive.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@json_option
+@click.pass_obj
+def app_delete(
+    obj: CliState, app: str, dry_run: bool, force: bool, yes: bool, broker: str | None, as_json: bool
+) -> None:
+    """Remove everything of APP from the server; APP must be stopped.
+
+    Its consumer group on every stream of its topics (a retired app's group holds retention for
+    ever), its leases, members, state backups and their logs, outbox replay requests and record.
+    The stores under its workers' state dirs stay: delete those folders where they are.
+    """
+    service = service_for(obj, broker, None, None)
+    preview = service.delete_app(app, force=force, dry_run=True)
+    if not dry_run:
+        if not yes:
+            click.confirm(
+                f"Delete app {app}: {counted(len(preview.groups), 'consumer group')} and "
+                f"{counted(len(preview.keys), 'key')}?",
+                abort=True,
+                err=True,
+            )
+        result = service.delete_app(app, force=force)
+    else:
+        result = preview
+    if as_json:
+        print_json(result)
+        return
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} app {app} ({', '.join(result.topics)}, {counted(result.partitions, 'partition')}):")
+    for stream in result.groups:
+        click.echo(f"  group {app} of {stream}")
+    for name in result.keys:
+        click.echo(f"  key {name}")
 
 
 @cli.group()

@@ -415,3 +415,16 @@ class OpenWindow(msgspec.Struct, frozen=True, kw_only=True):
     start: int
     end: int
     value: Any
+
+
+class AppRemoval(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``pspf app delete`` removed from the server (or, with ``dry_run``, would remove)."""
+
+    app: str
+    topics: list[str]
+    partitions: int
+    #: streams whose consumer group of the app was destroyed
+    groups: list[str]
+    #: keys deleted: leases, fences, state backups and their logs, members, outbox replays, record
+    keys: list[str]
+    dry_run: bool

@@ -220,6 +220,26 @@ class Admin(Connection):
             start = str(keys.StreamId.parse(page[-1][0]).next())
         return min(counted, LAG_COUNT_LIMIT)
 
+    def existing_keys(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` that exist (one EXISTS each, pipelined: keys of any slots)."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            found = pipe.execute()
+        return [name for name, exists in zip(names, found, strict=True) if exists]
+
+    def delete_app(self, app: str, streams: Sequence[str], names: Sequence[str]) -> None:
+        """Destroy ``app``'s group on ``streams``, delete ``names`` and its entry in the app registry."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xgroup_destroy(stream, app)
+            for name in names:
+                pipe.delete(name)
+            pipe.srem(keys.APPS_KEY, app)
+            pipe.execute()
+
     def list_apps(self) -> list[str]:
         with self.translate_errors():
             return sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))

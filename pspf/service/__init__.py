@@ -9,6 +9,7 @@ parsers re-exported here, never the families:
 - ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
 - ``apps``: the apps that ran, their lag, owners and members;
 - ``replay``: delivering a stopped app's entries again, rewinding its state to match;
+- ``retire``: deleting an app from the server (its groups, leases, backups, record);
 - ``state``: an app's state: get, windows, keys, export, import, adopt;
 - ``tables``: a row of an app's table or global table;
 - ``outbox``: an app's outbox rows: list, show, replay.
@@ -22,6 +23,7 @@ from pspf.records import (
     AdoptResult,
     AppLag,
     AppMember,
+    AppRemoval,
     DeadLetterDetail,
     DeadLetterInfo,
     DlqChange,
@@ -46,6 +48,7 @@ from pspf.service.base import ServiceBase, parse_duration_ms
 from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
 from pspf.service.outbox import OutboxRows, parse_row_id
 from pspf.service.replay import Replaying, parse_position
+from pspf.service.retire import Retiring
 from pspf.service.state import State
 from pspf.service.tables import Tables
 from pspf.service.topics import Topics
@@ -54,6 +57,7 @@ __all__ = [
     "AdoptResult",
     "AppLag",
     "AppMember",
+    "AppRemoval",
     "DeadLetterCounts",
     "DeadLetterDetail",
     "DeadLetterInfo",
@@ -82,5 +86,5 @@ __all__ = [
 ]
 
 
-class Service(Topics, DeadLetters, Apps, Replaying, State, Tables, OutboxRows):
+class Service(Topics, DeadLetters, Apps, Replaying, Retiring, State, Tables, OutboxRows):
     """Topic, produce and state operations over one broker and one state directory."""

@@ -1,0 +1,62 @@
+"""Retiring an app: remove everything of it from the server, so it holds no retention or memory.
+
+A stopped app keeps its consumer group on every stream of its topics, and a group holds
+retention (``pspf topic trim`` never trims past an app's checkpoint); its leases, members, state
+backups and their logs, outbox replay requests and registry record stay in the server's memory.
+``delete_app`` removes them all; the stores under its workers' state dirs are theirs to delete.
+"""
+
+from __future__ import annotations
+
+from pspf import keys
+from pspf.errors import AppRunning
+from pspf.membership import live_members
+from pspf.records import AppRemoval
+from pspf.service.base import ServiceBase
+
+
+class Retiring(ServiceBase):
+    """Delete an app."""
+
+    def delete_app(self, app: str, force: bool = False, dry_run: bool = False) -> AppRemoval:
+        """Remove ``app`` from the server: refused while a worker of it is alive, unless ``force``.
+
+        Raises:
+            NotFound: the app never ran against this server.
+            AppRunning: a worker of the app is a member, or holds a partition's lease.
+        """
+        keys.check_name("app", app)
+        partitions = self.broker.app_partitions(app)
+        topics = self.broker.app_topic_list(app)
+        if not force:
+            self._refuse_if_running(app, topics, partitions)
+            members = live_members(self.broker, app)
+            if members:
+                who = ", ".join(sorted(m.consumer for m in members))
+                raise AppRunning(f"app {app!r} has live workers ({who}): stop them first, or pass --force")
+        streams = [keys.stream_key(t, p) for t in topics for p in range(partitions)]
+        groups = [s for s in streams if app in self.broker.stream_info(s).groups]
+        per_partition = [
+            name
+            for topic in topics
+            for partition in range(partitions)
+            for name in (
+                keys.lease_key(topic, partition, app),
+                keys.fence_key(topic, partition, app),
+                *keys.backup_keys(topic, partition, app),
+            )
+        ]
+        per_app = [
+            keys.members_key(app),
+            keys.joined_key(app),
+            keys.member_info_key(app),
+            keys.outbox_replay_key(app),
+            keys.outbox_replayed_key(app),
+            keys.app_key(app),
+        ]
+        found = self.broker.existing_keys([*per_partition, *per_app])
+        if not dry_run:
+            self.broker.delete_app(app, groups, found)
+        return AppRemoval(
+            app=app, topics=topics, partitions=partitions, groups=groups, keys=found, dry_run=dry_run
+        )

@@ -43,6 +43,7 @@ from pspf.errors import (
 )
 from pspf.service import (
     AppLag,
+    AppRemoval,
     DeadLetterDetail,
     DeadLetterInfo,
     DlqChange,
@@ -130,6 +131,13 @@ class ReplayRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         bool, msgspec.Meta(description="keep the state: replayed entries are applied AGAIN onto it")
     ] = False
     dry_run: bool = False
+
+
+class AppDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf app delete`` takes."""
+
+    force: Annotated[bool, msgspec.Meta(description="delete even while workers of the app are alive")] = False
+    dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
 
 
 # -- status mapping -------------------------------------------------------------------------------
@@ -429,6 +437,24 @@ def outbox_replay(
     return result
 
 
+@post(
+    "/apps/{app:str}/delete",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "app.delete"},
+    security=_BEARER,
+    responses=_errors(401, 403, 404, 409),
+    summary="Remove a retired app from the server (groups, leases, backups, record); it must be stopped",
+)
+def app_delete(
+    request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[AppDeleteRequest]
+) -> AppRemoval:
+    remember_params(request, data)
+    result = _service(state).delete_app(app, force=data.force, dry_run=data.dry_run)
+    audit(request, 200, "ok", result)
+    return result
+
+
 _READ_ROUTES: list[ControllerRouterHandler] = [
     health,
     list_topics,
@@ -444,7 +470,7 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     outbox_show,
     prometheus_metrics,
 ]
-_WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay, outbox_replay]
+_WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay, outbox_replay, app_delete]
 
 
 # -- pages ----------------------------------------------------------------------------------------

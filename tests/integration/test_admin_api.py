@@ -375,6 +375,22 @@ def test_replay_then_running_again_gives_the_same_state(
     assert {key: api.get(f"/apps/{world.app}/state/{key}").json() for key in keys} == first
 
 
+def test_app_delete_dry_run_then_delete_as_the_cli(
+    api: TestClient[Any], world: World, cli_json: Callable[..., Any], rclient: redis.Redis
+) -> None:
+    path = f"/apps/{world.app}/delete"
+    error_of(api.post(path, json={"dry_run": True}), 401)  # a write: the token is required
+    dry = api.post(path, json={"dry_run": True}, headers=AUTH)
+    assert dry.status_code == 200, dry.text
+    assert dry.json() == cli_json("app", "delete", world.app, "--dry-run")
+    assert dry.json()["groups"] and world.app in api.get("/groups").text
+    done = api.post(path, json={}, headers=AUTH)
+    assert done.json() == {**dry.json(), "dry_run": False}
+    assert [name for name in rclient.scan_iter(match=f"*{world.app}*")] == []
+    error_of(api.get(f"/apps/{world.app}/lag"), 404)
+    error_of(api.post(path, json={}, headers=AUTH), 404)
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

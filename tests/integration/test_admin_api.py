@@ -216,6 +216,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/apps/{app}/outbox"),
         ("GET", "/apps/{app}/outbox/{row_id}"),
         ("POST", "/apps/{app}/outbox/replay"),
+        ("POST", "/apps/{app}/delete"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]

@@ -177,6 +177,32 @@ def topic_trim(
         click.echo(f"trimmed {counted(done.removed, 'entry')} from topic {name}")
 
 
+@topic.command("delete", epilog="\b\nExample:\n  pspf topic delete old-orders --dry-run")
+@click.argument("name")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@json_option
+@click.pass_obj
+def topic_delete(
+    obj: CliState, name: str, dry_run: bool, yes: bool, broker: str | None, as_json: bool
+) -> None:
+    """Delete topic NAME: its entries, DLQs and records. Refused while an app reads it."""
+    service = service_for(obj, broker)
+    preview = service.delete_topic(name, dry_run=True)
+    if not dry_run and not yes:
+        click.confirm(
+            f"Delete topic {name} and every entry of its {counted(preview.partitions, 'partition')}?",
+            abort=True,
+            err=True,
+        )
+    done = preview if dry_run else service.delete_topic(name)
+    if as_json:
+        print_json(done)
+        return
+    click.echo(f"{'would remove' if dry_run else 'removed'} topic {name}: {', '.join(done.keys)}")
+
+
 # -- produce --------------------------------------------------------------------------------------
 
 

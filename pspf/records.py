@@ -428,3 +428,13 @@ class AppRemoval(msgspec.Struct, frozen=True, kw_only=True):
     #: keys deleted: leases, fences, state backups and their logs, members, outbox replays, record
     keys: list[str]
     dry_run: bool
+
+
+class TopicRemoval(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``pspf topic delete`` removed (or, with ``dry_run``, would remove)."""
+
+    topic: str
+    partitions: int
+    #: keys deleted: the partitions' streams, DLQs and producer records, the topic's record
+    keys: list[str]
+    dry_run: bool

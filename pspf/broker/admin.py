@@ -240,6 +240,15 @@ class Admin(Connection):
             pipe.srem(keys.APPS_KEY, app)
             pipe.execute()
 
+    def delete_topic(self, topic: str, names: Sequence[str]) -> None:
+        """Delete ``names`` (a topic's keys) and the topic's entry in the topic registry."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            pipe.srem(keys.TOPICS_KEY, topic)
+            pipe.execute()
+
     def list_apps(self) -> list[str]:
         with self.translate_errors():
             return sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))

@@ -9,7 +9,7 @@ parsers re-exported here, never the families:
 - ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
 - ``apps``: the apps that ran, their lag, owners and members;
 - ``replay``: delivering a stopped app's entries again, rewinding its state to match;
-- ``retire``: deleting an app from the server (its groups, leases, backups, record);
+- ``retire``: deleting an app from the server (its groups, leases, backups, record), or a topic;
 - ``state``: an app's state: get, windows, keys, export, import, adopt;
 - ``tables``: a row of an app's table or global table;
 - ``outbox``: an app's outbox rows: list, show, replay.
@@ -41,6 +41,7 @@ from pspf.records import (
     ReplayResult,
     TopicDescription,
     TopicInfo,
+    TopicRemoval,
     TopicTrim,
 )
 from pspf.service.apps import Apps
@@ -78,6 +79,7 @@ __all__ = [
     "ServiceBase",
     "TopicDescription",
     "TopicInfo",
+    "TopicRemoval",
     "TopicTrim",
     "parse_dlq_id",
     "parse_duration_ms",

@@ -1,9 +1,10 @@
-"""Retiring an app: remove everything of it from the server, so it holds no retention or memory.
+"""Retiring apps and topics: remove everything of them from the server.
 
 A stopped app keeps its consumer group on every stream of its topics, and a group holds
 retention (``pspf topic trim`` never trims past an app's checkpoint); its leases, members, state
 backups and their logs, outbox replay requests and registry record stay in the server's memory.
 ``delete_app`` removes them all; the stores under its workers' state dirs are theirs to delete.
+``delete_topic`` removes a topic no app reads any more: its streams, DLQs and records.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 from pspf import keys
 from pspf.errors import AppRunning
 from pspf.membership import live_members
-from pspf.records import AppRemoval
+from pspf.records import AppRemoval, TopicRemoval
 from pspf.service.base import ServiceBase
 
 
 class Retiring(ServiceBase):
-    """Delete an app."""
+    """Delete an app, or a topic."""
 
     def delete_app(self, app: str, force: bool = False, dry_run: bool = False) -> AppRemoval:
         """Remove ``app`` from the server: refused while a worker of it is alive, unless ``force``.
@@ -60,3 +61,34 @@ class Retiring(ServiceBase):
         return AppRemoval(
             app=app, topics=topics, partitions=partitions, groups=groups, keys=found, dry_run=dry_run
         )
+
+    def delete_topic(self, topic: str, dry_run: bool = False) -> TopicRemoval:
+        """Remove ``topic``: its streams (entries, groups), DLQs, producer records and record.
+
+        Refused while an app that ran here reads it (delete the app first).
+
+        Raises:
+            NotFound: no such topic.
+            AppRunning: an app reads it.
+        """
+        keys.check_name("topic", topic)
+        partitions = self.broker.topic_partitions(topic)
+        readers = [app for app in self.broker.list_apps() if topic in self.broker.app_topics(app)]
+        if readers:
+            raise AppRunning(
+                f"topic {topic!r} is read by app {', '.join(readers)}: retire it first "
+                f"(pspf app delete {readers[0]})"
+            )
+        names = [
+            name
+            for partition in range(partitions)
+            for name in (
+                keys.stream_key(topic, partition),
+                keys.dlq_key(topic, partition),
+                keys.producers_key(topic, partition),
+            )
+        ]
+        found = self.broker.existing_keys([*names, keys.topic_key(topic)])
+        if not dry_run:
+            self.broker.delete_topic(topic, found)
+        return TopicRemoval(topic=topic, partitions=partitions, keys=found, dry_run=dry_run)

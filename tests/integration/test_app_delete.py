@@ -95,3 +95,29 @@ def test_deleting_an_app_with_a_live_worker_is_refused_and_an_unknown_app_not_fo
         assert keys_naming(rclient, app)
     unknown = delete(redis_url, names.app(), "--yes")
     assert unknown.exit_code == 4 and "never run" in unknown.output
+
+
+def test_a_topic_is_deleted_only_once_no_app_reads_it(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+) -> None:
+    topic, app = make_topic(3), names.app()
+    produce(topic, [(f"k{i}", {"n": i}) for i in range(30)])
+    Worker(summing_app(app, topic), make_settings()).run(until_idle=True)
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["topic", "delete", topic, "--yes", "--broker", redis_url])
+    assert refused.exit_code == 6 and f"pspf app delete {app}" in refused.output
+    assert all(rclient.exists(stream_key(topic, p)) for p in range(3))
+
+    assert delete(redis_url, app, "--yes").exit_code == 0
+    done = runner.invoke(cli, ["topic", "delete", topic, "--yes", "--broker", redis_url, "--json"])
+    assert done.exit_code == 0, done.output
+    assert stream_key(topic, 0) in json.loads(done.output)["keys"]
+    assert keys_naming(rclient, topic) == []
+    assert topic not in [t.name for t in Service(make_settings()).list_topics()]
+    gone = runner.invoke(cli, ["topic", "delete", topic, "--yes", "--broker", redis_url])
+    assert gone.exit_code == 4 and "does not exist" in gone.output

@@ -227,6 +227,8 @@ def _print_entry(entry: TopicEntry, as_json: bool) -> None:
         print_json(entry)
         return
     value = entry.value if entry.encoding in ("text", "bytes") else json_text(entry.value)
+    if not value.isprintable():  # text with a line break stays on its line, quoted
+        value = json_text(value)
     line = f"{entry.id}  p{entry.partition}  {entry.key if entry.key is not None else '-'}  {value}"
     if entry.headers:
         line += f"  headers {json_text(entry.headers)}"

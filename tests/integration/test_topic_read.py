@@ -101,6 +101,7 @@ def test_values_that_are_not_json(
     rclient.xadd(stream, {"value": b"\xff\x00"})
     rclient.xadd(stream, {"user": "u1", "amount": "3"})
     rclient.xadd(stream, {"value": b"1", "headers": b"not json"})
+    rclient.xadd(stream, {"value": b"two\nlines"})
     got = lines(invoke("topic", "read", topic, "--json"))
     assert [(e["value"], e["encoding"]) for e in got] == [
         ({"a": [1, 2]}, "msgpack"),
@@ -108,11 +109,13 @@ def test_values_that_are_not_json(
         ("b'\\xff\\x00'", "bytes"),
         ({"user": "u1", "amount": "3"}, "flat"),
         (1, "json"),
+        ("two\nlines", "text"),
     ]
     assert got[1]["key"] == "k" and got[0]["key"] is None
     assert got[4]["headers"] == "not json"
     human = invoke("topic", "read", topic).output.splitlines()
     assert human[1].endswith("  p0  k  plain text") and human[2].endswith("  b'\\xff\\x00'")
+    assert len(human) == 6 and human[5].endswith('  "two\\nlines"')
 
 
 def test_errors_are_one_line(invoke: Callable[..., Result], names: Names, spread: str) -> None:

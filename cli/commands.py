@@ -17,7 +17,7 @@ import msgspec
 from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
 from pspf.cli.render import first_line, json_option, json_text, print_fields, print_json, print_table
 from pspf.retention import Retention
-from pspf.service import parse_duration_ms
+from pspf.service import TopicEntry, parse_duration_ms, parse_read_start
 from pspf.wording import counted
 
 # -- topics ---------------------------------------------------------------------------------------
@@ -25,7 +25,7 @@ from pspf.wording import counted
 
 @cli.group()
 def topic() -> None:
-    """Create, list, describe and trim topics."""
+    """Create, list, describe, read and trim topics."""
 
 
 @topic.command("create")
@@ -201,6 +201,64 @@ def topic_delete(
         print_json(done)
         return
     click.echo(f"{'would remove' if dry_run else 'removed'} topic {name}: {', '.join(done.keys)}")
+
+
+@topic.command(
+    "read",
+    epilog="\b\nExamples:\n  pspf topic read out --count 5\n"
+    "  pspf topic read orders --partition 2 --from 2026-11-27T10:00:00Z --json\n"
+    "  pspf topic read out --follow",
+)
+@click.argument("name")
+@click.option("--partition", "-p", type=click.IntRange(min=0), help="Only this partition (default: all).")
+@click.option("--from", "start", help="Start at this entry id (1700000000000-0) or time (RFC 3339, unix ms).")
+@click.option(
+    "--count", "-n", type=click.IntRange(min=1), default=10, show_default=True, help="Entries to print."
+)
+@click.option("--follow", "-f", is_flag=True, help="Then print new entries as they arrive, until Ctrl-C.")
+@broker_option
+@json_option
+@click.pass_obj
+def topic_read(
+    obj: CliState,
+    name: str,
+    partition: int | None,
+    start: str | None,
+    count: int,
+    follow: bool,
+    broker: str | None,
+    as_json: bool,
+) -> None:
+    """Print entries of NAME without a consumer group, in id order across partitions.
+
+    Without --from, the last --count entries. Values are decoded (JSON, msgpack); a value that is
+    not JSON is printed as its text. --json prints one object per line (JSON Lines).
+    """
+    service = service_for(obj, broker)
+    begin = None if start is None else parse_read_start(start)
+    try:
+        entries, positions = service.read_topic(name, partition, begin, count)
+        for entry in entries:
+            _print_entry(entry, as_json)
+        if follow:
+            for entry in service.follow_topic(name, positions, service.settings.consumer.block_ms):
+                _print_entry(entry, as_json)
+    except KeyboardInterrupt:
+        return  # Ctrl-C is how --follow ends
+
+
+def _print_entry(entry: TopicEntry, as_json: bool) -> None:
+    """One line: JSON Lines for scripts, or id, partition, key, value and headers for people."""
+    if as_json:
+        print_json(entry)
+        return
+    value = entry.value if entry.encoding in ("text", "bytes") else json_text(entry.value)
+    if not value.isprintable():  # text with a line break stays on its line, quoted
+        value = json_text(value)
+    line = f"{entry.id}  p{entry.partition}  {entry.key if entry.key is not None else '-'}  {value}"
+    if entry.headers:
+        line += f"  headers {json_text(entry.headers)}"
+    click.echo(line)
 
 
 # -- produce --------------------------------------------------------------------------------------

@@ -77,6 +77,69 @@ class TopicInfo(msgspec.Struct, frozen=True, kw_only=True):
     partitions: int
 
 
+class TopicEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of a topic as ``pspf topic read`` shows it: its value decoded for people to read.
+
+    An entry a handler could not decode is still shown: a value that is not JSON as its text (or,
+    when not UTF-8, the repr of its bytes), headers that are not a JSON object as their text.
+    """
+
+    id: str
+    partition: int
+    key: str | None
+    value: Any
+    #: How ``value`` was read: ``json``, ``msgpack``, ``flat`` (the entry's field map), ``text``
+    #: (not JSON) or ``bytes`` (not UTF-8 either, shown as its repr).
+    encoding: str
+    headers: dict[str, str] | str
+
+    @classmethod
+    def of(cls, partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> TopicEntry:
+        value, encoding = _shown_value(fields)
+        raw_headers = fields.get(codec.HEADERS)
+        headers: dict[str, str] | str
+        try:
+            headers = codec.decode_headers(raw_headers)
+        except DecodeError:
+            headers = _shown_bytes(raw_headers or b"")[0]
+        key = fields.get(codec.KEY)
+        return cls(
+            id=entry_id.decode(),
+            partition=partition,
+            key=None if key is None else key.decode(errors="backslashreplace"),
+            value=value,
+            encoding=encoding,
+            headers=headers,
+        )
+
+
+def _shown_value(fields: dict[bytes, bytes]) -> tuple[Any, str]:
+    """An entry's value and how it was read, whatever its bytes are."""
+    raw = fields.get(codec.VALUE)
+    if raw is None:
+        flat = {n: v for n, v in fields.items() if n != codec.HEADERS}
+        return {_shown_bytes(n)[0]: _shown_bytes(v)[0] for n, v in flat.items()}, "flat"
+    if fields.get(codec.ENCODING) == codec.MSGPACK:
+        try:
+            value = msgspec.msgpack.decode(raw)
+            codec.json_encoder.encode(value)  # shown as JSON: an ext type or a bytes key is not
+            return value, "msgpack"
+        except (msgspec.DecodeError, msgspec.EncodeError, TypeError, RecursionError):
+            return _shown_bytes(raw)
+    try:
+        return msgspec.json.decode(raw), "json"
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return _shown_bytes(raw)
+
+
+def _shown_bytes(raw: bytes) -> tuple[str, str]:
+    """Bytes that are not JSON: their text, else the repr of the bytes."""
+    try:
+        return raw.decode(), "text"
+    except UnicodeDecodeError:
+        return repr(raw), "bytes"
+
+
 class TopicDescription(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     partitions: list[PartitionInfo]

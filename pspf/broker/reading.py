@@ -71,6 +71,19 @@ class Reading(Connection):
             replies = pipe.execute()
         return [(stream, list(entries)) for stream, entries in zip(streams, replies, strict=True) if entries]
 
+    def read_tails(self, streams: Sequence[str], count: int) -> list[tuple[str, list[RawEntry]]]:
+        """The last ``count`` entries of each stream, oldest first, no group (``pspf topic read``).
+
+        One pipelined XREVRANGE per stream; empty streams are left out.
+        """
+        with self.translate_errors(", ".join(streams)):
+            pipe = self.client.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xrevrange(stream, "+", "-", count)
+            replies = pipe.execute()
+        pairs = zip(streams, replies, strict=True)
+        return [(stream, list(reversed(entries))) for stream, entries in pairs if entries]
+
     def read_new(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:

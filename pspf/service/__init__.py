@@ -6,6 +6,7 @@ operations come in families, one module each, composed into one ``Service`` over
 parsers re-exported here, never the families:
 
 - ``topics``: create, list, describe, retention and trimming of topics; producing; health;
+- ``topic_read``: reading and following a topic's entries, without a consumer group;
 - ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
 - ``apps``: the apps that ran, their lag, owners and members;
 - ``replay``: delivering a stopped app's entries again, rewinding its state to match;
@@ -40,6 +41,7 @@ from pspf.records import (
     PartitionLag,
     ReplayResult,
     TopicDescription,
+    TopicEntry,
     TopicInfo,
     TopicRemoval,
     TopicTrim,
@@ -52,6 +54,7 @@ from pspf.service.replay import Replaying, parse_position
 from pspf.service.retire import Retiring
 from pspf.service.state import State
 from pspf.service.tables import Tables
+from pspf.service.topic_read import Positions, TopicReading, parse_read_start
 from pspf.service.topics import Topics
 
 __all__ = [
@@ -74,19 +77,22 @@ __all__ = [
     "OutboxRowInfo",
     "PartitionInfo",
     "PartitionLag",
+    "Positions",
     "ReplayResult",
     "Service",
     "ServiceBase",
     "TopicDescription",
+    "TopicEntry",
     "TopicInfo",
     "TopicRemoval",
     "TopicTrim",
     "parse_dlq_id",
     "parse_duration_ms",
     "parse_position",
+    "parse_read_start",
     "parse_row_id",
 ]
 
 
-class Service(Topics, DeadLetters, Apps, Replaying, Retiring, State, Tables, OutboxRows):
+class Service(Topics, TopicReading, DeadLetters, Apps, Replaying, Retiring, State, Tables, OutboxRows):
     """Topic, produce and state operations over one broker and one state directory."""

@@ -11,6 +11,7 @@ parsing a duration.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 
@@ -108,3 +109,24 @@ def parse_duration_ms(text: str, param: str) -> int:
             return int(number) * units[unit]
     problem = f"invalid duration {text!r}: use a number and ms, s, m, h or d (e.g. 7d)"
     raise ParameterError.invalid(param, problem)
+
+
+def parse_time_ms(text: str, param: str) -> int:
+    """A time given as ISO 8601 (UTC unless it names an offset) or unix milliseconds, in ms.
+
+    ``param`` names the parameter that gave ``text``, for the error.
+    """
+    if text.isdigit() and text.isascii():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        problem = f"invalid time {text!r}: use ISO 8601 (2026-11-21T10:00:00Z) or unix milliseconds"
+        raise ParameterError.invalid(param, problem) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    # Exact: timestamp() * 1000 is a float, and 00:00:01.003 would come out as 1002 ms.
+    return (moment - _EPOCH) // timedelta(milliseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

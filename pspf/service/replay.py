@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 from pspf import codec, keys
@@ -29,7 +28,7 @@ from pspf.keys import (
     StreamId,
 )
 from pspf.records import ReplayResult
-from pspf.service.base import ServiceBase, stream_entries
+from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
 from pspf.state_stores import StateStore, open_store, stored_partitions
 
 
@@ -224,17 +223,7 @@ def parse_position(
         except ConfigError as exc:
             raise ParameterError.invalid("to_id", str(exc)) from None
     assert to_time is not None
-    if to_time.isdigit():
-        ms = int(to_time)
-    else:
-        try:
-            moment = datetime.fromisoformat(to_time)
-        except ValueError:
-            problem = f"invalid time {to_time!r}: use ISO 8601 (2026-11-21T10:00:00Z) or unix milliseconds"
-            raise ParameterError.invalid("to_time", problem) from None
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=UTC)
-        ms = int(moment.timestamp() * 1000)
+    ms = parse_time_ms(to_time, "to_time")
     return keys.ZERO_ID if ms <= 0 else StreamId(ms - 1, keys.MAX_SEQ)
 
 

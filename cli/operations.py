@@ -33,7 +33,18 @@ def groups(
         print_json(found)
         return
     print_table(
-        ["APP", "TOPICS", "PARTITIONS", "LAG", "PENDING", "OLDEST PENDING", "DLQ", "MEMBERS", "OWNERS"],
+        [
+            "APP",
+            "TOPICS",
+            "PARTITIONS",
+            "LAG",
+            "PENDING",
+            "OLDEST PENDING",
+            "DLQ",
+            "MEMBERS",
+            "CONSUMERS",
+            "OWNERS",
+        ],
         [
             [
                 g.app,
@@ -44,6 +55,7 @@ def groups(
                 age_text(g.oldest_pending_age_s),
                 g.dead_letters,
                 len(g.members),
+                g.consumers,
                 ",".join(g.owners) or None,
             ]
             for g in found

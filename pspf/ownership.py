@@ -15,6 +15,7 @@ checkpoint). Only then does the batch processor get the partition.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -144,6 +145,10 @@ def adopt_remedy(app: str) -> str:
     )
 
 
+#: How often an owner looks at its partitions' idle consumers (``Partitions.forget_consumers``).
+FORGET_EVERY_S = 600.0
+
+
 class Partitions:
     """Takes partitions on for one worker of an app (the leases are already held)."""
 
@@ -163,6 +168,16 @@ class Partitions:
         #: the app's topics; the first one's partitions carry the state backup
         self.topics = topics
         self.backup = backup
+        #: partition -> when (monotonic) its idle consumers are looked at next
+        self._forget_at: dict[int, float] = {}
+
+    def forget_due(self, partition: int) -> bool:
+        """Whether it is time to look at a partition's idle consumers (every FORGET_EVERY_S)."""
+        now = time.monotonic()
+        if now < self._forget_at.get(partition, 0.0):
+            return False
+        self._forget_at[partition] = now + FORGET_EVERY_S
+        return True
 
     def take(
         self, partition: int, leases: Leases, count: int, keep_alive: Callable[[], None] = lambda: None
@@ -363,6 +378,35 @@ class Partitions:
             )
             self.broker.ensure_group(stream, self.group, start)
         return info
+
+    def forget_consumers(self, owned: OwnedPartition, after_ms: int) -> list[str]:
+        """Delete the group's consumers with nothing pending in the partition's streams, idle ``after_ms``.
+
+        Worker names change per pod, and each leaves a consumer in every stream it read: they
+        pile up. Only the owner deletes, under its lease (no other consumer reads these streams),
+        and never one with pending entries (XGROUP DELCONSUMER would drop them). The names no
+        stream has any more leave the store's consumer list too: takeover only asks it about
+        consumers with pending entries. Returns the names deleted.
+        """
+        kept: set[str] = set()
+        deleted: set[str] = set()
+        for cursor in owned.streams.values():
+            for name, pending, idle_ms in self.broker.group_consumers(cursor.stream, self.group):
+                if name != self.consumer and pending == 0 and idle_ms >= after_ms:
+                    self.broker.delete_consumer(cursor.stream, self.group, name)
+                    deleted.add(name)
+                else:
+                    kept.add(name)
+        owned.forget_consumers(owned.consumers - kept - {self.consumer})
+        if deleted:
+            log.info(
+                "deleted %s idle consumers of group %s partition=%s: %s",
+                len(deleted),
+                self.group,
+                owned.partition,
+                ", ".join(sorted(deleted)),
+            )
+        return sorted(deleted)
 
     def claim_idle(self, owned: OwnedPartition, min_idle_ms: int) -> None:
         """Take over entries other consumers of the group left idle on a partition's streams.

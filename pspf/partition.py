@@ -191,6 +191,15 @@ class OwnedPartition:
             self.table_cache.clear()
         self.table_cache.update(rows)
 
+    def forget_consumers(self, names: set[str]) -> None:
+        """Drop consumers from the store's list (they have nothing pending: takeover needs them not)."""
+        if not names:
+            return
+        with self.store.transaction() as tx:
+            for name in names:
+                tx.delete(keys.CONSUMERS_NAMESPACE, name)
+        self.consumers -= names
+
     def load_bookkeeping(self) -> None:
         store = self.store
         self.failures = {k: _failure_decoder.decode(v) for k, v in store.items(keys.FAILURES_NAMESPACE)}

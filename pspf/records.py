@@ -265,6 +265,8 @@ class PartitionLag(msgspec.Struct, frozen=True, kw_only=True):
     oldest_pending_age_s: float | None
     #: the worker holding the partition's lease (``consumer/pid/nonce``), None when nobody does
     owner: str | None
+    #: consumers the app's group has in the stream (workers that read it; idle ones are deleted)
+    consumers: int = 0
     #: entries of this app in the partition's DLQ
     dead_letters: int
 
@@ -314,6 +316,8 @@ class AppLag(msgspec.Struct, frozen=True, kw_only=True):
     detail: list[PartitionLag]
     #: the workers sharing the app's partitions (live members), oldest first
     members: list[AppMember] = []
+    #: the most consumers its group has in one stream (names pile up when they change per pod)
+    consumers: int = 0
     #: why the figures are missing (``groups`` lists an app it cannot read, e.g. a key of the
     #: wrong type, instead of failing for every app)
     error: str | None = None

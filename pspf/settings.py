@@ -81,6 +81,8 @@ class ConsumerSettings(msgspec.Struct, frozen=True, kw_only=True):
     start_from: StartFrom = "earliest"
     lease_ttl_ms: Annotated[int, msgspec.Meta(ge=500)] = 10_000
     min_idle_ms: Annotated[int, msgspec.Meta(ge=1)] = 60_000
+    #: group consumers with nothing pending idle this long are deleted (0: never)
+    forget_consumers_after_s: Annotated[float, msgspec.Meta(ge=0)] = 86_400.0
 
 
 class RetrySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,6 +220,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_START_FROM": ("consumer", "start_from"),
     "PSPF_LEASE_TTL_MS": ("consumer", "lease_ttl_ms"),
     "PSPF_MIN_IDLE_MS": ("consumer", "min_idle_ms"),
+    "PSPF_FORGET_CONSUMERS_AFTER_S": ("consumer", "forget_consumers_after_s"),
     "PSPF_MAX_RETRIES": ("retry", "max_retries"),
     "PSPF_RETRY_BASE_MS": ("retry", "base_delay_ms"),
     "PSPF_RETRY_FACTOR": ("retry", "factor"),

@@ -470,8 +470,11 @@ class Worker:
         if time.monotonic() >= self._next_idle_claim:
             min_idle_ms = self.settings.consumer.min_idle_ms
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
+            forget_ms = int(self.settings.consumer.forget_consumers_after_s * 1000)
             for owned in self.processor.owned.values():
                 self.partitions.claim_idle(owned, min_idle_ms)
+                if forget_ms and self.partitions.forget_due(owned.partition):
+                    self.partitions.forget_consumers(owned, forget_ms)
         self._take_free(target)
         self.processor.apply_outbox_replays()
         if time.monotonic() >= self._next_trim:

@@ -249,6 +249,17 @@ class Admin(Connection):
             pipe.srem(keys.TOPICS_KEY, topic)
             pipe.execute()
 
+    def group_consumers(self, stream: str, group: str) -> list[tuple[str, int, int]]:
+        """(name, pending, idle ms) of each consumer of ``group`` in ``stream`` (XINFO CONSUMERS)."""
+        with self.translate_errors(stream):
+            found = self.client.xinfo_consumers(stream, group)
+        return [(_text(c["name"]), int(c["pending"]), int(c["idle"])) for c in found]
+
+    def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
+        """XGROUP DELCONSUMER; the pending entries it dropped (call it only for one with none)."""
+        with self.translate_errors(stream):
+            return int(self.client.xgroup_delconsumer(stream, group, consumer))
+
     def list_apps(self) -> list[str]:
         with self.translate_errors():
             return sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))

@@ -58,6 +58,7 @@ class Apps(ServiceBase):
                     if oldest is None
                     else max(0.0, (now_ms - StreamId.parse(oldest).ms) / 1000),
                     owner=owners[index],
+                    consumers=position.consumers,
                     dead_letters=counts.of(topic, partition, app),
                 )
             )
@@ -72,6 +73,7 @@ class Apps(ServiceBase):
             owners=sorted({d.owner for d in detail if d.owner is not None}),
             dead_letters=sum(d.dead_letters for d in detail),
             detail=detail,
+            consumers=max((d.consumers for d in detail), default=0),
             members=[
                 AppMember.of(m, sorted({d.partition for d in detail if d.owner == m.id}))
                 for m in sorted(live_members(self.broker, app), key=lambda m: (m.joined_ms, m.id))

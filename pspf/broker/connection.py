@@ -160,6 +160,21 @@ def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
 
+#: Host names of this machine, where ``pspf server`` can start a server the URL reaches.
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def local_server_hint(address: BrokerAddress) -> str:
+    """How to start a local server (``pspf server``) where a plain URL on this machine points."""
+    if address.topology != "standalone" or address.tls or len(address.hosts) != 1:
+        return ""
+    host, port = address.hosts[0]
+    if host.lower() not in LOCAL_HOSTS:
+        return ""
+    flag = "" if port == 6379 else f" --port {port}"
+    return f" (to start a local server there: pspf server{flag})"
+
+
 class Connection:
     """A connection pool to one Redis or Valkey server, its scripts, and the raw round trips.
 
@@ -176,7 +191,7 @@ class Connection:
             self.client = _connect(settings, self.address, socket_timeout_s)
         except (redis.RedisError, RedisClusterException) as exc:
             self._refused_login(exc)
-            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         self._slots_stale = False
         #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
         self._wait: tuple[Any, ...] = (
@@ -229,6 +244,10 @@ class Connection:
             groups.setdefault(id(node), (node, []))[1].append(i)
         return list(groups.values())
 
+    def _unreachable(self, exc: Exception) -> BrokerUnavailable:
+        """ "Cannot reach", and on this machine's default address how to start a server there."""
+        return BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}{local_server_hint(self.address)}")
+
     @contextmanager
     def translate_errors(self, key: str | None = None) -> Iterator[None]:
         """Turn redis-py exceptions into PSPF errors with a message a user can act on.
@@ -242,7 +261,7 @@ class Connection:
             # WATCHed (a lease moving is caught where the transaction runs).
             self._refused_login(exc)
             self._slots_stale = self.cluster  # a node may have failed over: ask the cluster again
-            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         except (AskError, ClusterDownError, TryAgainError, RedisClusterException) as exc:
             # Slots moving or a cluster failing over: the next call asks the cluster where they are.
             self._refused_login(exc)

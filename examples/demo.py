@@ -26,7 +26,6 @@ from pspf.cli import cli  # noqa: E402
 from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
-
 #: What the demo ends by suggesting, run from the repository's root against a server that lasts
 #: (the demo's own goes with it); docs/getting-started.md shows the same commands.
 TRY_COMMANDS = [

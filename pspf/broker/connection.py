@@ -311,6 +311,7 @@ class Connection:
         Features are detected, not inferred from a version: Valkey reports its own versions.
         """
         versions: list[str] = []
+        names: list[str] = []
         warnings: list[str] = []
         for server in self._servers():
             with self.translate_errors():
@@ -320,9 +321,11 @@ class Connection:
                         f"the server at {self.url} lacks XAUTOCLAIM: PSPF needs Redis >= 6.2 or Valkey"
                     )
             versions.append(str(info.get("valkey_version") or info.get("redis_version") or "unknown"))
+            valkey = "valkey_version" in info or info.get("server_name") == "valkey"
+            names.append("Valkey" if valkey else "Redis")
             where = "" if not self.cluster else f"node {_node_name(server)}: "
             warnings += [where + warning for warning in _guarantee_warnings(server)]
-        return ServerInfo(", ".join(sorted(set(versions))), warnings)
+        return ServerInfo(", ".join(sorted(set(versions))), warnings, "/".join(sorted(set(names))))
 
     def check_eviction(self) -> bool:
         """Raise EvictingPolicy when a server may evict keys; False when its policy cannot be read.

@@ -105,8 +105,9 @@ class Topics(ServiceBase):
     def health(self) -> Health:
         """Whether Redis answers, and how fast."""
         started = time.perf_counter()
-        version = self.broker.check_server().version
-        return Health(status="ok", redis_version=version, latency_ms=(time.perf_counter() - started) * 1000)
+        info = self.broker.check_server()
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        return Health(status="ok", redis_version=info.version, latency_ms=elapsed_ms, server=info.name)
 
 
 def _line_key(line: bytes, key_field: str | None) -> str | None:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import click
 
-from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    confirm,
+    service_for,
+    state_dir_option,
+    store_option,
+)
 from pspf.cli.render import age_text, json_option, print_fields, print_json, print_table
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
@@ -173,11 +181,9 @@ def replay(
 def _confirm_replay(app: str, preview: ReplayResult, keep_state: bool) -> None:
     what = "keep" if keep_state else "DELETE"
     entries = counted(preview.entries_to_replay, "entry")
-    click.confirm(
+    confirm(
         f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
-        f"from {preview.position} and {what} its state?",
-        abort=True,
-        err=True,
+        f"from {preview.position} and {what} its state?"
     )
 
 
@@ -320,7 +326,7 @@ def outbox_replay(
     if not dry_run and preview.selected:
         if not yes:
             rows = counted(len(preview.selected), "outbox row")
-            click.confirm(f"Replay {rows} of {app}?", abort=True, err=True)
+            confirm(f"Replay {rows} of {app}?")
         result = service.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
     else:
         result = preview

@@ -122,9 +122,11 @@ def _line_key(line: bytes, key_field: str | None) -> str | None:
         return None
     if not isinstance(record, dict):
         raise ConfigError(f"expected a JSON object with field {key_field!r}")
-    key = record.get(key_field)
-    if key is None:
+    if key_field not in record:
         raise ConfigError(f"no field {key_field!r}")
+    key = record[key_field]
+    if key is None:
+        raise ConfigError(f"field {key_field!r} is null: a key must be a string or an integer")
     if isinstance(key, str):
         return key
     if isinstance(key, int) and not isinstance(key, bool):

@@ -33,6 +33,7 @@ from pspf.admin_api import metrics
 from pspf.admin_api.security import AUDIT_OPTION, audit, audit_logger, bearer_guard, remember_params
 from pspf.errors import (
     AppRunning,
+    AuthenticationFailed,
     BrokerError,
     BrokerUnavailable,
     ConfigError,
@@ -149,6 +150,9 @@ _STATUS: list[tuple[type[PSPFError], int]] = [
     (AppRunning, 409),
     (StoreLocked, 409),
     (BrokerUnavailable, 503),
+    # Every request would fail the same until the URL changes: the broker is unusable, not
+    # refusing one command.
+    (AuthenticationFailed, 503),
     (BrokerError, 502),
 ]
 
@@ -159,7 +163,7 @@ _DESCRIPTIONS = {
     409: "the app is running, or its state store is in use",
     422: "invalid request: parameters, body or a selection the operation refuses",
     502: "Redis refused a command",
-    503: "Redis is unreachable",
+    503: "Redis is unreachable, or refuses the broker URL's login",
 }
 
 

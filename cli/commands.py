@@ -14,7 +14,15 @@ from typing import Any
 import click
 import msgspec
 
-from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    confirm,
+    service_for,
+    state_dir_option,
+    store_option,
+)
 from pspf.cli.render import first_line, json_option, json_text, print_fields, print_json, print_table
 from pspf.retention import Retention
 from pspf.service import TopicEntry, parse_duration_ms, parse_read_start
@@ -588,7 +596,7 @@ _PROGRESS_FROM = 100
 
 def _confirm(what: str, count: int, yes: bool) -> None:
     if not yes:
-        click.confirm(f"{what} {counted(count, 'DLQ entry', 'DLQ entries')}?", abort=True, err=True)
+        confirm(f"{what} {counted(count, 'DLQ entry', 'DLQ entries')}?")
 
 
 @dlq.command(

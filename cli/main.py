@@ -452,3 +452,20 @@ def service_for(
     # a script calling the CLI) leaves no connection behind.
     click.get_current_context().call_on_close(service.close)
     return service
+
+
+def confirm(question: str) -> None:
+    """Ask on stderr; "no" aborts. Without a terminal nobody can answer, so the error names ``--yes``.
+
+    Raises:
+        ConfigError: stdin ended before an answer and is not a terminal (a script, a pipe, cron).
+    """
+    try:
+        agreed = click.confirm(question, err=True)
+    except click.Abort:  # end of input, or Ctrl-C at a terminal
+        if sys.stdin is not None and not sys.stdin.isatty():
+            click.echo(err=True)  # end the question's line
+            raise ConfigError(f'cannot ask "{question}" without a terminal: pass --yes') from None
+        raise
+    if not agreed:
+        raise click.Abort

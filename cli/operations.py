@@ -6,12 +6,22 @@ Each command calls the service and prints its result through ``pspf.cli.render``
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from pathlib import Path
 
 import click
 
-from pspf.cli.main import CliState, broker_option, cli, service_for, state_dir_option, store_option
+from pspf.cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    confirm,
+    service_for,
+    state_dir_option,
+    store_option,
+)
 from pspf.cli.render import age_text, json_option, print_fields, print_json, print_table
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
@@ -183,11 +193,9 @@ def replay(
 def _confirm_replay(app: str, preview: ReplayResult, keep_state: bool) -> None:
     what = "keep" if keep_state else "DELETE"
     entries = counted(preview.entries_to_replay, "entry")
-    click.confirm(
+    confirm(
         f"Replay {entries} of {', '.join(preview.topics)} to app {app} "
-        f"from {preview.position} and {what} its state?",
-        abort=True,
-        err=True,
+        f"from {preview.position} and {what} its state?"
     )
 
 
@@ -330,7 +338,7 @@ def outbox_replay(
     if not dry_run and preview.selected:
         if not yes:
             rows = counted(len(preview.selected), "outbox row")
-            click.confirm(f"Replay {rows} of {app}?", abort=True, err=True)
+            confirm(f"Replay {rows} of {app}?")
         result = service.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
     else:
         result = preview
@@ -442,7 +450,22 @@ def admin_serve(
     except ImportError as exc:
         raise ConfigError(f"the admin API needs {exc.name}: pip install 'pspf[admin]'") from None
     service = service_for(obj, broker, state_dir, store)
+    listening = _listen(host, port)
     if not token:
         click.echo("admin API is read-only: no --token or PSPF_ADMIN_TOKEN, writes are refused", err=True)
-    click.echo(f"admin API on http://{host}:{port} (OpenAPI: /schema, metrics: /metrics)", err=True)
-    uvicorn.run(create_app(service, token=token or None), host=host, port=port, log_level="warning")
+    bound = listening.getsockname()[1]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    click.echo(f"operator page: {where}/ui/", err=True)
+    click.echo(f"admin API on {where} (OpenAPI: /schema, metrics: /metrics)", err=True)
+    config = uvicorn.Config(create_app(service, token=token or None), log_level="warning")
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The socket, bound before serving: --port 0 gets its real port printed, a taken port one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None

@@ -26,6 +26,15 @@ from pspf.cli import cli  # noqa: E402
 from pspf.embedded import LocalRedis  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
+#: What the demo ends by suggesting, run from the repository's root against a server that lasts
+#: (the demo's own goes with it); docs/getting-started.md shows the same commands.
+TRY_COMMANDS = [
+    "pspf topic create orders --partitions 4",
+    "pspf produce orders --key-field user --file examples/orders.ndjson",
+    "pspf run examples.order_totals:main --until-idle",
+    "pspf state get order-totals u1 --json",
+]
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -42,10 +51,26 @@ def main() -> int:
 def demo(broker: str | None, orders: int) -> int:
     with tempfile.TemporaryDirectory(prefix="pspf-demo-") as tmp:
         if broker:
-            return run_demo(broker, Path(tmp), orders)
-        with LocalRedis(Path(tmp) / "redis") as server:
-            print(f"started a local {server.release} server at {server.url}")
-            return run_demo(server.url, Path(tmp), orders)
+            code = run_demo(broker, Path(tmp), orders)
+        else:
+            with LocalRedis(Path(tmp) / "redis") as server:
+                print(f"started a local {server.release} server at {server.url}")
+                code = run_demo(server.url, Path(tmp), orders)
+    if code == 0:
+        print_next_steps(own_broker=bool(broker))
+    return code
+
+
+def print_next_steps(own_broker: bool) -> None:
+    """Commands to try by hand: they need a server that outlives the demo, and the repository's root."""
+    if own_broker:
+        print("\nto try it yourself, with PSPF_BROKER naming your server:")
+    else:
+        print("\nthe demo's server stopped with it; to try it yourself, start one in another terminal")
+        print("(pspf server: the same Valkey, kept in ./pspf-data) and run:")
+    print(f"  cd {ROOT}")
+    for command in TRY_COMMANDS:
+        print(f"  {command}")
 
 
 def run_demo(url: str, tmp: Path, orders: int) -> int:

@@ -151,8 +151,14 @@ class LocalRedis:
         args: Sequence[str] = (),
         tls: Sequence[str] = (),
         password: str | None = None,
+        port: int | None = None,
+        own_session: bool = False,
     ) -> None:
         """A server in ``directory``; ``tls`` and ``password`` secure it as LocalSentinel's are.
+
+        ``port`` is a free one unless given (``pspf server --port``). With ``own_session`` the
+        server is out of the terminal's process group: a Ctrl-C reaches only its owner, which
+        stops it in order instead of racing it.
 
         With ``tls`` (certificate options: ``--tls-cert-file`` ...) ``port`` is a TLS port and the
         only one (unlike a TLS port given in ``args``), so replication is over TLS too, and the
@@ -167,7 +173,8 @@ class LocalRedis:
         self.args = list(args)
         self.tls = list(tls)
         self.password = password
-        self.port = free_port(cluster_bus="--cluster-enabled" in self.args)
+        self.port = port or free_port(cluster_bus="--cluster-enabled" in self.args)
+        self.own_session = own_session
         scheme = "rediss" if tls else "redis"
         login = f":{password}@" if password else ""
         self.url = f"{scheme}://{login}127.0.0.1:{self.port}/0"
@@ -197,7 +204,12 @@ class LocalRedis:
             command += ["--requirepass", self.password, "--masterauth", self.password]
         command += self.args
         try:
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=self.own_session,
+            )
         except OSError as exc:
             raise ConfigError(f"cannot start {self.binary}: {exc.strerror or exc}") from exc
         self.process = process

@@ -440,9 +440,14 @@ class OutboxReplay(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``/health`` says: the server answers, which one it is, and how fast."""
+
     status: str
+    #: the server's own version (Valkey's, not the Redis version it is compatible with)
     redis_version: str
     latency_ms: float
+    #: "Valkey" or "Redis", as the server's INFO says
+    server: str = "Redis"
 
 
 class ExportCheckpoints(msgspec.Struct, frozen=True, kw_only=True, tag="checkpoints", tag_field="kind"):

@@ -308,7 +308,7 @@ class Worker:
             self.consumer,
             self.app.topics,
             self._partitions,
-            info.version,
+            f"{info.name} {info.version}",
         )
 
     def _check_app_record(self) -> None:

@@ -92,7 +92,7 @@ let openApp = null;
 async function loadHealth() {
   try {
     const health = await api("GET", "/health");
-    say("health", `Redis ${health.redis_version} answers in ${health.latency_ms.toFixed(1)} ms`, "ok");
+    say("health", `${health.server || "Redis"} ${health.redis_version} answers in ${health.latency_ms.toFixed(1)} ms`, "ok");
   } catch (error) {
     say("health", "Redis: " + error.message, "error");
   }

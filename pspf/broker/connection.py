@@ -160,6 +160,21 @@ def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
 
+#: Host names of this machine, where ``pspf server`` can start a server the URL reaches.
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def local_server_hint(address: BrokerAddress) -> str:
+    """How to start a local server (``pspf server``) where a plain URL on this machine points."""
+    if address.topology != "standalone" or address.tls or len(address.hosts) != 1:
+        return ""
+    host, port = address.hosts[0]
+    if host.lower() not in LOCAL_HOSTS:
+        return ""
+    flag = "" if port == 6379 else f" --port {port}"
+    return f" (to start a local server there: pspf server{flag})"
+
+
 class Connection:
     """A connection pool to one Redis or Valkey server, its scripts, and the raw round trips.
 
@@ -176,7 +191,7 @@ class Connection:
             self.client = _connect(settings, self.address, socket_timeout_s)
         except (redis.RedisError, RedisClusterException) as exc:
             self._refused_login(exc)
-            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         self._slots_stale = False
         #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
         self._wait: tuple[Any, ...] = (
@@ -229,6 +244,10 @@ class Connection:
             groups.setdefault(id(node), (node, []))[1].append(i)
         return list(groups.values())
 
+    def _unreachable(self, exc: Exception) -> BrokerUnavailable:
+        """The cannot-reach error; on this machine's own address it says how to start a server there."""
+        return BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}{local_server_hint(self.address)}")
+
     @contextmanager
     def translate_errors(self, key: str | None = None) -> Iterator[None]:
         """Turn redis-py exceptions into PSPF errors with a message a user can act on.
@@ -242,7 +261,7 @@ class Connection:
             # WATCHed (a lease moving is caught where the transaction runs).
             self._refused_login(exc)
             self._slots_stale = self.cluster  # a node may have failed over: ask the cluster again
-            raise BrokerUnavailable(f"cannot reach Redis at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         except (AskError, ClusterDownError, TryAgainError, RedisClusterException) as exc:
             # Slots moving or a cluster failing over: the next call asks the cluster where they are.
             self._refused_login(exc)
@@ -292,6 +311,7 @@ class Connection:
         Features are detected, not inferred from a version: Valkey reports its own versions.
         """
         versions: list[str] = []
+        names: list[str] = []
         warnings: list[str] = []
         for server in self._servers():
             with self.translate_errors():
@@ -301,9 +321,11 @@ class Connection:
                         f"the server at {self.url} lacks XAUTOCLAIM: PSPF needs Redis >= 6.2 or Valkey"
                     )
             versions.append(str(info.get("valkey_version") or info.get("redis_version") or "unknown"))
+            valkey = "valkey_version" in info or info.get("server_name") == "valkey"
+            names.append("Valkey" if valkey else "Redis")
             where = "" if not self.cluster else f"node {_node_name(server)}: "
             warnings += [where + warning for warning in _guarantee_warnings(server)]
-        return ServerInfo(", ".join(sorted(set(versions))), warnings)
+        return ServerInfo(", ".join(sorted(set(versions))), warnings, "/".join(sorted(set(names))))
 
     def check_eviction(self) -> bool:
         """Raise EvictingPolicy when a server may evict keys; False when its policy cannot be read.

@@ -55,6 +55,8 @@ class ServerInfo(NamedTuple):
 
     version: str
     warnings: list[str]
+    #: "Valkey" or "Redis", from INFO (Valkey reports a Redis compatibility version too)
+    name: str = "Redis"
 
 
 class GroupPosition(NamedTuple):

@@ -105,8 +105,9 @@ class Topics(ServiceBase):
     def health(self) -> Health:
         """Whether Redis answers, and how fast."""
         started = time.perf_counter()
-        version = self.broker.check_server().version
-        return Health(status="ok", redis_version=version, latency_ms=(time.perf_counter() - started) * 1000)
+        info = self.broker.check_server()
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        return Health(status="ok", redis_version=info.version, latency_ms=elapsed_ms, server=info.name)
 
 
 def _line_key(line: bytes, key_field: str | None) -> str | None:
@@ -121,9 +122,11 @@ def _line_key(line: bytes, key_field: str | None) -> str | None:
         return None
     if not isinstance(record, dict):
         raise ConfigError(f"expected a JSON object with field {key_field!r}")
-    key = record.get(key_field)
-    if key is None:
+    if key_field not in record:
         raise ConfigError(f"no field {key_field!r}")
+    key = record[key_field]
+    if key is None:
+        raise ConfigError(f"field {key_field!r} is null: a key must be a string or an integer")
     if isinstance(key, str):
         return key
     if isinstance(key, int) and not isinstance(key, bool):

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pspf import App, Context, NonRetryableError, Settings, Worker
 from pspf.admin_api import create_app
 from pspf.cli import cli
-from pspf.embedded import free_port
+from pspf.embedded import LocalRedis, free_port
 from pspf.keys import dlq_key, stream_key, topic_key
 from pspf.service import Service
 from pspf.state_stores import open_store
-from tests.conftest import Names, RedisServer
+from tests.conftest import Names, RedisServer, pspf_command, server_binary_under_test, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -195,6 +199,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
     info = rclient.info("server")
     # The server's own version: Valkey's valkey_version, not the Redis one it is compatible with
     assert body["redis_version"] == info.get("valkey_version", info["redis_version"])
+    assert body["server"] == ("Valkey" if "valkey_version" in info else "Redis")
 
     document = api.get("/schema/openapi.json").json()
     operations = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
@@ -464,6 +469,21 @@ def test_running_app_and_locked_store_are_409(
     assert not thread.is_alive()
 
 
+def test_a_wrong_broker_password_is_503_health_included(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    """The server answers but refuses the login: no request can succeed, as when it is down."""
+    server = LocalRedis(tmp_path / "secured", binary=server_binary_under_test(), password="right")
+    with server:
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        service = Service(make_settings(PSPF_BROKER=url))
+        with TestClient(create_app(service, token=TOKEN)) as client:
+            assert "authentication to Redis" in error_of(client.get("/health"), 503)
+            error_of(client.get("/topics"), 503)
+            error_of(client.get("/groups"), 503)
+            error_of(client.post("/topics/t/dlq/purge", json={"all": True}, headers=AUTH), 503)
+
+
 def test_unreachable_redis_is_503(make_settings: Callable[..., Settings], tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "stopped")
     server.start()
@@ -609,3 +629,34 @@ def test_the_page_and_swagger_ui_are_served_from_the_package(api: TestClient[Any
     for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "swagger-ui-standalone-preset.js"):
         assert f"/schema-assets/{asset}" in swagger.text
         assert api.get(f"/schema-assets/{asset}").status_code == 200
+
+
+def test_admin_serve_prints_the_operator_pages_address(redis_url: str) -> None:
+    """With --port 0 too: the address printed is the one bound, and the page answers there."""
+    process = subprocess.Popen(
+        pspf_command("admin", "serve", "--port", "0", "--broker", redis_url),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        assert process.stderr is not None
+        lines = [process.stderr.readline() for _ in range(3)]
+        page = [line.split(": ", 1)[1].strip() for line in lines if line.startswith("operator page: ")]
+        assert page and page[0].endswith("/ui/") and ":0/" not in page[0], lines
+        with urllib.request.urlopen(page[0], timeout=10) as response:
+            assert response.status == 200 and b"<html" in response.read().lower()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+
+
+def test_admin_serve_on_a_taken_port_is_one_line(redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli, ["admin", "serve", "--port", str(port), "--broker", redis_url])
+    assert result.exit_code == 2, result.output
+    error = f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.output.strip().splitlines()[-1] == error

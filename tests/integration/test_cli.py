@@ -109,12 +109,17 @@ def test_run_target_errors(invoke: Callable[..., Result], target: str, exit_code
     assert message in one_line_error(result)
 
 
-def test_run_unreachable_broker(invoke: Callable[..., Result], names: Names) -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_run_unreachable_broker(invoke: Callable[..., Result], names: Names, host: str) -> None:
+    """On this machine, the error says how to start a server where the URL points."""
     env = {"PSPF_TEST_TOPIC": names.topic(), "PSPF_TEST_APP": names.app()}
-    url = f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    url = f"redis://{host}:{port}/0"
     result = invoke("run", "tests.integration.cli_apps:make", "--broker", url, env=env)
     assert result.exit_code == 3
-    assert "cannot reach Redis" in one_line_error(result)
+    line = one_line_error(result)
+    assert line.startswith(f"Error: cannot reach Redis at {url}: ")
+    assert line.endswith(f"(to start a local server there: pspf server --port {port})")
 
 
 @pytest.mark.parametrize("url", ["http://localhost:6379", "redis://localhost:port/0", "redis://h/x"])
@@ -169,6 +174,10 @@ def test_produce_errors(invoke: Callable[..., Result], names: Names, rclient: re
 
     usage = invoke("produce", topic, '{"a": 1}', "--key-field", "user")
     assert usage.exit_code == 2
+
+    null_key = invoke("produce", topic, "--key-field", "user", input='{"user": null, "amount": 4}\n')
+    assert null_key.exit_code == 2
+    assert "line 1: field 'user' is null: a key must be a string or an integer" in one_line_error(null_key)
 
 
 def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:
@@ -292,3 +301,18 @@ def test_run_summary_counts_dead_letters_and_retries_apart(
     assert single.exit_code == 0
     again = invoke("run", "tests.integration.cli_apps:flaky", "--until-idle", env=env)
     assert "processed 1 entry (0 already done), 0 dead-lettered, 1 failed attempt retried\n" in again.output
+
+
+def test_a_confirmation_without_a_terminal_says_to_pass_yes(
+    invoke: Callable[..., Result], names: Names
+) -> None:
+    """A script's stdin ends before any answer: one line naming --yes, not click's bare "Aborted!"."""
+    topic = names.topic()
+    invoke("topic", "create", topic)
+    unanswered = invoke("dlq", "purge", topic, "--all")
+    assert unanswered.exit_code == 2
+    error = 'Error: cannot ask "Delete 0 DLQ entries?" without a terminal: pass --yes'
+    assert one_line_error(unanswered) == error
+    refused = invoke("dlq", "purge", topic, "--all", input="n\n")
+    assert refused.exit_code == 1 and "Aborted!" in refused.output
+    assert invoke("dlq", "purge", topic, "--all", "--yes").exit_code == 0

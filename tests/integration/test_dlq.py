@@ -217,8 +217,9 @@ def test_purge_and_error_paths(
     assert "would delete 5 entries" in dry.output and rclient.xlen(dlq_key(topic, 0)) == 5
     one = invoke("dlq", "purge", topic, ids[0], "--yes")
     assert one.exit_code == 0 and "deleted 1 entry" in one.output
-    refused = invoke("dlq", "purge", topic, "--all")  # no --yes and no terminal: aborts, changes nothing
-    assert refused.exit_code == 1 and rclient.xlen(dlq_key(topic, 0)) == 4
+    refused = invoke("dlq", "purge", topic, "--all")  # no --yes and no terminal: changes nothing
+    assert refused.exit_code == 2 and "pass --yes" in error_line(refused)
+    assert rclient.xlen(dlq_key(topic, 0)) == 4
     everything = invoke("dlq", "purge", topic, "--all", "--yes")
     assert everything.exit_code == 0 and rclient.xlen(dlq_key(topic, 0)) == 0
 

@@ -199,11 +199,7 @@ def topic_delete(
     service = service_for(obj, broker)
     preview = service.delete_topic(name, dry_run=True)
     if not dry_run and not yes:
-        click.confirm(
-            f"Delete topic {name} and every entry of its {counted(preview.partitions, 'partition')}?",
-            abort=True,
-            err=True,
-        )
+        confirm(f"Delete topic {name} and every entry of its {counted(preview.partitions, 'partition')}?")
     done = preview if dry_run else service.delete_topic(name)
     if as_json:
         print_json(done)

@@ -392,11 +392,9 @@ def app_delete(
     preview = service.delete_app(app, force=force, dry_run=True)
     if not dry_run:
         if not yes:
-            click.confirm(
+            confirm(
                 f"Delete app {app}: {counted(len(preview.groups), 'consumer group')} and "
-                f"{counted(len(preview.keys), 'key')}?",
-                abort=True,
-                err=True,
+                f"{counted(len(preview.keys), 'key')}?"
             )
         result = service.delete_app(app, force=force)
     else:

@@ -121,3 +121,19 @@ def test_a_topic_is_deleted_only_once_no_app_reads_it(
     assert topic not in [t.name for t in Service(make_settings()).list_topics()]
     gone = runner.invoke(cli, ["topic", "delete", topic, "--yes", "--broker", redis_url])
     assert gone.exit_code == 4 and "does not exist" in gone.output
+
+
+def test_without_a_terminal_and_without_yes_nothing_is_deleted(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+) -> None:
+    topic, app = make_topic(1), names.app()
+    produce(topic, [("k", {"n": 1})])
+    Worker(summing_app(app, topic), make_settings()).run(until_idle=True)
+    asked = CliRunner().invoke(cli, ["app", "delete", app, "--broker", redis_url], input="")
+    assert asked.exit_code == 2 and "pass --yes" in asked.output
+    assert keys_naming(rclient, app)

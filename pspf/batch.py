@@ -221,13 +221,8 @@ class PartitionBatch:
         with owned.store.transaction() as tx:
             tx.put(keys.STATE_NAMESPACE, self.overlay)
             tx.put(keys.TABLES_NAMESPACE, rows)
-            for (namespace, key), value in page_writes.items():
-                tx.set(namespace, key, value)
-            for (namespace, key), time_value in time_writes.items():
-                if time_value is None:
-                    tx.delete(namespace, key)
-                else:
-                    tx.set(namespace, key, time_value)
+            for (namespace, key), value in (*page_writes.items(), *time_writes.items()):
+                tx.put(namespace, {key: value})  # None deletes
             tx.put(keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             tx.put(keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:

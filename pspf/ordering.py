@@ -16,7 +16,8 @@ so after a read a stream may still hold entries below what another stream delive
   partition just below itself.
 
 What is held is dropped with everything else read when a stream is rewound (a lost connection, a
-read ahead given up): it is still pending, and read again from the pending list.
+retry): it is still pending, and read again from the pending list. A read sent ahead that the
+next cycle does not take is held too (``Delivery._hold_ahead``), not given up.
 """
 
 from __future__ import annotations

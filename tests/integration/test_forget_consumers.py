@@ -37,7 +37,7 @@ def test_an_owner_deletes_idle_consumers_with_nothing_pending_and_forgets_them_i
     stream = stream_key(topic, 0)
     produce(topic, [("k", {"n": i}) for i in range(10)])
     Worker(summing_app(app, topic), make_settings(PSPF_CONSUMER="old-pod")).run(until_idle=True)
-    rclient.xreadgroup(app, "ghost", {stream: ">"}, count=1)  # a consumer that read nothing
+    rclient.xgroup_createconsumer(stream, app, "ghost")  # a consumer that read nothing
     produce(topic, [("k", {"n": i}) for i in range(10, 20)])
     settings = make_settings(PSPF_CONSUMER="new-pod", PSPF_MIN_IDLE_MS=100, PSPF_FORGET_CONSUMERS_AFTER_S=0.2)
     service = Service(settings)

@@ -20,6 +20,7 @@ from litestar.testing import TestClient
 from pspf import App, Context, Settings, Worker, membership
 from pspf.admin_api import create_app
 from pspf.cli import cli
+from pspf.errors import NotFound
 from pspf.keys import GLOBAL_TABLES_NAMESPACE, StreamId, partition_for, stream_key, table_key
 from pspf.service import Service
 from pspf.state_stores import open_globals_store
@@ -196,7 +197,10 @@ def test_lag_shows_each_workers_global_tables_behind_and_its_metric(
     address = wait_until(lambda: worker.metrics_address, 10, "the metrics server")
 
     def behind() -> dict[str, int] | None:
-        members = service.lag(app.name).members
+        try:
+            members = service.lag(app.name).members
+        except NotFound:  # the worker serves its metrics before it registers the app
+            return None
         return members[0].global_tables if members else None
 
     assert wait_until(behind, 10, "the worker's first count") == {products: 0}

@@ -232,13 +232,9 @@ class App:
 
     def _check_free(self, topic: str) -> None:
         """A table's topic is read as the table only: refuse one that something else reads."""
-        for kind, taken in (
-            ("a table", self.tables),
-            ("a global table", self.global_tables),
-            ("a handler", self.handlers),
-        ):
-            if topic in taken:
-                raise ConfigError(f"app {self.name!r}: topic {topic!r} is already read by {kind}")
+        self._check_not_table(topic, "a table")
+        if topic in self.handlers:
+            raise ConfigError(f"app {self.name!r}: topic {topic!r} is already read by a handler")
 
     def timer(self, every: timedelta) -> Callable[[TimerFunc], TimerFunc]:
         """Register ``func(ctx: TimerContext)`` to run every ``every`` of wall-clock time.
@@ -382,7 +378,7 @@ class App:
             )
 
     def _check_not_table(self, topic: str, what: str) -> None:
-        """A table's topic is read as the table only (as ``_check_free`` says the other way round)."""
+        """A table's topic is read as the table only: ``what`` cannot read it too."""
         for kind, taken in (("a table", self.tables), ("a global table", self.global_tables)):
             if topic in taken:
                 raise ConfigError(

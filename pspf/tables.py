@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 #: Not among a batch's versions of a row (a row may be None: deleted).
 MISSING: Any = object()
-#: Rows kept in memory, of a partition's tables and of the global tables (the stores hold them all).
+#: Rows of the global tables kept in memory per worker (its store holds them all).
 GLOBAL_CACHE_LIMIT = 100_000
 #: Entries read per global stream and round trip.
 GLOBAL_READ_COUNT = 5000

@@ -365,7 +365,7 @@ def _say_waiting(app: str, waiting: list[int], wait_s: float) -> None:
 
 @cli.group("app")
 def app_group() -> None:
-    """Retire an app."""
+    """Reset or retire an app."""
 
 
 @app_group.command(
@@ -408,6 +408,72 @@ def app_delete(
         click.echo(f"  group {app} of {stream}")
     for name in result.keys:
         click.echo(f"  key {name}")
+
+
+@app_group.command(
+    "reset",
+    epilog="\b\nExamples:\n  pspf app reset order-totals --dry-run\n"
+    "  pspf app reset order-totals --to-end --keep-state --yes",
+)
+@click.argument("app")
+@click.option("--to-start", "to", flag_value="start", default=True, help="From the first entry (default).")
+@click.option("--to-end", "to", flag_value="end", help="From the next entry produced: skip the backlog.")
+@click.option("--keep-state", is_flag=True, help="Keep the app's state; move only its positions.")
+@click.option("--dry-run", is_flag=True, help="Say what would change; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@state_dir_option
+@store_option
+@json_option
+@click.pass_obj
+def app_reset(
+    obj: CliState,
+    app: str,
+    to: str,
+    keep_state: bool,
+    dry_run: bool,
+    yes: bool,
+    broker: str | None,
+    state_dir: Path | None,
+    store: str | None,
+    as_json: bool,
+) -> None:
+    """Start APP afresh from the start (or the end) of every topic it reads; APP must be stopped.
+
+    Its consumer groups are re-created there and, unless --keep-state, its state is deleted:
+    values, windows, timers, TTLs and table rows (a table is then read again from its first
+    entry, also with --to-end). Stores in --state-dir are reset here; the others restore from
+    the state backup when their worker starts.
+    """
+    service = service_for(obj, broker, state_dir, store)
+    preview = service.reset_app(app, to_end=to == "end", keep_state=keep_state, dry_run=True)
+    if not dry_run:
+        if not yes:
+            what = "keep" if keep_state else "DELETE"
+            confirm(f"Reset app {app} to the {to} of {', '.join(preview.topics)} and {what} its state?")
+        result = service.reset_app(app, to_end=to == "end", keep_state=keep_state)
+    else:
+        result = preview
+    if as_json:
+        print_json(result)
+        return
+    verb = "would reset" if dry_run else "reset"
+    click.echo(
+        f"{verb} app {app} to the {result.to} of {', '.join(result.topics)} "
+        f"({counted(result.partitions, 'partition')}): {counted(result.entries_to_process, 'entry')} "
+        f"to process, {counted(result.entries_skipped, 'unhandled entry')} skipped"
+    )
+    if result.tables_rebuilt:
+        click.echo(f"tables read again from their first entry: {', '.join(result.tables_rebuilt)}")
+    if result.superseded:
+        click.echo(f"{result.superseded} redriven from the DLQ later: their last copies apply instead")
+    done = "would be" if dry_run else "were"
+    if result.state_reset:
+        click.echo(f"state (values, windows, timers, TTLs, table rows) and checkpoints {done} reset")
+    else:
+        click.echo(f"checkpoints {done} moved; the state was kept")
+    here = ", ".join(map(str, result.stores_here)) or "none"
+    click.echo(f"stores in this state dir: partitions {here}; the others restore from the state backup")
 
 
 @cli.group()

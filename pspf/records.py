@@ -502,6 +502,28 @@ class AppRemoval(msgspec.Struct, frozen=True, kw_only=True):
     dry_run: bool
 
 
+class AppReset(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``pspf app reset`` did (or, with ``dry_run``, would do)."""
+
+    app: str
+    #: "start" or "end": where the app's groups now stand in its topics
+    to: str
+    topics: list[str]
+    #: table topics read again from their first entry (their rows were deleted with the state)
+    tables_rebuilt: list[str]
+    partitions: int
+    #: entries the app will handle when it runs next (from the start; a rebuilt table's)
+    entries_to_process: int
+    #: entries the app had not handled yet that it now never will (moved to the end)
+    entries_skipped: int
+    #: entries a redriven copy replaces: skipped, and the copy applied, as in the first run
+    superseded: int = 0
+    state_reset: bool
+    #: partitions whose store in this state dir was reset too (the others restore from the backup)
+    stores_here: list[int]
+    dry_run: bool
+
+
 class TopicRemoval(msgspec.Struct, frozen=True, kw_only=True):
     """What ``pspf topic delete`` removed (or, with ``dry_run``, would remove)."""
 

@@ -107,13 +107,25 @@ class Admin(Connection):
         with self.translate_errors(stream):
             return int(self.client.xtrim(stream, minid=before, approximate=False))
 
-    def register_app(self, app: str, topics: list[str], partitions: int) -> None:
-        """Record what an app reads, so operators can find its state by app name alone."""
+    def register_app(
+        self, app: str, topics: list[str], partitions: int, tables: list[str] | None = None
+    ) -> None:
+        """Record what an app reads, so operators can find its state by app name alone.
+
+        ``tables``: those of ``topics`` the app reads as tables (None leaves the record's as is).
+        """
+        mapping: dict[str, str | int] = {"topics": ",".join(topics), "partitions": partitions}
+        if tables is not None:
+            mapping["tables"] = ",".join(tables)
         with self.translate_errors():
-            self.client.hset(
-                keys.app_key(app), mapping={"topics": ",".join(topics), "partitions": partitions}
-            )
+            self.client.hset(keys.app_key(app), mapping=mapping)
             self.client.sadd(keys.APPS_KEY, app)
+
+    def app_tables(self, app: str) -> list[str]:
+        """The topics an app reads as tables (co-partitioned), as its workers last recorded."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), "tables")
+        return [t for t in _text(raw).split(",") if t] if raw else []
 
     def app_topics(self, app: str) -> set[str]:
         """The topics an app read when it last ran here (empty if it never ran)."""

@@ -9,7 +9,8 @@ parsers re-exported here, never the families:
 - ``topic_read``: reading and following a topic's entries, without a consumer group;
 - ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
 - ``apps``: the apps that ran, their lag, owners and members;
-- ``replay``: delivering a stopped app's entries again, rewinding its state to match;
+- ``replay``: delivering a stopped app's entries again, rewinding its state to match, and
+  resetting an app to the start or the end of its topics;
 - ``retire``: deleting an app from the server (its groups, leases, backups, record), or a topic;
 - ``state``: an app's state: get, windows, keys, export, import, adopt;
 - ``tables``: a row of an app's table or global table;
@@ -25,6 +26,7 @@ from pspf.records import (
     AppLag,
     AppMember,
     AppRemoval,
+    AppReset,
     DeadLetterDetail,
     DeadLetterInfo,
     DlqChange,
@@ -62,6 +64,7 @@ __all__ = [
     "AppLag",
     "AppMember",
     "AppRemoval",
+    "AppReset",
     "DeadLetterCounts",
     "DeadLetterDetail",
     "DeadLetterInfo",

@@ -1,9 +1,10 @@
-"""Replay: deliver a stopped app's entries after a position again, rewinding its state to match.
+"""Replay and reset: move a stopped app's groups, rewinding its state to match.
 
-The group moves first, then each partition's store and state backup are rewound in one write
-each (checkpoints, retry bookkeeping, the state unless kept, and the marks of entries a redrive
-replaced), so a crash in between applies nothing twice and running replay again completes it.
-``parse_position`` turns the start, an entry id or a time into the position.
+Replay delivers the entries after a position again; reset starts the app afresh at the start or
+the end of its topics. The groups move first, then each partition's store and state backup are
+rewound in one write each (checkpoints, retry bookkeeping, the state unless kept, and the marks of
+entries a redrive replaced), so a crash in between applies nothing twice and running the command
+again completes it. ``parse_position`` turns the start, an entry id or a time into the position.
 """
 
 from __future__ import annotations
@@ -14,22 +15,43 @@ from pathlib import Path
 
 from pspf import codec, keys
 from pspf.backup import field
-from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError
+from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError, StateError
 from pspf.keys import (
     BACKUP_IDENTITY,
     BACKUP_NAMESPACE,
     DEAD_NAMESPACE,
+    EXPIRY_NAMESPACE,
     FAILURES_NAMESPACE,
     FOREIGN_NAMESPACE,
     ORIGINAL_ID_HEADER,
     REDRIVE_APP_HEADER,
+    SCHEDULES_NAMESPACE,
     STATE_NAMESPACE,
     SUPERSEDED_NAMESPACE,
+    TABLES_NAMESPACE,
+    TIME_NAMESPACE,
+    WINDOWS_NAMESPACE,
     StreamId,
 )
-from pspf.records import ReplayResult
+from pspf.records import AppReset, ReplayResult
 from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
 from pspf.state_stores import StateStore, open_store, stored_partitions
+
+#: what a run leaves in a partition besides the state: redone by the entries handled again
+BOOKKEEPING = frozenset({FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE})
+#: everything a reset deletes with the state: a fresh start keeps no window, timer, TTL or row
+APP_STATE = frozenset(
+    {
+        STATE_NAMESPACE,
+        WINDOWS_NAMESPACE,
+        TIME_NAMESPACE,
+        SCHEDULES_NAMESPACE,
+        EXPIRY_NAMESPACE,
+        TABLES_NAMESPACE,
+    }
+)
+#: a partition's topics and the checkpoint each is rewound to (None: from the first entry)
+Checkpoints = dict[str, StreamId | None]
 
 
 class Replaying(ServiceBase):
@@ -77,7 +99,10 @@ class Replaying(ServiceBase):
                     stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
                 for stream in streams:
                     self.broker.reset_group(stream, app, str(position))
-                self._rewind(app, stores, chosen, partitions, position, marks, keep_state)
+                checkpoint = None if position == keys.ZERO_ID else position
+                rewound = {p: {topic: checkpoint for topic in chosen} for p in range(partitions)}
+                clear = BOOKKEEPING | (set() if keep_state else APP_STATE)
+                self._rewind(app, stores, rewound, marks, clear)
             entries = sum(self._entries_after(stream, position) for stream in streams)
         finally:
             for store in stores.values():
@@ -93,6 +118,117 @@ class Replaying(ServiceBase):
             dry_run=dry_run,
         )
 
+    def reset_app(
+        self, app: str, to_end: bool = False, keep_state: bool = False, dry_run: bool = False
+    ) -> AppReset:
+        """Start a stopped app afresh from the start (or the end) of every topic it reads.
+
+        Its groups are re-created there with empty pending lists. Without ``keep_state`` its state
+        goes: values, windows, stream time, schedules, TTLs and table rows; a table's topic then
+        starts from its first entry even ``to_end``, so the table is rebuilt before the new
+        entries. The stores in this state dir and the state backups are rewound as replay does
+        (stores elsewhere restore from their backup); a partition with neither is refused, since
+        a store somewhere would keep checkpoints that skip the entries delivered again.
+
+        Raises:
+            NotFound: the app never ran here.
+            AppRunning: a worker of the app holds a lease.
+            StateError: a partition's state is neither in a backup nor in this state dir.
+        """
+        keys.check_name("app", app)
+        partitions = self.broker.app_partitions(app)
+        topics = self.broker.app_topic_list(app)
+        rebuilt = [] if keep_state or not to_end else [t for t in self.broker.app_tables(app) if t in topics]
+        from_start = topics if not to_end else rebuilt
+        self._refuse_if_running(app, topics, partitions)
+        state = self.settings.state
+        stores: dict[int, StateStore] = {}
+        try:
+            for partition in stored_partitions(state.engine, state.dir, app):  # locks them: a worker
+                stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+            self._refuse_if_running(app, topics, partitions)  # starting now waits for us
+            self._refuse_unreachable_state(app, topics[0], partitions, stores)
+            positions = self._reset_positions(topics, from_start, partitions)
+            skipped = sum(
+                self._unhandled(app, t, p) for (t, p), at in positions.items() if at != keys.ZERO_ID
+            )
+            entries = sum(self._entries_after(keys.stream_key(t, p), at) for (t, p), at in positions.items())
+            marks = self._superseded(app, from_start, partitions, keys.ZERO_ID)
+            if not dry_run:
+                for partition in sorted(set(marks) - set(stores)):  # the marks need a store
+                    stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+                self._reset_groups(app, stores, positions, partitions, marks, keep_state)
+        finally:
+            for store in stores.values():
+                store.close()
+        return AppReset(
+            app=app,
+            to="end" if to_end else "start",
+            topics=topics,
+            tables_rebuilt=rebuilt,
+            partitions=partitions,
+            entries_to_process=entries,
+            entries_skipped=skipped,
+            superseded=sum(len(found) for found in marks.values()),
+            state_reset=not keep_state,
+            stores_here=sorted(stores),
+            dry_run=dry_run,
+        )
+
+    def _reset_positions(
+        self, topics: list[str], from_start: list[str], partitions: int
+    ) -> dict[tuple[str, int], StreamId]:
+        """Where each (topic, partition) stream starts again: its first entry, or after its last."""
+        positions = {}
+        for topic in topics:
+            for partition in range(partitions):
+                last = None if topic in from_start else self.broker.last_id(keys.stream_key(topic, partition))
+                positions[(topic, partition)] = keys.ZERO_ID if last is None else StreamId.parse(last)
+        return positions
+
+    def _reset_groups(
+        self,
+        app: str,
+        stores: dict[int, StateStore],
+        positions: dict[tuple[str, int], StreamId],
+        partitions: int,
+        marks: dict[int, dict[tuple[str, str], bytes]],
+        keep_state: bool,
+    ) -> None:
+        """Re-create the groups at ``positions``, then rewind the stores and backups to them."""
+        rewound: dict[int, Checkpoints] = {p: {} for p in range(partitions)}
+        for (topic, partition), at in positions.items():
+            self.broker.reset_group(keys.stream_key(topic, partition), app, str(at))
+            rewound[partition][topic] = None if at == keys.ZERO_ID else at
+        self._rewind(app, stores, rewound, marks, BOOKKEEPING | (set() if keep_state else APP_STATE))
+
+    def _refuse_unreachable_state(
+        self, app: str, first: str, partitions: int, stores: dict[int, StateStore]
+    ) -> None:
+        """Refuse partitions whose state is in no backup and not here: their stores stay unreset."""
+        unreachable = [
+            p
+            for p in range(partitions)
+            if p not in stores
+            and not self.broker.backup_meta(keys.backup_keys(first, p, app).meta).get(BACKUP_IDENTITY)
+        ]
+        if unreachable:
+            raise StateError(
+                f"app {app!r} has no state backup of partitions {unreachable} and no store of them "
+                f"under {self.settings.state.dir}: a store elsewhere would keep checkpoints that skip "
+                "the entries delivered again. Run the reset with the state dir that holds them "
+                "(--state-dir), or run the app once with the state backup on"
+            )
+
+    def _unhandled(self, app: str, topic: str, partition: int) -> int:
+        """Entries of the stream the app's group has pending or not yet delivered."""
+        stream = keys.stream_key(topic, partition)
+        info = self.broker.stream_info(stream)
+        mine = info.groups.get(app)
+        if mine is None:
+            return info.length
+        return mine.pending + self.broker.count_after(stream, mine.last_delivered_id)
+
     def _need_state_dir(self, app: str, why: str) -> None:
         state = self.settings.state
         if not (Path(state.dir) / app).is_dir():
@@ -105,21 +241,16 @@ class Replaying(ServiceBase):
         self,
         app: str,
         stores: dict[int, StateStore],
-        topics: list[str],
-        partitions: int,
-        position: StreamId,
+        checkpoints: dict[int, Checkpoints],
         marks: dict[int, dict[tuple[str, str], bytes]],
-        keep_state: bool,
+        clear: set[str] | frozenset[str],
     ) -> None:
-        """Rewind the stores here, then the backups, to ``position`` under one new identity."""
-        checkpoint = None if position == keys.ZERO_ID else position
-        clear = {FAILURES_NAMESPACE, DEAD_NAMESPACE, FOREIGN_NAMESPACE, SUPERSEDED_NAMESPACE}
-        clear |= set() if keep_state else {STATE_NAMESPACE}
+        """Rewind the stores here, then the backups, to ``checkpoints`` under one new identity."""
         identity = f"replay{int(time.time() * 1000)}-0"
         for partition, store in stores.items():
             values = {**marks.get(partition, {}), (BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}
-            store.rewind(clear, {topic: checkpoint for topic in topics}, values)
-        self._rewind_backups(app, partitions, clear, {t: checkpoint for t in topics}, marks, identity)
+            store.rewind(clear, checkpoints[partition], values)
+        self._rewind_backups(app, clear, checkpoints, marks, identity)
 
     def _superseded(
         self, app: str, topics: list[str], partitions: int, position: StreamId
@@ -144,9 +275,8 @@ class Replaying(ServiceBase):
     def _rewind_backups(
         self,
         app: str,
-        partitions: int,
-        clear: set[str],
-        checkpoints: dict[str, StreamId | None],
+        clear: set[str] | frozenset[str],
+        checkpoints: dict[int, Checkpoints],
         marks: dict[int, dict[tuple[str, str], bytes]],
         identity: str,
     ) -> None:
@@ -157,14 +287,10 @@ class Replaying(ServiceBase):
         restores: the old state with its old checkpoints, as when replay stops before the stores.
         """
         first = self.broker.app_topic_list(app)[0]
-        for partition in range(partitions):
+        for partition, rewound in checkpoints.items():
             values = {field(ns, key): value for (ns, key), value in marks.get(partition, {}).items()}
             self.broker.rewind_backup(
-                keys.backup_keys(first, partition, app),
-                clear,
-                checkpoints,
-                values,
-                identity,
+                keys.backup_keys(first, partition, app), clear, rewound, values, identity
             )
 
     @staticmethod

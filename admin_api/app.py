@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
@@ -45,6 +45,7 @@ from pspf.errors import (
 from pspf.service import (
     AppLag,
     AppRemoval,
+    AppReset,
     DeadLetterDetail,
     DeadLetterInfo,
     DlqChange,
@@ -56,9 +57,11 @@ from pspf.service import (
     ReplayResult,
     Service,
     TopicDescription,
+    TopicEntry,
     TopicInfo,
     parse_duration_ms,
     parse_position,
+    parse_read_start,
 )
 
 logger = logging.getLogger("pspf.admin")
@@ -139,6 +142,21 @@ class AppDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     force: Annotated[bool, msgspec.Meta(description="delete even while workers of the app are alive")] = False
     dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
+
+
+class AppResetRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf app reset`` takes; ``to`` is required here, where no prompt confirms a reset."""
+
+    to: Annotated[
+        Literal["start", "end"],
+        msgspec.Meta(description="start: every entry again; end: only entries produced from now on"),
+    ]
+    keep_state: Annotated[bool, msgspec.Meta(description="keep the state; move only the positions")] = False
+    dry_run: Annotated[bool, msgspec.Meta(description="say what would change; change nothing")] = False
+
+
+#: The most entries one read of a topic returns: a page to look at, not an export.
+MAX_READ = 1000
 
 
 # -- status mapping -------------------------------------------------------------------------------
@@ -269,6 +287,32 @@ def dlq_show(
     dlq_id: Annotated[str, PathParameter(pattern=DLQ_ID_PATTERN, description="PARTITION:ID as listed")],
 ) -> DeadLetterDetail:
     return _service(state).dlq_show(topic, dlq_id)
+
+
+@get(
+    "/topics/{topic:str}/entries",
+    sync_to_thread=True,
+    responses=_errors(404),
+    summary="A topic's latest entries (or the first from a position), oldest first, values decoded",
+)
+def topic_entries(
+    state: State,
+    topic: FromPath[str],
+    partition: Annotated[int | None, QueryParameter(ge=0, description="only this partition")] = None,
+    start: Annotated[
+        str | None,
+        QueryParameter(
+            name="from",
+            description="the first entries at or after this entry id or time (ISO 8601 or unix ms); "
+            "without it, the latest",
+        ),
+    ] = None,
+    count: Annotated[int, QueryParameter(ge=1, le=MAX_READ, description="at most this many entries")] = 20,
+) -> list[TopicEntry]:
+    # Oldest first either way, as `pspf topic read` prints them: the latest entry is the last.
+    position = None if start is None else parse_read_start(start)
+    entries, _ = _service(state).read_topic(topic, partition, position, count)
+    return entries
 
 
 @get("/groups", sync_to_thread=True, responses=_errors(), summary="Every app that ran here, with its lag")
@@ -459,10 +503,31 @@ def app_delete(
     return result
 
 
+@post(
+    "/apps/{app:str}/reset",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "app.reset"},
+    security=_BEARER,
+    responses=_errors(401, 403, 404, 409),
+    summary="Start a stopped app afresh at the start or the end of its topics, with or without its state",
+)
+def app_reset(
+    request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[AppResetRequest]
+) -> AppReset:
+    remember_params(request, data)
+    result = _service(state).reset_app(
+        app, to_end=data.to == "end", keep_state=data.keep_state, dry_run=data.dry_run
+    )
+    audit(request, 200, "ok", result)
+    return result
+
+
 _READ_ROUTES: list[ControllerRouterHandler] = [
     health,
     list_topics,
     describe_topic,
+    topic_entries,
     dlq_list,
     dlq_show,
     groups,
@@ -474,7 +539,14 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     outbox_show,
     prometheus_metrics,
 ]
-_WRITE_ROUTES: list[ControllerRouterHandler] = [dlq_redrive, dlq_purge, replay, outbox_replay, app_delete]
+_WRITE_ROUTES: list[ControllerRouterHandler] = [
+    dlq_redrive,
+    dlq_purge,
+    replay,
+    outbox_replay,
+    app_reset,
+    app_delete,
+]
 
 
 # -- pages ----------------------------------------------------------------------------------------
@@ -544,5 +616,12 @@ def _amend_openapi(app: Litestar) -> None:
             if operation is not None and operation.responses:
                 operation.responses.pop("400", None)
     schemas = openapi.components.schemas or {}
-    for body in (RedriveRequest, PurgeRequest, ReplayRequest):
+    for body in (
+        RedriveRequest,
+        PurgeRequest,
+        ReplayRequest,
+        OutboxReplayRequest,
+        AppDeleteRequest,
+        AppResetRequest,
+    ):
         schemas[body.__name__].additional_properties = False

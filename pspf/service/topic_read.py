@@ -81,7 +81,10 @@ def parse_read_start(text: str) -> StreamId:
             return StreamId.parse(text)
         except ConfigError:
             pass  # a time such as 2026-11-27T10:00:00Z
-    return StreamId(max(0, parse_time_ms(text, "from")), 0)
+    ms = max(0, parse_time_ms(text, "from"))
+    if ms > keys.MAX_SEQ:  # Redis would refuse the id: the parameter's fault, not the broker's
+        raise ParameterError.invalid("from", f"{text!r} is later than any stream id can be")
+    return StreamId(ms, 0)
 
 
 def _merged(read: list[tuple[str, list[RawEntry]]], streams: dict[str, int]) -> list[TopicEntry]:

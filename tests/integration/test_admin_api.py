@@ -207,6 +207,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/health"),
         ("GET", "/topics"),
         ("GET", "/topics/{topic}"),
+        ("GET", "/topics/{topic}/entries"),
         ("GET", "/topics/{topic}/dlq"),
         ("GET", "/topics/{topic}/dlq/{dlq_id}"),
         ("GET", "/groups"),
@@ -221,6 +222,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/apps/{app}/outbox"),
         ("GET", "/apps/{app}/outbox/{row_id}"),
         ("POST", "/apps/{app}/outbox/replay"),
+        ("POST", "/apps/{app}/reset"),
         ("POST", "/apps/{app}/delete"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
@@ -232,6 +234,13 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
             assert ("422" in operation["responses"]) is (path != "/metrics")
     redrive = document["paths"]["/topics/{topic}/dlq/redrive"]["post"]
     assert redrive["security"] == [{"bearer": []}] and {"401", "403"} <= set(redrive["responses"])
+    reset = document["paths"]["/apps/{app}/reset"]["post"]
+    assert reset["security"] == [{"bearer": []}] and {"401", "403", "404", "409"} <= set(reset["responses"])
+    # Every body refuses unknown fields, and says so.
+    bodies = [name for name in schemas if name.endswith("Request")]
+    assert len(bodies) == 6 and all(schemas[name]["additionalProperties"] is False for name in bodies)
+    entries = document["paths"]["/topics/{topic}/entries"]["get"]
+    assert {p["name"] for p in entries["parameters"]} == {"topic", "partition", "from", "count"}
 
 
 def test_metrics_report_lag_pending_age_and_dead_letters_per_partition(

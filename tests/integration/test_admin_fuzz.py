@@ -1,9 +1,9 @@
 """Schemathesis against the admin API's own OpenAPI document, with the token, on throwaway data.
 
 Every operation gets generated requests, valid and invalid, some aimed at a real topic with
-DLQ entries and at a real app (so redrive, purge and replay really run). No response may be a
-5xx (Redis is up here), and each must match what the document promises: a documented status,
-its media type and its schema.
+DLQ entries and at a real app (so redrive, purge, replay and reset really run). No response may
+be a 5xx (Redis is up here), and each must match what the document promises: a documented
+status, its media type and its schema.
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def test_no_operation_answers_a_server_error(
             {"all": True, "dry_run": True},
             {"ids": row_ids[:2]},
         ],
+        "POST /apps/{app}/reset": [
+            {"to": "start", "dry_run": True},
+            {"to": "end", "keep_state": True},
+        ],
         "POST /apps/{app}/delete": [{"dry_run": True}],
         "POST /apps/{app}/replay": [
             {"topics": [topic], "from_start": True, "dry_run": True},
@@ -129,7 +133,7 @@ def test_no_operation_answers_a_server_error(
     results = list(schema.get_all_operations())
     assert not [r.err() for r in results if isinstance(r, Err)]  # the document itself is valid
     operations = [r.ok() for r in results if not isinstance(r, Err)]
-    assert len(operations) == 18
+    assert len(operations) == 20
     for operation in operations:
         names_in_path = {p.name for p in operation.path_parameters}
         pinned = {name: value for name, value in real.items() if name in names_in_path}

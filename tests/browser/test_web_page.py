@@ -12,16 +12,19 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import pytest
 import redis
 
-from pspf import App, Context, NonRetryableError, Settings, Worker, codec
+from pspf import App, Context, NonRetryableError, Producer, Settings, Worker, codec
 from pspf.errors import NotFound
 from pspf.keys import ORIGINAL_ID_HEADER, dlq_key, stream_key
 from pspf.service import Service
 from tests.browser.conftest import serve
 from tests.conftest import Names
+from tests.integration.failures_support import WorkerThread
+from tests.support import wait_until
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -153,7 +156,8 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     shoot(driver, screenshots, "overview", taken)
 
     # An app's lag per partition, from the same records the API gives.
-    click(driver, f'#apps tr[data-app="{app}"] button')
+    click(driver, f'#apps tr[data-app="{app}"] a')
+    assert driver.current_url == f"{base_url}/ui/#/apps/{app}"
     wait(driver, lambda d: len(rows(d, "lag")) == PARTITIONS, "the lag table")
     expected = {(d.topic, d.partition): d for d in service.lag(app).detail}
     assert sum(d.dead_letters for d in expected.values()) == bad
@@ -168,7 +172,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     shoot(driver, screenshots, "app-lag", taken, show="app-detail")
 
     # The live app: each partition shows the worker that owns it.
-    click(driver, f'#apps tr[data-app="{live}"] button')
+    click(driver, f'#apps tr[data-app="{live}"] a')
     owner = service.lag(live).owners[0]
     wait(
         driver,
@@ -178,7 +182,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     assert owner in text_of(driver, "members")
 
     # The DLQ of the topic, its values shown as text, never as HTML.
-    click(driver, f'#topics tr[data-topic="{orders}"] button')
+    click(driver, f'#topics tr[data-topic="{orders}"] a')
     sources = {d.dlq_id: d.source_id for d in service.dlq_list(orders)}
     listed = list(sources)
     assert len(listed) == bad
@@ -190,8 +194,9 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     assert len(rows(driver, "partitions")) == PARTITIONS
 
     # One entry whole, with its traceback.
-    click(driver, f'#dlq tr[data-dlq-id="{listed[0]}"] button')
+    click(driver, f'#dlq tr[data-dlq-id="{listed[0]}"] a')
     wait(driver, lambda d: "Traceback" in text_of(d, "dlq-traceback"), "the traceback")
+    assert driver.current_url == f"{base_url}/ui/#/topics/{orders}/dlq/{quote(listed[0], safe='')}"
     traceback = text_of(driver, "dlq-traceback")
     assert "NonRetryableError" in traceback and "in receipt" in traceback
     shoot(driver, screenshots, "dlq-entry", taken, show="dlq-entry")
@@ -268,4 +273,171 @@ def test_swagger_ui_renders_every_operation_from_local_files(
     assert all(url.startswith(base_url + "/") for url in resources), resources
     taken: list[Path] = []
     shoot(driver, screenshots, "swagger-ui", taken)
+    assert_pngs(taken)
+
+
+def entry_ids(driver: WebDriver) -> list[str]:
+    return [str(r.get_attribute("data-entry-id")) for r in rows(driver, "entries")]
+
+
+def shown(driver: WebDriver, element_id: str) -> bool:
+    return bool(driver.find_element("id", element_id).is_displayed())
+
+
+def test_each_view_has_an_address_that_reload_back_and_forward_keep(
+    driver: WebDriver,
+    base_url: str,
+    service: Service,
+    settings: Settings,
+    names: Names,
+    make_topic: Callable[[int], str],
+    redis_url: str,
+    screenshots: Path,
+) -> None:
+    orders, app = make_topic(PARTITIONS), names.app()
+    with Producer(settings=Settings.load({"PSPF_BROKER": redis_url}, environ={})) as producer:
+        for n in range(30):
+            value = {"n": n, "note": "<b>x</b>"}
+            producer.send(orders, value, key=f"<i>u{n}</i>", headers={"src": "web"})
+    Worker(watcher(app, orders), settings).run(until_idle=True)
+    taken: list[Path] = []
+
+    # A topic's address, opened directly: that view, with its latest entries, newest first.
+    driver.get(f"{base_url}/ui/#/topics/{orders}")
+    wait(driver, lambda d: len(rows(d, "entries")) == 20, "the latest entries")
+    assert text_of(driver, "topic-name") == orders
+    assert shown(driver, "topic-detail") and not shown(driver, "app-detail")
+    latest, _ = service.read_topic(orders, None, None, 20)
+    assert entry_ids(driver) == [e.id for e in reversed(latest)]
+    newest = rows(driver, "entries")[0]
+    cells = [c.text for c in newest.find_elements("css selector", "td")]
+    value = latest[-1].value
+    assert cells == [
+        latest[-1].id,
+        str(latest[-1].partition),
+        latest[-1].key,
+        json.dumps(value, separators=(",", ":")),
+        '{"src":"web"}',
+    ]
+    assert not driver.find_elements("css selector", "#entries b, #entries i")  # shown as text
+    assert "the latest 20 entries of the topic, newest first" in text_of(driver, "entries-status")
+    shoot(driver, screenshots, "latest-entries", taken, show="topic-detail")
+
+    # The partition filter, then a refresh that shows an entry produced since.
+    in_one = [e.id for e in reversed(service.read_topic(orders, 1, None, 20)[0])]
+    assert in_one and in_one != entry_ids(driver)  # thirty keys: both partitions have entries
+    driver.find_element("css selector", "#entries-partition option[value='1']").click()
+    wait(driver, lambda d: entry_ids(d) == in_one, "the entries of partition 1")
+    assert {r.get_attribute("data-partition") for r in rows(driver, "entries")} == {"1"}
+    driver.find_element("css selector", "#entries-partition option[value='']").click()
+    wait(driver, lambda d: len({r.get_attribute("data-partition") for r in rows(d, "entries")}) == 2, "all")
+    with Producer(settings=Settings.load({"PSPF_BROKER": redis_url}, environ={})) as producer:
+        producer.send(orders, {"n": 999}, key="late")
+    click(driver, "#entries-refresh")
+    wait(driver, lambda d: '{"n":999}' in rows(d, "entries")[0].text, "the new entry on top")
+
+    # A reload keeps the view.
+    driver.refresh()
+    wait(driver, lambda d: len(rows(d, "entries")) == 20, "the entries after the reload")
+    assert text_of(driver, "topic-name") == orders and '{"n":999}' in rows(driver, "entries")[0].text
+
+    # An app's link changes the address; back and forward go between the two views.
+    wait(driver, lambda d: d.find_elements("css selector", f'#apps tr[data-app="{app}"] a'), "the app's link")
+    click(driver, f'#apps tr[data-app="{app}"] a')
+    wait(driver, lambda d: shown(d, "app-detail") and len(rows(d, "lag")) == PARTITIONS, "the app view")
+    assert driver.current_url == f"{base_url}/ui/#/apps/{app}" and not shown(driver, "topic-detail")
+    driver.back()
+    wait(driver, lambda d: shown(d, "topic-detail") and not shown(d, "app-detail"), "the topic again")
+    assert driver.current_url == f"{base_url}/ui/#/topics/{orders}"
+    assert text_of(driver, "topic-name") == orders
+    driver.forward()
+    wait(driver, lambda d: shown(d, "app-detail") and not shown(d, "topic-detail"), "the app again")
+    assert text_of(driver, "app-name") == app
+
+    # An address that names no view shows the overview and says so.
+    driver.get(f"{base_url}/ui/#/nowhere/at/all")
+    driver.refresh()
+    wait(driver, lambda d: "no view at #/nowhere/at/all" in text_of(d, "route-status"), "the unknown address")
+    assert not shown(driver, "topic-detail") and not shown(driver, "app-detail")
+    wait(
+        driver,
+        lambda d: d.find_elements("css selector", f'#topics tr[data-topic="{orders}"]'),
+        "the overview",
+    )
+    assert_pngs(taken)
+
+
+def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
+    driver: WebDriver,
+    base_url: str,
+    service: Service,
+    settings: Settings,
+    names: Names,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    screenshots: Path,
+) -> None:
+    orders, app = make_topic(PARTITIONS), names.app()
+    produce(orders, [(f"u{n % 5}", {"n": n}) for n in range(ENTRIES)])
+    Worker(watcher(app, orders), settings).run(until_idle=True)
+    seen = {f"u{k}": service.state_get(app, f"u{k}") for k in range(5)}
+    assert sum(s["seen"] for s in seen.values()) == ENTRIES
+    taken: list[Path] = []
+
+    driver.get(f"{base_url}/ui/#/apps/{app}")
+    wait(driver, lambda d: len(rows(d, "lag")) == PARTITIONS, "the app view")
+    driver.find_element("id", "token").send_keys(TOKEN)
+    click(driver, "#token-save")
+
+    # Reset to the start: the dry run says what would happen, and nothing moves.
+    click(driver, "#app-dry-run")
+    wait(driver, lambda d: "dry run: would reset" in text_of(d, "app-result"), "the reset dry run")
+    result = text_of(driver, "app-result")
+    assert (
+        f"{ENTRIES} entries to process" in result
+        and "state deleted" in result
+        and "nothing changed" in result
+    )
+    assert "state: deleted" in text_of(driver, "app-plan")
+    assert service.lag(app).lag == 0 and service.state_get(app, "u1") == seen["u1"]
+    confirm = driver.find_element("id", "app-confirm")
+    assert confirm.is_enabled() and confirm.text == "Reset to the start"
+    shoot(driver, screenshots, "reset-dry-run", taken, show="app-actions")
+    confirm.click()
+    wait(driver, lambda d: text_of(d, "app-result").startswith(f"reset {app} to the start"), "the reset")
+    assert service.lag(app).lag == ENTRIES
+    with pytest.raises(NotFound):  # the state went with the reset
+        service.state_get(app, "u1")
+    lags = lambda d: sum(int(r.find_element("css selector", "td.lag").text) for r in rows(d, "lag"))  # noqa: E731
+    wait(driver, lambda d: lags(d) == ENTRIES, "the lag table after the reset")
+    assert not driver.find_element("id", "app-confirm").is_enabled()
+
+    # While a worker runs, the API refuses and the page shows why.
+    with WorkerThread(watcher(app, orders), settings):
+        wait_until(lambda: caught_up(service, app), 20, "the worker to catch up")
+        click(driver, "#app-dry-run")
+        wait(driver, lambda d: "failed (409)" in text_of(d, "app-result"), "the refusal")
+        assert "stop it first" in text_of(driver, "app-result")
+        assert not driver.find_element("id", "app-confirm").is_enabled()
+    assert {f"u{k}": service.state_get(app, f"u{k}") for k in range(5)} == seen  # rebuilt once
+
+    # Delete: the dry run lists the groups and keys; then the app leaves the server and the page.
+    driver.find_element("css selector", "#app-action option[value=delete]").click()
+    assert not driver.find_element("id", "app-keep-state").is_enabled()
+    click(driver, "#app-dry-run")
+    wait(driver, lambda d: "dry run: would remove" in text_of(d, "app-result"), "the delete dry run")
+    plan = text_of(driver, "app-plan").splitlines()
+    assert len([line for line in plan if line.startswith(f"group {app} of ")]) == PARTITIONS
+    assert any(line.startswith("key ") for line in plan)
+    assert service.lag(app).app == app
+    shoot(driver, screenshots, "delete-dry-run", taken, show="app-actions")
+    confirm = driver.find_element("id", "app-confirm")
+    assert confirm.text == f"Delete app {app}"
+    confirm.click()
+    wait(driver, lambda d: d.current_url == f"{base_url}/ui/#/", "the overview")
+    wait(driver, lambda d: f"removed app {app}" in text_of(d, "apps-status"), "the deletion said")
+    assert not driver.find_elements("css selector", f'#apps tr[data-app="{app}"]')
+    assert not shown(driver, "app-detail")
+    with pytest.raises(NotFound):
+        service.lag(app)
     assert_pngs(taken)

@@ -40,6 +40,7 @@ from pspf.errors import (
     NotFound,
     ParameterError,
     PSPFError,
+    StateOutOfReach,
     StoreLocked,
 )
 from pspf.service import (
@@ -167,6 +168,7 @@ _STATUS: list[tuple[type[PSPFError], int]] = [
     (ConfigError, 422),
     (AppRunning, 409),
     (StoreLocked, 409),
+    (StateOutOfReach, 409),
     (BrokerUnavailable, 503),
     # Every request would fail the same until the URL changes: the broker is unusable, not
     # refusing one command.
@@ -178,7 +180,7 @@ _DESCRIPTIONS = {
     401: "no or malformed Authorization header",
     403: "wrong token, or the API is read-only",
     404: "unknown topic, app, DLQ id, key, table or row",
-    409: "the app is running, or its state store is in use",
+    409: "the app is running, its state store is in use, or its state is out of reach here",
     422: "invalid request: parameters, body or a selection the operation refuses",
     502: "Redis refused a command",
     503: "Redis is unreachable, or refuses the broker URL's login",

@@ -57,6 +57,19 @@ class BrokerError(PSPFError):
 class BrokerUnavailable(BrokerError):
     """The connection to Redis failed or timed out; a worker reconnects with backoff."""
 
+    #: what a worker says is unavailable while it backs off
+    what = "Redis"
+
+
+class SinkUnavailable(BrokerUnavailable):
+    """A sink's database wrote nothing (unreachable, rows refused, or the partition taken over).
+
+    A worker backs off and reads the batch again, as after a lost connection to Redis: nothing
+    of it was acknowledged.
+    """
+
+    what = "sink database"
+
 
 class BrokerOutOfMemory(BrokerUnavailable):
     """The server refused a write because it reached its maxmemory (policy ``noeviction``).
@@ -134,6 +147,10 @@ class StateError(PSPFError):
 
 class StoreLocked(StateError):
     """Another process has the state store open."""
+
+
+class StateOutOfReach(StateError):
+    """A partition's state is in no state backup and not in this state directory: out of reach."""
 
 
 class CheckpointRegression(StateError):

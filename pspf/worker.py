@@ -423,7 +423,7 @@ class Worker:
         else:
             if self.metrics is not None:
                 self.metrics.broker_lost(True)
-            log.warning("Redis unavailable, retrying in %.1fs: %s", delay, exc)
+            log.warning("%s unavailable, retrying in %.1fs: %s", exc.what, delay, exc)
             self._recheck_streams = True
         self._stopping.wait(delay)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pspf import codec, keys
 from pspf.backup import field
-from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError, StateError
+from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError, StateOutOfReach
 from pspf.keys import (
     BACKUP_IDENTITY,
     BACKUP_NAMESPACE,
@@ -133,7 +133,7 @@ class Replaying(ServiceBase):
         Raises:
             NotFound: the app never ran here.
             AppRunning: a worker of the app holds a lease.
-            StateError: a partition's state is neither in a backup nor in this state dir.
+            StateOutOfReach: a partition's state is neither in a backup nor in this state dir.
         """
         keys.check_name("app", app)
         partitions = self.broker.app_partitions(app)
@@ -213,7 +213,7 @@ class Replaying(ServiceBase):
             and not self.broker.backup_meta(keys.backup_keys(first, p, app).meta).get(BACKUP_IDENTITY)
         ]
         if unreachable:
-            raise StateError(
+            raise StateOutOfReach(
                 f"app {app!r} has no state backup of partitions {unreachable} and no store of them "
                 f"under {self.settings.state.dir}: a store elsewhere would keep checkpoints that skip "
                 "the entries delivered again. Run the reset with the state dir that holds them "

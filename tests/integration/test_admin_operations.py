@@ -246,3 +246,21 @@ def test_reset_and_delete_are_409_while_a_worker_runs_and_404_for_an_unknown_app
     assert "invalid app name" in error_of(
         api.post("/apps/.hidden/reset", json={"to": "end"}, headers=AUTH), 422
     )
+
+
+def test_a_reset_whose_state_is_out_of_reach_is_refused_with_409(
+    api: TestClient[Any],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    tmp_path: Any,
+) -> None:
+    """The backup is off and the API's state dir holds no store of the app: nothing can reset it."""
+    topic, app = make_topic(1), names.app()
+    produce(topic, [("k", {"n": 1})])
+    off = make_settings(PSPF_STATE_DIR=str(tmp_path / "elsewhere"), PSPF_STATE_BACKUP="off")
+    Worker(summing_app(app, topic), off).run(until_idle=True)
+    refused = api.post(f"/apps/{app}/reset", json={"to": "start"}, headers=AUTH)
+    assert refused.status_code == 409, refused.text
+    assert "no state backup of partitions [0]" in refused.text

@@ -308,12 +308,21 @@ def _env_name(flag: str) -> str:
     return "PSPF_" + flag.partition("/")[0].lstrip("-").replace("-", "_").upper()
 
 
-def run_options(func: F) -> F:
-    for flag, kind, text in reversed(RUN_OPTIONS):
-        func = click.option(
-            flag, envvar=_env_name(flag), show_envvar=True, type=kind, help=text, default=None
-        )(func)
-    return func
+def worker_options(leave_out: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """The options of ``RUN_OPTIONS`` but those whose flag starts with one of ``leave_out``."""
+
+    def add(func: F) -> F:
+        for flag, kind, text in reversed(RUN_OPTIONS):
+            if not flag.startswith(leave_out):
+                func = click.option(
+                    flag, envvar=_env_name(flag), show_envvar=True, type=kind, help=text, default=None
+                )(func)
+        return func
+
+    return add
+
+
+run_options = worker_options()
 
 
 @cli.command(epilog="\b\nExample:\n  pspf run examples.order_totals:main --until-idle")
@@ -345,15 +354,7 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
     TARGET names an App, or a function without arguments that returns one.
     """
     obj: CliState = ctx.obj
-    overrides = {
-        _env_name(flag): options[flag.partition("/")[0].lstrip("-").replace("-", "_")]
-        for flag, _, _ in RUN_OPTIONS
-    }
-    overrides["PSPF_BROKER"] = options["broker"]
-    overrides["PSPF_STATE_DIR"] = str(options["state_dir"]) if options["state_dir"] else None
-    settings = obj.settings(overrides)
-    if obj.verbose == 0:
-        logging.getLogger("pspf").setLevel(logging.INFO)
+    settings = run_settings(obj, options)
     app = load_app(target)  # with --workers too: a bad target fails once, here, not in each child
     if workers > 1:
         consumer = settings.consumer.consumer_name or default_consumer_name()
@@ -364,6 +365,19 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(run_summary(summary), err=True)
+
+
+def run_settings(obj: CliState, options: dict[str, Any]) -> Settings:
+    """The settings of a worker from its ``worker_options``, ``--broker`` and ``--state-dir``; INFO logs."""
+    overrides = {
+        _env_name(flag): options.get(flag.partition("/")[0].lstrip("-").replace("-", "_"))
+        for flag, _, _ in RUN_OPTIONS
+    }
+    overrides["PSPF_BROKER"] = options["broker"]
+    overrides["PSPF_STATE_DIR"] = str(options["state_dir"]) if options.get("state_dir") else None
+    if obj.verbose == 0:
+        logging.getLogger("pspf").setLevel(logging.INFO)
+    return obj.settings(overrides)
 
 
 def run_summary(summary: RunSummary) -> str:

@@ -52,7 +52,7 @@ from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.broker import Broker
 from pspf.delivery import Delivery, Read
 from pspf.emit import Emitter
-from pspf.errors import LeaseLost
+from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.outbox import RowState
@@ -172,7 +172,11 @@ class BatchProcessor:
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
             if batch.owned.keeps_time:
                 self.time.advance(batch, result)
-            self.durability.commit(batch, stream_outcomes)
+            try:
+                self.durability.commit(batch, stream_outcomes)
+            except BrokerUnavailable:
+                _outcomes_lost(partition_reads)
+                raise
             outcomes.append((batch, stream_outcomes))
         self._acknowledge(outcomes, result)
         self._publish(result)
@@ -283,3 +287,15 @@ class BatchProcessor:
         log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)
+
+
+def _outcomes_lost(reads: list[Read]) -> None:
+    """Count a failed commit's deliveries as unattempted: their outcomes were lost, not crashed on.
+
+    A sink's database that is out writes nothing; reading the entries again, as often as it
+    stays out, must make no entry look poison.
+    """
+    for read in reads:
+        unattempted = read.cursor.unattempted
+        for entry_id, _ in read.entries:
+            unattempted[entry_id] = unattempted.get(entry_id, 0) + 1

@@ -71,13 +71,20 @@ class WorkerProcess:
     go to a log file."""
 
     def __init__(
-        self, log: Path, args: list[str], env: dict[str, str], cwd: Path, target: str = APP_TARGET
+        self,
+        log: Path,
+        args: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        target: str = APP_TARGET,
+        command: tuple[str, ...] | None = None,
     ) -> None:
+        """``command``: another ``pspf`` command than ``run target`` (``args`` follow it)."""
         self.log = log
         self.started = time.monotonic()
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                pspf_command("run", target, *args),
+                pspf_command(*(command or ("run", target)), *args),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

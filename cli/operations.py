@@ -6,10 +6,13 @@ Each command calls the service and prints its result through ``pspf.cli.render``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -26,6 +29,9 @@ from pspf.cli.render import age_text, json_option, print_fields, print_json, pri
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
 from pspf.wording import counted
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 @cli.command(epilog="\b\nExample:\n  pspf groups --json")
@@ -522,7 +528,22 @@ def admin_serve(
     click.echo(f"operator page: {where}/ui/", err=True)
     click.echo(f"admin API on {where} (OpenAPI: /schema, metrics: /metrics)", err=True)
     config = uvicorn.Config(create_app(service, token=token or None), log_level="warning")
-    uvicorn.Server(config).run(sockets=[listening])
+    _clean_exit_server()(config).run(sockets=[listening])
+
+
+def _clean_exit_server() -> type[uvicorn.Server]:
+    import uvicorn
+
+    class CleanExit(uvicorn.Server):
+        """Stops on SIGINT/SIGTERM and returns: exit 0, where uvicorn dies by the signal again."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()  # the stop was asked for
+
+    return CleanExit
 
 
 def _listen(host: str, port: int) -> socket.socket:

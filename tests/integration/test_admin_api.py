@@ -658,6 +658,7 @@ def test_admin_serve_prints_the_operator_pages_address(redis_url: str) -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=30)
+    assert process.returncode == 0, "SIGTERM is a clean stop"
 
 
 def test_admin_serve_on_a_taken_port_is_one_line(redis_url: str) -> None:

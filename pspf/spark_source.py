@@ -666,14 +666,17 @@ def _row_text(table: str, key: str, raw: bytes) -> tuple[str | None, str | None]
 
 
 def _keyed_batch(rows: list[tuple[str, str | None, str | None]], partition: int, text: str) -> pa.RecordBatch:
-    """Rows of ``STATE_SCHEMA`` or ``TABLE_SCHEMA`` (the same types) for (key, JSON text, error)."""
+    """Rows of ``STATE_SCHEMA`` or ``TABLE_SCHEMA`` (``text`` names the JSON column) for (key, JSON, error)."""
     keys_, texts, errors = zip(*rows, strict=True) if rows else ((), (), ())
-    return pa.RecordBatch.from_arrays(
+    schema = pa.schema(
         [
-            pa.array(keys_, pa.string()),
-            pa.array([partition] * len(rows), pa.int32()),
-            pa.array(texts, pa.string()),
-            pa.array(errors, pa.string()),
-        ],
-        names=["key", "partition", text, "error"],
+            pa.field("key", pa.string(), False),
+            pa.field("partition", pa.int32(), False),
+            pa.field(text, pa.string()),
+            pa.field("error", pa.string()),
+        ]
+    )
+    columns = [keys_, [partition] * len(rows), texts, errors]
+    return pa.RecordBatch.from_arrays(
+        [pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema
     )

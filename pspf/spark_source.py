@@ -46,6 +46,7 @@ from pspf.spark import CONNECTION_OPTIONS, SPARK_OPTIONS, broker_url, connected
 try:
     import pyarrow as pa
     from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+    from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import IntegerType, LongType, MapType, StringType, StructField, StructType
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the Spark source needs pyspark 4.1+ and pyarrow: pip install 'pspf[spark]'") from exc
@@ -92,18 +93,7 @@ TABLE_SCHEMA = StructType(
         StructField("error", StringType(), True),
     ]
 )
-_ARROW_TOPIC = pa.schema(
-    [
-        pa.field("topic", pa.string(), False),
-        pa.field("partition", pa.int32(), False),
-        pa.field("id", pa.string(), False),
-        pa.field("key", pa.string()),
-        pa.field("value", pa.string()),
-        pa.field("encoding", pa.string(), False),
-        pa.field("headers", pa.map_(pa.string(), pa.field("value", pa.string(), False))),
-        pa.field("timestamp", pa.int64(), False),
-    ]
-)
+_ARROW_TOPIC, _ARROW_STATE, _ARROW_TABLE = map(to_arrow_schema, (TOPIC_SCHEMA, STATE_SCHEMA, TABLE_SCHEMA))
 
 _BATCH_TOPIC_OPTIONS = {"topic", "start_id", "end_id", "start_time", "end_time", "max_entries_per_split"}
 _STREAM_TOPIC_OPTIONS = {"topic", "starting", "max_entries_per_trigger", "fail_on_data_loss"}
@@ -202,9 +192,9 @@ def _bounds(options: dict[str, str]) -> tuple[StreamId, StreamId | None]:
         end = StreamId.parse(options["end_id"])
     elif "end_time" in options:
         end_ms = _time_ms(options, "end_time")
-        end = StreamId(end_ms, 0).previous() if end_ms > 0 else None
-        if end is None:  # nothing is before the epoch
-            start, end = StreamId(1, 0), ZERO_ID
+        end = StreamId(end_ms, 0).previous() if end_ms > 0 else ZERO_ID
+        if end_ms <= 0:  # nothing is before the epoch
+            start = StreamId(1, 0)
     return start, end
 
 
@@ -243,9 +233,9 @@ def _topic_read(options: dict[str, str]) -> TopicRead:
 
 
 class StreamState:
-    """What XINFO STREAM says of a stream: its length, first and last entry, last and deleted ids."""
+    """What XINFO STREAM says of a stream: its length, first and last entries and ids ever added."""
 
-    __slots__ = ("first", "last", "last_generated", "length", "max_deleted")
+    __slots__ = ("added", "first", "last", "last_generated", "length")
 
     def __init__(self, info: dict[str, Any] | None) -> None:
         info = info or {}
@@ -253,8 +243,9 @@ class StreamState:
         self.first = _entry_id(info.get("first-entry"))
         self.last = _entry_id(info.get("last-entry"))
         self.last_generated = _parsed(info.get("last-generated-id"))
-        #: Redis 7.0+ and Valkey: the largest id deleted (trimmed) so far; None on Redis 6.2
-        self.max_deleted = _parsed(info.get("max-deleted-entry-id"))
+        #: Redis 7.0+ and Valkey: how many entries were ever added (None on Redis 6.2)
+        added = info.get("entries-added")
+        self.added = None if added is None else int(added)
 
 
 def _entry_id(entry: Any) -> StreamId | None:
@@ -390,16 +381,33 @@ def entry_batch(topic: str, partition: int, page: list[tuple[bytes, dict[bytes, 
         headers.append(list(entry.headers.items()) if isinstance(entry.headers, dict) else None)
         stamps.append(int(entry.id.partition("-")[0]))
     count = len(ids)
-    columns = [[topic] * count, [partition] * count, ids, keys_, values, encodings, headers, stamps]
+    return _arrow_batch(
+        [[topic] * count, [partition] * count, ids, keys_, values, encodings, headers, stamps], _ARROW_TOPIC
+    )
+
+
+def _arrow_batch(columns: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
-        [pa.array(c, type=f.type) for c, f in zip(columns, _ARROW_TOPIC, strict=True)], schema=_ARROW_TOPIC
+        [pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema
     )
 
 
 # -- topics, streaming ------------------------------------------------------------------------------
 
-#: Offsets of a streaming read: per partition (its number as text) the last id a micro-batch covers.
-Offsets = dict[str, str]
+#: Offsets of a streaming read: per partition (its number as text) the last id a micro-batch covers,
+#: and how many entries the stream had ever added up to it (None where the server does not say).
+Offsets = dict[str, "Position"]
+
+
+class Position(msgspec.Struct, frozen=True):
+    """Where a streaming read is in one stream: after ``id``, with ``added`` entries added up to it."""
+
+    id: str
+    added: int | None
+
+    @classmethod
+    def of(cls, raw: Any) -> Position:
+        return msgspec.convert(raw, cls)
 
 
 @dataclass(frozen=True)
@@ -420,6 +428,7 @@ class OffsetRange(InputPartition):
 
     partition: int
     after: str
+    added: int | None
     last: str
 
 
@@ -435,35 +444,36 @@ def _stream_options(options: dict[str, str]) -> StreamOptions:
     return StreamOptions(url, topic, partitions, starting, most, _flag(options, "fail_on_data_loss", True))
 
 
-def initial_position(state: StreamState, starting: str) -> StreamId:
+def initial_position(state: StreamState, starting: str) -> Position:
     """Where a new query starts in a stream: just before its first entry, or after its last id.
 
-    An empty stream starts after its last id (whatever it held before is gone), so a trim of
-    entries before the query started is never taken for a loss.
+    An empty stream starts after its last id (whatever it held before is gone). Before the first
+    entry, every entry added so far but those left was removed before the query started.
     """
     if starting == "earliest" and state.first is not None:
-        return state.first.previous()
-    return state.last_generated or ZERO_ID
+        added = None if state.added is None else state.added - state.length
+        return Position(str(state.first.previous()), added)
+    return Position(str(state.last_generated or ZERO_ID), state.added)
 
 
-def trimmed_after(state: StreamState, after: StreamId) -> StreamId | None:
-    """The largest trimmed id when entries after ``after`` were trimmed before they were read.
+def trimmed_after(state: StreamState, at: Position) -> int | None:
+    """How many entries after ``at``, not read yet, were trimmed (None: none, or unknown).
 
-    Trimming removes a stream's oldest entries, so a deleted id between ``after`` and the first
-    entry left means entries the query had yet to read are gone. Needs XINFO STREAM's
-    ``max-deleted-entry-id`` (Redis 7.0+, Valkey): on Redis 6.2 nothing is detected. (An entry
-    deleted with XDEL after the first one left is not a trim, and not reported.)
+    Trimming removes a stream's oldest entries. Once the first entry left is after ``at``, every
+    entry left is, so of the ``state.added - at.added`` entries ever added after ``at`` those not
+    among the ``state.length`` left are gone. Needs XINFO STREAM's ``entries-added`` (Redis 7.0+,
+    Valkey): on Redis 6.2 nothing is detected.
     """
-    deleted = state.max_deleted
-    if deleted is None or deleted <= after:
+    if at.added is None or state.added is None:
         return None
-    if state.first is not None and deleted > state.first:
+    if state.first is not None and state.first <= StreamId.parse(at.id):
         return None
-    return deleted
+    lost = state.added - at.added - state.length
+    return lost if lost > 0 else None
 
 
 class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """A streaming read of a topic: offsets are per-partition ids that Spark checkpoints.
+    """A streaming read of a topic: offsets are per-partition positions that Spark checkpoints.
 
     No consumer group: ``commit`` has nothing to do, and nothing in Redis changes.
     """
@@ -471,20 +481,25 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: StreamOptions) -> None:
         self.options = options
         #: Trigger.AvailableNow: the offsets the query ends at, fixed when it starts
-        self.target: Offsets | None = None
+        self.target: dict[str, Any] | None = None
 
     def _states(self) -> list[StreamState]:
         topic = self.options.topic
         with connected(self.options.url) as broker:
             return [stream_state(broker, keys.stream_key(topic, p)) for p in range(self.options.partitions)]
 
-    def initialOffset(self) -> Offsets:
+    def initialOffset(self) -> dict[str, Any]:
         starting = self.options.starting
-        return {str(p): str(initial_position(s, starting)) for p, s in enumerate(self._states())}
+        return _offsets({str(p): initial_position(s, starting) for p, s in enumerate(self._states())})
 
-    def _latest(self) -> Offsets:
+    def _latest(self) -> dict[str, Any]:
         """Each partition's last id: no entry can be added at or below it."""
-        return {str(p): str(s.last_generated or ZERO_ID) for p, s in enumerate(self._states())}
+        return _offsets(
+            {
+                str(p): Position(str(s.last_generated or ZERO_ID), s.added)
+                for p, s in enumerate(self._states())
+            }
+        )
 
     def prepareForTriggerAvailableNow(self) -> None:
         self.target = self._latest()
@@ -495,59 +510,75 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         most = self.options.max_entries_per_trigger
         return ReadAllAvailable() if most is None else ReadMaxRows(most)
 
-    def latestOffset(self, start: Offsets | None = None, limit: ReadLimit | None = None) -> Offsets:
+    def latestOffset(
+        self, start: dict[str, Any] | None = None, limit: ReadLimit | None = None
+    ) -> dict[str, Any]:
         """Where the next micro-batch ends: each partition's last id, at most ``max_rows`` entries on."""
         latest = self.target or self._latest()
         if start is None:  # pyspark 4.1: no admission control
             return latest
-        ends = {
-            p: max(StreamId.parse(start.get(p, str(ZERO_ID))), StreamId.parse(i)) for p, i in latest.items()
-        }
+        begin = {p: Position.of(raw) for p, raw in start.items()}
+        ends = dict(begin)
+        for p, raw in latest.items():
+            at = Position.of(raw)
+            if p not in begin or StreamId.parse(at.id) > StreamId.parse(begin[p].id):
+                ends[p] = at
         if isinstance(limit, ReadMaxRows):
-            self._limit(start, ends, limit.max_rows)
-        return {**start, **{p: str(end) for p, end in ends.items()}}
+            self._limit(begin, ends, limit.max_rows)
+        return _offsets(ends)
 
-    def _limit(self, start: Offsets, ends: dict[str, StreamId], most: int) -> None:
+    def _limit(self, begin: Offsets, ends: Offsets, most: int) -> None:
         """Move ``ends`` back so that about ``most`` entries are read, shared among the partitions."""
-        behind = [p for p, end in ends.items() if end > StreamId.parse(start.get(p, str(ZERO_ID)))]
+        behind = [p for p in begin if StreamId.parse(ends[p].id) > StreamId.parse(begin[p].id)]
         share = max(1, most // max(1, len(behind)))
         with connected(self.options.url) as broker:
             for p in behind:
                 stream = keys.stream_key(self.options.topic, int(p))
-                after = StreamId.parse(start.get(p, str(ZERO_ID)))
+                after = StreamId.parse(begin[p].id)
                 with broker.translate_errors(stream):
-                    page = broker.client.xrange(stream, str(after.next()), str(ends[p]), share)
+                    page = broker.client.xrange(stream, str(after.next()), ends[p].id, share)
                 if len(page) == share:
-                    ends[p] = StreamId.parse(page[-1][0])
+                    added = begin[p].added
+                    ends[p] = Position(page[-1][0].decode(), None if added is None else added + share)
 
-    def partitions(self, start: Offsets, end: Offsets) -> Sequence[InputPartition]:
-        return [
-            OffsetRange(int(p), start.get(p, str(ZERO_ID)), last)
-            for p, last in sorted(end.items(), key=lambda item: int(item[0]))
-            if StreamId.parse(last) > StreamId.parse(start.get(p, str(ZERO_ID)))
-        ]
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        ranges = []
+        for p, raw in sorted(end.items(), key=lambda item: int(item[0])):
+            last = Position.of(raw)
+            after = Position.of(start[p]) if p in start else Position(str(ZERO_ID), None)
+            if StreamId.parse(last.id) > StreamId.parse(after.id):
+                ranges.append(OffsetRange(int(p), after.id, after.added, last.id))
+        return ranges
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, OffsetRange)
-        topic = self.options.topic
-        after, last = StreamId.parse(partition.after), StreamId.parse(partition.last)
+        topic, number = self.options.topic, partition.partition
         with _reading(self.options.url, f"topic {topic!r}") as broker:
-            trimmed = trimmed_after(stream_state(broker, keys.stream_key(topic, partition.partition)), after)
-            if trimmed is not None:
+            lost = trimmed_after(
+                stream_state(broker, keys.stream_key(topic, number)),
+                Position(partition.after, partition.added),
+            )
+            if lost is not None:
                 text = (
-                    f"topic {topic!r} partition {partition.partition}: entries after {after}, which the "
-                    f"query had yet to read, were trimmed (up to {trimmed}); retention does not wait for a "
-                    "Spark query"
+                    f"topic {topic!r} partition {number}: {lost} entries after {partition.after}, which the "
+                    "query had yet to read, were trimmed; retention does not wait for a Spark query"
                 )
                 if self.options.fail_on_data_loss:
                     raise DataLoss(
                         f"{text}: start the query anew (a new checkpoint) or set fail_on_data_loss false"
                     )
                 log.warning("%s: reading on from the entries left", text)
-            yield from read_entries(broker, topic, partition.partition, after.next(), last)
+            yield from read_entries(
+                broker, topic, number, StreamId.parse(partition.after).next(), StreamId.parse(partition.last)
+            )
 
-    def commit(self, end: Offsets) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Nothing to do: Spark's checkpoint holds the offsets; no group acknowledges anything."""
+
+
+def _offsets(positions: Offsets) -> dict[str, Any]:
+    """Offsets as Spark keeps them: plain JSON values."""
+    return {p: msgspec.to_builtins(at) for p, at in positions.items()}
 
 
 # -- state and tables -------------------------------------------------------------------------------
@@ -629,7 +660,7 @@ class StateReader(DataSourceReader):
                 f"the state backup of app {read.app!r} partition {partition.partition} was removed while "
                 "it was read (an app reset or a state import?)"
             )
-        values = copy[1]
+        values, schema = copy[1], _ARROW_STATE if read.table is None else _ARROW_TABLE
         if read.table is None:
             found = sorted((key, raw) for (ns, key), raw in values.items() if ns == keys.STATE_NAMESPACE)
             rows = [(key, *_state_text(key, raw)) for key, raw in found]
@@ -642,9 +673,7 @@ class StateReader(DataSourceReader):
             )
             rows = [(key, *_row_text(read.table, key, raw)) for key, raw in found]
         for at in range(0, len(rows), PAGE):
-            yield _keyed_batch(
-                rows[at : at + PAGE], partition.partition, "state" if read.table is None else "value"
-            )
+            yield _keyed_batch(rows[at : at + PAGE], partition.partition, schema)
 
 
 def _state_text(key: str, raw: bytes) -> tuple[str | None, str | None]:
@@ -665,18 +694,9 @@ def _row_text(table: str, key: str, raw: bytes) -> tuple[str | None, str | None]
         return None, f"stored row of key {key!r} of table {table!r} is unreadable: {exc}"
 
 
-def _keyed_batch(rows: list[tuple[str, str | None, str | None]], partition: int, text: str) -> pa.RecordBatch:
-    """Rows of ``STATE_SCHEMA`` or ``TABLE_SCHEMA`` (``text`` names the JSON column) for (key, JSON, error)."""
+def _keyed_batch(
+    rows: list[tuple[str, str | None, str | None]], partition: int, schema: pa.Schema
+) -> pa.RecordBatch:
+    """Rows of ``STATE_SCHEMA`` or ``TABLE_SCHEMA`` for (key, JSON text, error)."""
     keys_, texts, errors = zip(*rows, strict=True) if rows else ((), (), ())
-    schema = pa.schema(
-        [
-            pa.field("key", pa.string(), False),
-            pa.field("partition", pa.int32(), False),
-            pa.field(text, pa.string()),
-            pa.field("error", pa.string()),
-        ]
-    )
-    columns = [keys_, [partition] * len(rows), texts, errors]
-    return pa.RecordBatch.from_arrays(
-        [pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema
-    )
+    return _arrow_batch([keys_, [partition] * len(rows), texts, errors], schema)

@@ -673,7 +673,8 @@ class StateReader(DataSourceReader):
             )
             rows = [(key, *_row_text(read.table, key, raw)) for key, raw in found]
         for at in range(0, len(rows), PAGE):
-            yield _keyed_batch(rows[at : at + PAGE], partition.partition, schema)
+            keys_, texts, errors = zip(*rows[at : at + PAGE], strict=True)
+            yield _arrow_batch([keys_, [partition.partition] * len(keys_), texts, errors], schema)
 
 
 def _state_text(key: str, raw: bytes) -> tuple[str | None, str | None]:
@@ -692,11 +693,3 @@ def _row_text(table: str, key: str, raw: bytes) -> tuple[str | None, str | None]
         ).decode(), None
     except (msgspec.DecodeError, TypeError, RecursionError) as exc:
         return None, f"stored row of key {key!r} of table {table!r} is unreadable: {exc}"
-
-
-def _keyed_batch(
-    rows: list[tuple[str, str | None, str | None]], partition: int, schema: pa.Schema
-) -> pa.RecordBatch:
-    """Rows of ``STATE_SCHEMA`` or ``TABLE_SCHEMA`` for (key, JSON text, error)."""
-    keys_, texts, errors = zip(*rows, strict=True) if rows else ((), (), ())
-    return _arrow_batch([keys_, [partition] * len(rows), texts, errors], schema)

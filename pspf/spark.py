@@ -1,5 +1,8 @@
 """A Spark 4 Python data source, ``format("pspf")``, that writes DataFrames into PSPF topics.
 
+It reads them too (topics, an app's state and tables, batch and streaming): ``pspf.spark_source``.
+The connection options (``broker``) are parsed here, by ``broker_url``, for both.
+
 Each row becomes one entry in PSPF's wire format (the ``key`` column as the key, the other columns,
 or a chosen ``value`` column or ``columns`` list, as the JSON value), in the partition PSPF's
 partition function picks. Tasks receive Arrow record batches and encode them column by column;
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +54,9 @@ try:
     from pyspark.sql.datasource import (
         DataSource,
         DataSourceArrowWriter,
+        DataSourceReader,
         DataSourceStreamArrowWriter,
+        DataSourceStreamReader,
         WriterCommitMessage,
     )
     from pyspark.sql.types import ArrayType, BinaryType, DataType, MapType, StringType, StructType
@@ -65,6 +71,29 @@ _DEFAULT_MARKER_TTL_S = 7 * 24 * 3600
 def register(spark: SparkSession) -> None:
     """Make ``format("pspf")`` available in this Spark session."""
     spark.dataSource.register(PSPFDataSource)
+
+
+#: The options every read and write takes: where the broker is.
+CONNECTION_OPTIONS = frozenset({"broker"})
+#: Options Spark itself passes (``load(path)``, ``save(path)``, a stream's checkpoint).
+SPARK_OPTIONS = frozenset({"path", "checkpointlocation"})
+
+
+def broker_url(options: dict[str, str]) -> str:
+    """The broker URL of the ``broker`` option (any topology; TLS files as URL options), checked."""
+    url = options.get("broker", RedisSettings().url)
+    check_broker_url(url)
+    return url
+
+
+@contextmanager
+def connected(url: str) -> Iterator[Broker]:
+    """A broker of ``url`` for the duration of a block (on the driver or in a task)."""
+    broker = Broker(RedisSettings(url=url))
+    try:
+        yield broker
+    finally:
+        broker.close()
 
 
 @dataclass(frozen=True)
@@ -85,8 +114,7 @@ class SinkOptions:
 
 def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
     """Check the options against the schema and the broker, on the driver."""
-    known = {
-        "broker",
+    known = CONNECTION_OPTIONS | {
         "topic",
         "key",
         "value",
@@ -96,15 +124,14 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
         "idempotency_key",
         "marker_ttl_s",
     }
-    unknown = sorted(set(options) - known - {"path", "checkpointlocation"})
+    unknown = sorted(set(options) - known - SPARK_OPTIONS)
     if unknown:
         raise ConfigError(f"unknown pspf sink option(s) {unknown}; known: {sorted(known)}")
     topic = options.get("topic")
     if not topic:
         raise ConfigError('the pspf sink needs .option("topic", ...)')
     keys.check_name("topic", topic)
-    url = options.get("broker", RedisSettings().url)
-    check_broker_url(url)
+    url = broker_url(options)
     names = set(schema.fieldNames())
     key = options.get("key")
     value = options.get("value")
@@ -124,11 +151,8 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
     ttl = options.get("marker_ttl_s", str(_DEFAULT_MARKER_TTL_S))
     if not ttl.isdigit() or int(ttl) <= 0:
         raise ConfigError(f"marker_ttl_s must be a positive number of seconds, not {ttl!r}")
-    broker = Broker(RedisSettings(url=url))
-    try:
+    with connected(url) as broker:
         partitions = broker.topic_partitions(topic)
-    finally:
-        broker.close()
     return SinkOptions(
         url=url,
         topic=topic,
@@ -144,11 +168,26 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
 
 
 class PSPFDataSource(DataSource):
-    """``format("pspf")``: writes rows into a PSPF topic (batch and streaming)."""
+    """``format("pspf")``: writes rows into topics; reads topics, state and tables (batch and streaming)."""
 
     @classmethod
     def name(cls) -> str:
         return NAME
+
+    def schema(self) -> StructType:
+        from pspf import spark_source
+
+        return spark_source.source_schema(dict(self.options))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        from pspf import spark_source
+
+        return spark_source.batch_reader(dict(self.options), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        from pspf import spark_source
+
+        return spark_source.stream_reader(dict(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
         return PSPFBatchWriter(_options(dict(self.options), schema), schema)

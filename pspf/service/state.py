@@ -47,7 +47,7 @@ class State(ServiceBase):
         raw = self._partition_value(app, key, STATE_NAMESPACE, key)
         if raw is None:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
-        return _shown_state(key, raw)
+        return shown_state(key, raw)
 
     def state_windows(self, app: str, key: str) -> list[OpenWindow]:
         """The open windows of ``key`` in ``app``'s window aggregations, oldest first.
@@ -265,7 +265,7 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _shown_state(key: str, raw: bytes) -> dict[str, Any]:
+def shown_state(key: str, raw: bytes) -> dict[str, Any]:
     """A stored state value as JSON shows it; StateValueError when it cannot be decoded or shown.
 
     Such a value can predate the check when a handler writes it, or be written by hand.
@@ -312,7 +312,7 @@ def _export_lines(
         line = ExportValue(partition=partition, namespace=namespace, key=key, value=value)
         if namespace == STATE_NAMESPACE:
             try:
-                line = msgspec.structs.replace(line, state=_shown_state(key, value))
+                line = msgspec.structs.replace(line, state=shown_state(key, value))
             except StateValueError as exc:
                 line = msgspec.structs.replace(line, error=str(exc))
                 if warn is not None:

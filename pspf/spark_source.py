@@ -622,9 +622,11 @@ def _state_read(options: dict[str, str], what: str) -> StateRead:
             backup = keys.backup_keys(topics[0], partition, app)
             if broker.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
                 found.append((partition, backup))
-    if not found:
+    missing = sorted(set(range(count if topics else 0)) - {p for p, _ in found})
+    if not found or missing:
+        which = "" if not found else f" of partitions {missing}"
         raise NotFound(
-            f"app {app!r} has no state backup in Redis (is the backup off?): the pspf source reads "
+            f"app {app!r} has no state backup{which} in Redis (is the backup off?): the pspf source reads "
             "the backups; read the stores on the workers' machines with `pspf state export --state-dir`"
         )
     return StateRead(url, app, table, tuple(found))

@@ -28,7 +28,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from pspf import App, Context, Settings, Worker
 from pspf.errors import ConfigError, NotFound
-from pspf.keys import MAX_SEQ, StreamId, partition_for, stream_key
+from pspf.keys import MAX_SEQ, StreamId, backup_keys, partition_for, stream_key
 from pspf.membership import live_members
 from pspf.service import Service
 from pspf.spark_source import (
@@ -231,6 +231,12 @@ def test_state_read_equals_the_export_and_a_table_read_gives_its_rows(
     got = table.collect()
     assert {r.key: json.loads(r.value) for r in got} == rows and len(got) == len(rows)
     assert all(r.partition == partition_for(r.key.encode(), PARTITIONS) and r.error is None for r in got)
+
+    # A partition whose backup is gone: the read is refused rather than short of its rows.
+    client = redis.Redis.from_url(redis_url)
+    client.delete(*backup_keys(orders, 2, app.name))
+    with pytest.raises(NotFound, match=r"no state backup of partitions \[2\]"):
+        _state_read({"broker": redis_url, "state": app.name}, "state")
 
 
 def test_driver_errors(

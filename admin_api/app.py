@@ -60,6 +60,7 @@ from pspf.service import (
     TopicDescription,
     TopicEntry,
     TopicInfo,
+    TopicRemoval,
     parse_duration_ms,
     parse_position,
     parse_read_start,
@@ -142,6 +143,12 @@ class AppDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """What ``pspf app delete`` takes."""
 
     force: Annotated[bool, msgspec.Meta(description="delete even while workers of the app are alive")] = False
+    dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
+
+
+class TopicDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf topic delete`` takes."""
+
     dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
 
 
@@ -506,6 +513,24 @@ def app_delete(
 
 
 @post(
+    "/topics/{topic:str}/delete",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "topic.delete"},
+    security=_BEARER,
+    responses=_errors(401, 403, 404, 409),
+    summary="Remove a topic no app reads any more: its streams, DLQs and records",
+)
+def topic_delete(
+    request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[TopicDeleteRequest]
+) -> TopicRemoval:
+    remember_params(request, data)
+    result = _service(state).delete_topic(topic, dry_run=data.dry_run)
+    audit(request, 200, "ok", result)
+    return result
+
+
+@post(
     "/apps/{app:str}/reset",
     sync_to_thread=True,
     status_code=200,
@@ -548,6 +573,7 @@ _WRITE_ROUTES: list[ControllerRouterHandler] = [
     outbox_replay,
     app_reset,
     app_delete,
+    topic_delete,
 ]
 
 
@@ -625,5 +651,6 @@ def _amend_openapi(app: Litestar) -> None:
         OutboxReplayRequest,
         AppDeleteRequest,
         AppResetRequest,
+        TopicDeleteRequest,
     ):
         schemas[body.__name__].additional_properties = False

@@ -194,6 +194,10 @@ async function showTopic(name) {
   $("dlq-entry").hidden = true;
   say("dlq-result", "");
   resetDryRun();
+  topicPlan = null;
+  $("topic-confirm").disabled = true;
+  $("topic-plan").hidden = true;
+  say("topic-result", "");
   try {
     const topic = await api("GET", "/topics/" + path(name));
     if (openTopic !== name) return;
@@ -366,6 +370,46 @@ $("dlq-confirm").addEventListener("click", async () => {
   }
   await loadDlq();
   await loadApps();
+});
+
+// Deleting a topic: sent for real only after a dry run of the same topic.
+let topicPlan = null;
+
+function showTopicPlan(result) {
+  $("topic-plan").replaceChildren(...result.keys.map((key) => el("li", {}, `key ${key}`)));
+  $("topic-plan").hidden = false;
+}
+
+$("topic-dry-run").addEventListener("click", async () => {
+  const name = openTopic;
+  topicPlan = null;
+  $("topic-confirm").disabled = true;
+  try {
+    const result = await api("POST", `/topics/${path(name)}/delete`, { dry_run: true });
+    if (openTopic !== name) return;
+    say("topic-result", `dry run: would remove topic ${name} (${result.partitions} partitions): `
+      + `${result.keys.length} keys; nothing changed`, "ok");
+    showTopicPlan(result);
+    topicPlan = name;
+    $("topic-confirm").disabled = false;
+  } catch (error) {
+    say("topic-result", refusal(error), "error");
+  }
+});
+
+$("topic-confirm").addEventListener("click", async () => {
+  const name = topicPlan;
+  if (!name || openTopic !== name) return;
+  topicPlan = null;
+  $("topic-confirm").disabled = true;
+  try {
+    const result = await api("POST", `/topics/${path(name)}/delete`, {});
+    await loadTopics();
+    location.hash = "#/";
+    say("topics-status", `removed topic ${name}: ${result.keys.length} keys`, "ok");
+  } catch (error) {
+    say("topic-result", refusal(error), "error");
+  }
 });
 
 // -- an app: lag per partition, workers, outbox, reset and delete --------------------------------

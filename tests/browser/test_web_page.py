@@ -440,4 +440,18 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
     assert not shown(driver, "app-detail")
     with pytest.raises(NotFound):
         service.lag(app)
+
+    # The topic no app reads any more: deleted from its page, after a dry run.
+    driver.get(f"{base_url}/ui/#/topics/{orders}")
+    click(driver, "#topic-dry-run")
+    wait(driver, lambda d: "dry run: would remove topic" in text_of(d, "topic-result"), "the topic dry run")
+    assert stream_key(orders, 0) in text_of(driver, "topic-plan")
+    assert service.describe_topic(orders).partitions
+    shoot(driver, screenshots, "topic-delete-dry-run", taken, show="topic-actions")
+    click(driver, "#topic-confirm")
+    wait(
+        driver, lambda d: f"removed topic {orders}" in text_of(d, "topics-status"), "the topic deletion said"
+    )
+    with pytest.raises(NotFound):
+        service.describe_topic(orders)
     assert_pngs(taken)

@@ -264,3 +264,30 @@ def test_a_reset_whose_state_is_out_of_reach_is_refused_with_409(
     refused = api.post(f"/apps/{app}/reset", json={"to": "start"}, headers=AUTH)
     assert refused.status_code == 409, refused.text
     assert "no state backup of partitions [0]" in refused.text
+
+
+def test_a_topic_is_deleted_through_the_api_only_once_no_app_reads_it(
+    api: TestClient[Any],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    topic, app = make_topic(2), names.app()
+    produce(topic, [(f"k{i}", {"n": i}) for i in range(10)])
+    Worker(summing_app(app, topic), make_settings()).run(until_idle=True)
+    path = f"/topics/{topic}/delete"
+    refused = api.post(path, json={"dry_run": True}, headers=AUTH)
+    assert refused.status_code == 409 and f"pspf app delete {app}" in refused.text
+    assert api.post(path, json={}).status_code == 401
+    assert api.post(f"/apps/{app}/delete", json={}, headers=AUTH).status_code == 200
+    dry = api.post(path, json={"dry_run": True}, headers=AUTH)
+    assert dry.status_code == 200 and dry.json()["dry_run"] is True
+    assert stream_key(topic, 1) in dry.json()["keys"]
+    assert all(rclient.exists(stream_key(topic, p)) for p in range(2)), "a dry run removes nothing"
+    done = api.post(path, json={}, headers=AUTH)
+    assert done.status_code == 200 and done.json()["partitions"] == 2
+    assert not any(rclient.exists(stream_key(topic, p)) for p in range(2))
+    assert api.get(f"/topics/{topic}").status_code == 404
+    assert api.post(path, json={}, headers=AUTH).status_code == 404

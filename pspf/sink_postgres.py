@@ -71,6 +71,9 @@ CREATE TABLE IF NOT EXISTS pspf_sink_checkpoints (
     ms bigint NOT NULL, seq bigint NOT NULL, PRIMARY KEY (sink, partition, topic));
 """
 
+#: the advisory lock that ``prepare`` holds while it creates tables
+_PREPARE_LOCK = 0x70737066_73696E6B  # "pspfsink"
+
 #: an entry id as a comparable pair, in SQL
 _ORDER = "(split_part({0}.entry_id, '-', 1)::bigint, split_part({0}.entry_id, '-', 2)::bigint)"
 
@@ -147,8 +150,13 @@ class PostgresSink(Sink):
             ) from None
 
     def prepare(self) -> None:
-        """Create the sink's tables when missing; refuse a data table with other columns."""
+        """Create the sink's tables when missing; refuse a data table with other columns.
+
+        Under a lock held to the end of the transaction: sinks started together would otherwise
+        race on CREATE TABLE IF NOT EXISTS (PostgreSQL then refuses all but one).
+        """
         with self.connect() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PREPARE_LOCK,))
             conn.execute(_BOOKKEEPING)
             found = self._columns(conn)
             if not found:

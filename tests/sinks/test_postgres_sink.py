@@ -206,6 +206,28 @@ def test_a_postgres_restart_mid_run_loses_and_doubles_nothing(
     assert result and result[0].dead_lettered == 0
 
 
+def test_sinks_started_together_create_their_tables_once(pg_dsn: str, pg_query: Query) -> None:
+    """CREATE TABLE IF NOT EXISTS alone races: two sinks starting at once both tried to create."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def prepare(table: str) -> None:
+        barrier.wait()
+        try:
+            PostgresSink(pg_dsn, table).prepare()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=prepare, args=(f"together_{n % 2}",)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    tables = {name for (name,) in pg_query("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert {"together_0", "together_1", "pspf_sink_owners", "pspf_sink_state"} <= tables
+
+
 def test_dsn_passwords_are_masked() -> None:
     assert mask_dsn("host=db password=s3cret user=app") == "host=db password=*** user=app"
     assert "s3cret" not in mask_dsn("postgresql://app:s3cret@db/shop")

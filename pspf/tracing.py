@@ -102,10 +102,11 @@ class Tracing:
     # -- an entry's attempt ---------------------------------------------------------------------
 
     def wrap_sync(self, func: SyncHandler) -> SyncHandler:
-        """``func`` run inside its entry's span (started here, ended by ``passing`` or ``settle``).
+        """``func`` run inside its entry's span, started here and ended by ``passing`` or ``settle``.
 
-        Also the start of a run of entries: spans a previous run left open (a handler still
-        running past its deadline) are forgotten, unended.
+        ``settle`` records the failure, whether the handler raised it or it came after (its
+        deadline, a state that cannot be stored). Called at the start of a run: spans a
+        previous run left open (a store failure stopped it) are forgotten, unended.
         """
         self.open.clear()
 
@@ -114,9 +115,6 @@ class Tracing:
             token = self._context.attach(self._trace.set_span_in_context(span))
             try:
                 return func(value, ctx)
-            except BaseException as exc:
-                _record(span, exc)
-                raise
             finally:
                 self._context.detach(token)
 
@@ -137,9 +135,6 @@ class Tracing:
             token = self._context.attach(self._trace.set_span_in_context(span))
             try:
                 result = await func(value, ctx)
-            except BaseException as exc:
-                _record(span, exc)
-                raise
             finally:
                 self._context.detach(token)
             returned[ctx.entry_id] = time.time_ns()
@@ -194,7 +189,8 @@ class Tracing:
         span = self.open.pop(id_b, None)
         if span is None:
             span = self._start_span(topic, partition, id_b, _key_text(fields), _headers_of(fields))
-            _record(span, exc)
+        span.record_exception(exc)
+        span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         span.set_attribute("pspf.outcome", FAILED[outcome])
         span.end()
 
@@ -266,13 +262,6 @@ class TracedContext(Context):
             propagate.inject(carrier)
             headers = carrier
         super().emit(topic, value, key, headers)
-
-
-def _record(span: Span, exc: BaseException) -> None:
-    from opentelemetry.trace import Status, StatusCode
-
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def _key_text(fields: dict[bytes, bytes]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -234,6 +236,27 @@ def test_a_sync_handler_with_a_deadline_runs_in_its_span(traced: Traced) -> None
         (out,) = t.emitted_entries("out")
     (span,) = traced.spans("process orders")
     assert out.headers["traceparent"] == traceparent_of(span)
+
+
+def test_a_handler_past_its_deadline_ends_its_span_as_failed(traced: Traced) -> None:
+    app = App("slow", retry=RetryPolicy(timeout_ms=50))
+    late = threading.Event()
+
+    @app.handler("orders")
+    def handle(order: dict, ctx: Context) -> None:  # type: ignore[type-arg]
+        if ctx.delivery_count == 1:
+            time.sleep(0.3)  # runs on in its thread after the attempt failed
+            late.set()
+            raise ValueError("too late")
+        ctx.state["done"] = True
+
+    with TestApp(app, tracer_provider=traced.provider) as t:
+        t.send("orders", {}, key="u1")
+        assert t.state("u1") == {"done": True}
+    assert late.wait(5)
+    spans = traced.spans("process orders")
+    assert [(s.attributes or {})["pspf.outcome"] for s in spans] == ["retry", "handled"]
+    assert spans[0].status.description == "HandlerTimeout: the handler ran past its timeout of 50 ms"
 
 
 def test_without_a_provider_nothing_is_traced() -> None:

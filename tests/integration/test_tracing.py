@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,49 @@ def test_opentelemetry_instrument_pspf_run_continues_the_trace_into_the_emitted_
     (emitted,) = headers_of(rclient, out)
     span_id = process["context"]["span_id"].removeprefix("0x")
     assert emitted["traceparent"].split("-")[1:3] == [TRACE_ID, span_id]
+
+
+#: A program that sets the SDK up in code, globally, then runs a worker: what it traced, as JSON.
+SDK_IN_CODE = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pspf import Settings, Worker
+from tests.integration.test_tracing import forwarding
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+Worker(forwarding(), Settings.load()).run(until_idle=True)
+print(json.dumps([[s.name, f"{s.context.trace_id:032x}"] for s in exporter.get_finished_spans()]))
+"""
+
+
+def test_a_worker_traces_with_the_sdk_set_up_in_code(
+    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis, tmp_path: Path
+) -> None:
+    topic, out = make_topic(1), make_topic(1)
+    produce(redis_url, topic, {"n": 1}, {"traceparent": TRACEPARENT})
+    env = subprocess_env(
+        PSPF_TEST_APP=f"in-code-{topic}",
+        PSPF_TEST_TOPIC=topic,
+        PSPF_TEST_OUT=out,
+        PSPF_BROKER=redis_url,
+        PSPF_STATE_DIR=str(tmp_path / "state"),
+        PSPF_BLOCK_MS="100",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", SDK_IN_CODE], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    spans = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [f"process {topic}", TRACE_ID] in spans
+    assert any(name == "pspf commit" for name, _ in spans)
+    (emitted,) = headers_of(rclient, out)
+    assert emitted["traceparent"].split("-")[1] == TRACE_ID
 
 
 class Traced:

@@ -71,8 +71,15 @@ def console_spans(stdout: str) -> list[dict[str, Any]]:
     return spans
 
 
+def instrument_command() -> str | None:
+    """``opentelemetry-instrument`` of this Python's environment (else on PATH), None without one."""
+    beside = Path(sys.executable).parent / "opentelemetry-instrument"
+    return str(beside) if beside.exists() else shutil.which("opentelemetry-instrument")
+
+
 @pytest.mark.skipif(
-    shutil.which("opentelemetry-instrument") is None, reason="opentelemetry-distro not installed"
+    instrument_command() is None,
+    reason="opentelemetry-instrument is not installed (pip install 'pspf[otel]')",
 )
 def test_opentelemetry_instrument_pspf_run_continues_the_trace_into_the_emitted_entry(
     redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis, tmp_path: Path
@@ -92,7 +99,7 @@ def test_opentelemetry_instrument_pspf_run_continues_the_trace_into_the_emitted_
     env.pop("OTEL_SDK_DISABLED", None)
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     command = [
-        "opentelemetry-instrument",
+        str(instrument_command()),
         "--traces_exporter",
         "console",
         "--metrics_exporter",

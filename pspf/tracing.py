@@ -4,7 +4,7 @@ Everything PSPF does with OpenTelemetry is here. A worker (``BatchProcessor``) a
 ask ``configured`` once, when they are built: it returns ``None`` unless a real tracer
 provider is installed (by ``opentelemetry-instrument`` or by code that ran before), and then
 the cycle does no tracing work at all: no span, no header lookup, only a ``None`` check per
-batch. Only the ``opentelemetry-api`` package is needed here; without it tracing is off.
+read. Only the ``opentelemetry-api`` package is needed here; without it tracing is off.
 
 With a provider, each attempt of an entry gets a CONSUMER span ``process <topic>`` whose parent
 is the entry's W3C ``traceparent`` header (through the global propagator, so a configured one is
@@ -12,8 +12,10 @@ honoured). The span is current while the handler runs (sync handlers, the helper
 handler with a deadline, and each async handler's task), so the handler's own spans are its
 children, and ``ctx.emit`` writes a ``traceparent`` header for the current span unless the handler
 gave one. The span ends when the attempt's outcome is known: ``handled``, ``retry`` (ordered
-retry), ``parked`` (deferred retry) or ``dead_lettered``. Each store commit of a batch gets an
-INTERNAL span ``pspf commit``.
+retry), ``parked`` (deferred retry), ``dead_lettered``, or ``discarded`` (an async attempt that
+returned after an earlier entry's failure held the stream: it runs again). Each store commit of
+a batch gets an INTERNAL span ``pspf commit``. Timers and scheduled callbacks run outside any
+entry span: what they emit carries no ``traceparent``.
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ entry span: what they emit carries no ``traceparent``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pspf import __version__, codec
+from pspf import codec
 from pspf.context import Context
 from pspf.errors import DecodeError
 from pspf.failures import Outcome
@@ -70,7 +71,7 @@ def configured(app: str, provider: TracerProvider | None = None) -> Tracing | No
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
             return None
-    tracer = provider.get_tracer("pspf", __version__)
+    tracer = provider.get_tracer("pspf", _version())
     if isinstance(tracer, trace.NoOpTracer | trace.ProxyTracer):
         return None
     return Tracing(tracer, app)
@@ -264,6 +265,14 @@ class TracedContext(Context):
             propagate.inject(carrier)
             headers = carrier
         super().emit(topic, value, key, headers)
+
+
+def _version() -> str | None:
+    """PSPF's installed version, for the tracer's instrumentation scope (None from a bare checkout)."""
+    try:
+        return importlib.metadata.version("pspf")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _key_text(fields: dict[bytes, bytes]) -> str:

@@ -24,6 +24,7 @@ from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
+from pspf.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,20 @@ class Attempted(NamedTuple):
 class Attempts:
     """Runs the app's handlers for one consumer (a worker's, or ``TestApp``'s)."""
 
-    def __init__(self, app: App, consumer: str, emitter: Emitter, policies: dict[str, RetryPolicy]) -> None:
+    def __init__(
+        self,
+        app: App,
+        consumer: str,
+        emitter: Emitter,
+        policies: dict[str, RetryPolicy],
+        tracing: Tracing | None = None,
+    ) -> None:
         self.app = app
         self.consumer = consumer
         self.emitter = emitter
         self.policies = policies
+        #: spans of the attempts; None: no tracer provider configured (``tracing.configured``)
+        self.tracing = tracing
         self._loop: asyncio.AbstractEventLoop | None = None
         #: (topic, partition, partition count) -> the keys found to belong there
         self._known: dict[tuple[str, int, int], dict[bytes, str]] = {}
@@ -136,8 +146,10 @@ class Attempts:
             policy.timeout_ms,
             partitions,
             self._known.setdefault((cursor.topic, cursor.partition, partitions), {}),
+            self.tracing,
         )
         decisions: dict[int, tuple[Outcome, Failure]] = {}
+        tracing = self.tracing
 
         def stop(index: int, exc: BaseException) -> bool:
             if batch.broken is not None:
@@ -156,6 +168,8 @@ class Attempts:
                 failure.message,
             )
             decisions[index] = (outcome, failure)
+            if tracing is not None:
+                tracing.settle(cursor.topic, cursor.partition, todo[index], exc, outcome)
             return outcome is Outcome.RETRY
 
         if handler.is_async:

@@ -32,6 +32,7 @@ from pspf.keys import StreamId, entry_name
 from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
 from pspf.tables import MISSING, Lookups, Table, TableError, TableWrites, check_lookup_key
 from pspf.timers import PartitionTimers
+from pspf.tracing import Tracing
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
@@ -279,16 +280,27 @@ class Acknowledged(NamedTuple):
 class Durability:
     """Makes committed batches durable: commit, fenced acknowledgement with the backup, confirm."""
 
-    def __init__(self, acknowledger: Acknowledger, group: str, hooks: ProcessorHooks) -> None:
+    def __init__(
+        self, acknowledger: Acknowledger, group: str, hooks: ProcessorHooks, tracing: Tracing | None = None
+    ) -> None:
         self.acknowledger = acknowledger
         self.group = group
         self.hooks = hooks
+        #: a span per commit; None: no tracer provider configured (``tracing.configured``)
+        self.tracing = tracing
 
     def commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
         """Step 5 for one partition; the seconds it took, None when there was nothing to write."""
+        tracing = self.tracing
+        started_ns = 0 if tracing is None else time.time_ns()
         took = batch.commit(outcomes)
         if took is not None:
             call_hook(self.hooks.on_commit, batch.owned.partition, took)
+            if tracing is not None:
+                topics = sorted({o.cursor.topic for o in outcomes})
+                counts = [(o.handled, o.skipped, len(o.dead)) for o in outcomes]
+                totals = (sum(c[0] for c in counts), sum(c[1] for c in counts), sum(c[2] for c in counts))
+                tracing.commit(batch.owned.partition, topics, totals, started_ns)
         for o in outcomes:  # with nothing to write, the entries done are reported all the same
             if took is not None or o.handled or o.skipped:
                 c = o.cursor

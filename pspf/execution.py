@@ -24,6 +24,7 @@ from pspf.emit import Emitted, Emitter
 from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.timers import PartitionTimers, ScheduledCall
+from pspf.tracing import TracedContext, Tracing, sync_run
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class EntryMeta(NamedTuple):
     partitions: int = 0
     #: the keys already checked (text, in this partition): raw -> text; None: check every entry
     known: dict[bytes, str] | None = None
+    #: spans of the attempts (``pspf.tracing``); None: no tracer provider, no tracing work
+    tracing: Tracing | None = None
 
 
 #: Keys remembered per partition: past this many the memory starts again, so that a large key
@@ -144,7 +147,8 @@ def _context(meta: EntryMeta, id_b: bytes, fields: dict[bytes, bytes], source: S
         key = _checked_key(meta, raw)
     raw_headers = fields.get(codec.HEADERS)  # read only when present: most entries have none
     headers = None if raw_headers is None else codec.decode_headers(raw_headers)
-    return Context(meta.topic, meta.partition, id_b, key, count, headers, source)
+    make = Context if meta.tracing is None else TracedContext
+    return make(meta.topic, meta.partition, id_b, key, count, headers, source)
 
 
 def run_sync(
@@ -164,9 +168,9 @@ def run_sync(
     to and including one whose failure stops the run) and the errors by entry index.
     """
     errors: dict[int, BaseException] = {}
-    decode, func = handler.decoder.decode, handler.func
-    timeout_ms = meta.timeout_ms
-    topic, partition = meta.topic, meta.partition
+    decode = handler.decoder.decode
+    timeout_ms, topic, partition = meta.timeout_ms, meta.topic, meta.partition
+    func, passed, make = sync_run(meta.tracing, handler.func, passed)  # per run, not per entry
     # The common entry (delivered once, not poison, a key checked before, no headers) gets its
     # context built here; ``_context`` checks every other.
     known = meta.known if not (meta.counts or meta.poison) else None
@@ -178,7 +182,7 @@ def run_sync(
                 and codec.HEADERS not in fields
                 and (key := known.get(fields.get(codec.KEY))) is not None  # type: ignore[arg-type]
             ):
-                ctx = Context(topic, partition, id_b, key, 1, None, source)
+                ctx = make(topic, partition, id_b, key, 1, None, source)
             else:
                 ctx = _context(meta, id_b, fields, source)
             value = decode(fields)
@@ -287,6 +291,7 @@ def run_async(
     cutoff = len(todo)
     timeout_ms = meta.timeout_ms
     timeout_s = None if timeout_ms is None else timeout_ms / 1000
+    func = handler.func if meta.tracing is None else meta.tracing.wrap_async(handler.func)
 
     async def chain(indexes: list[int]) -> None:
         nonlocal cutoff
@@ -301,7 +306,7 @@ def run_async(
                 key = ctx.key
                 value = handler.decoder.decode(fields)
                 try:
-                    await asyncio.wait_for(handler.func(value, ctx), timeout_s)
+                    await asyncio.wait_for(func(value, ctx), timeout_s)
                 except TimeoutError:
                     raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms") from None
                 new = state_result(ctx)
@@ -332,6 +337,8 @@ def run_async_into(
 ) -> tuple[int, dict[int, BaseException]]:
     """``run_async``, with what the entries that count did joined to the batch in id order."""
     ran, errors, states = run_async(loop, handler, meta, todo, batch, stop)
+    if meta.tracing is not None:
+        meta.tracing.joined([(index, todo[index][0]) for index in states], ran)
     for index in sorted(states):
         key, new, emits, schedules = states[index]
         if index < ran:

@@ -61,6 +61,7 @@ from pspf.relay import Relay
 from pspf.settings import OutboxSettings
 from pspf.tables import GlobalTables, Lookups
 from pspf.timekeeping import TimeKeeping
+from pspf.tracing import configured
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class BatchProcessor:
             frozenset(app.tables),
         )
         self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
-        self.attempts = Attempts(app, consumer, self.emitter, policies)
-        self.durability = Durability(broker, app.name, self.hooks)
+        # Decided once: after the app's code and any ``opentelemetry-instrument`` set-up ran.
+        tracing = configured(app.name)
+        self.attempts = Attempts(app, consumer, self.emitter, policies, tracing)
+        self.durability = Durability(broker, app.name, self.hooks, tracing)
         #: the app's tables, once the worker knows the partition count (``start_tables``)
         self.lookups: Lookups | None = None
 

@@ -27,7 +27,7 @@ import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -50,6 +50,10 @@ from pspf.state_stores.memory import MemoryStore
 from pspf.tables import GlobalTables, Lookups
 from pspf.timekeeping import Clock, TimeKeeping
 from pspf.timers import ms_of
+from pspf.tracing import configured
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["EmittedEntry", "TestApp"]
 
@@ -104,6 +108,8 @@ class TestApp:
     handlers emit to) or other counts. ``start``: the clock's time (epoch ms or an aware datetime;
     default 2024-01-01T00:00:00Z). ``settings``: the retry policy and idle-close time of a run
     (``Settings.load()`` defaults, without reading the environment, when not given).
+    ``tracer_provider``: an OpenTelemetry provider to trace the run with, as a worker traces with
+    the global one (which is used when none is given and one is set up).
     """
 
     __test__ = False  # a harness, not a test class for pytest to collect
@@ -116,6 +122,7 @@ class TestApp:
         topics: Mapping[str, int] | None = None,
         start: int | datetime = 1_704_067_200_000,
         settings: Settings | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not app.handlers:
             raise ConfigError(f"app {app.name!r} has no handlers")
@@ -140,11 +147,12 @@ class TestApp:
         self._time = TimeKeeping(
             app, self._emitter, self._hooks, settings.time.idle_close_ms / 1000, self._clock
         )
-        self._attempts = Attempts(app, CONSUMER, self._emitter, self._policies)
+        tracing = configured(app.name, tracer_provider)
+        self._attempts = Attempts(app, CONSUMER, self._emitter, self._policies, tracing)
         self._lookups = _lookups(app, self.partitions, counts)
         self._time.lookups = self._lookups
         self._acks = _Acknowledgements()
-        self._durability = Durability(self._acks, app.name, self._hooks)
+        self._durability = Durability(self._acks, app.name, self._hooks, tracing)
         self._owned = {p: self._partition(p) for p in range(self.partitions)}
         self._round_robin = itertools.cycle(range(self.partitions))  # keyless entries, as Producer
         self._last_ids: dict[str, StreamId] = {}

@@ -275,6 +275,13 @@ def _print_entry(entry: TopicEntry, as_json: bool) -> None:
 @click.argument("topic")
 @click.argument("value", required=False)
 @click.option("--key", help="Key of the single VALUE.")
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A header of the single VALUE (repeatable), e.g. a W3C traceparent.",
+)
 @click.option("--key-field", help="Field of each NDJSON record to use as its key.")
 @click.option(
     "--file",
@@ -289,6 +296,7 @@ def produce(
     topic: str,
     value: str | None,
     key: str | None,
+    headers: tuple[str, ...],
     key_field: str | None,
     path: Path | None,
     broker: str | None,
@@ -299,11 +307,11 @@ def produce(
         if path is not None or key_field is not None:
             raise click.UsageError("give either VALUE (with --key) or NDJSON input (--file, --key-field)")
         # A VALUE that is not UTF-8 reaches the JSON check as the bytes it was, and fails there.
-        service.produce(topic, value.encode(errors="surrogateescape"), key)
+        service.produce(topic, value.encode(errors="surrogateescape"), key, _headers(headers))
         click.echo("1 entry written", err=True)
         return
-    if key is not None:
-        raise click.UsageError("--key goes with a single VALUE; use --key-field for NDJSON input")
+    if key is not None or headers:
+        raise click.UsageError("--key and --header go with a single VALUE; use --key-field for NDJSON input")
     if path is None and sys.stdin.isatty():
         raise click.UsageError("no VALUE given and stdin is a terminal: pipe NDJSON in or use --file")
     if path is None:
@@ -321,6 +329,17 @@ def produce(
 
 
 _PROGRESS_FROM_BYTES = 10_000_000
+
+
+def _headers(given: tuple[str, ...]) -> dict[str, str] | None:
+    """``--header NAME=VALUE`` options as a dict (None when there are none)."""
+    headers = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--header")
+        headers[name] = value
+    return headers or None
 
 
 def _counted(lines: Iterable[bytes], progress: Callable[[int], None]) -> Iterator[bytes]:

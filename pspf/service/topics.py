@@ -96,11 +96,13 @@ class Topics(ServiceBase):
                 producer.send_raw(topic, line, key)
         return producer.sent
 
-    def produce(self, topic: str, value: bytes, key: str | None = None) -> None:
+    def produce(
+        self, topic: str, value: bytes, key: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         """Write one JSON value."""
         _line_key(value, None)
         with Producer(self.broker) as producer:
-            producer.send_raw(topic, value, key)
+            producer.send_raw(topic, value, key, headers)
 
     def health(self) -> Health:
         """Whether Redis answers, and how fast."""

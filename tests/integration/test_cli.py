@@ -8,6 +8,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 from click.testing import CliRunner, Result
@@ -178,6 +179,22 @@ def test_produce_errors(invoke: Callable[..., Result], names: Names, rclient: re
     null_key = invoke("produce", topic, "--key-field", "user", input='{"user": null, "amount": 4}\n')
     assert null_key.exit_code == 2
     assert "line 1: field 'user' is null: a key must be a string or an integer" in one_line_error(null_key)
+
+
+def test_produce_with_headers(invoke: Callable[..., Result], names: Names, rclient: redis.Redis) -> None:
+    topic = names.topic()
+    invoke("topic", "create", topic)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    done = invoke(
+        "produce", topic, "--key", "u1", "--header", f"traceparent={parent}", "--header", "a=b=c", "{}"
+    )
+    assert done.exit_code == 0, done.output
+    ((_, fields),) = rclient.xrange(stream_key(topic, 0))
+    assert msgspec.json.decode(fields[b"headers"]) == {"traceparent": parent, "a": "b=c"}
+    bad = invoke("produce", topic, "--header", "novalue", "{}")
+    assert bad.exit_code == 2 and "'novalue' is not NAME=VALUE" in bad.output
+    lines = invoke("produce", topic, "--header", "a=b", input="{}\n")
+    assert lines.exit_code == 2 and "go with a single VALUE" in lines.output
 
 
 def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:

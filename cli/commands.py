@@ -19,6 +19,7 @@ from pspf.cli.main import (
     broker_option,
     cli,
     confirm,
+    parse_headers,
     service_for,
     state_dir_option,
     store_option,
@@ -307,7 +308,7 @@ def produce(
         if path is not None or key_field is not None:
             raise click.UsageError("give either VALUE (with --key) or NDJSON input (--file, --key-field)")
         # A VALUE that is not UTF-8 reaches the JSON check as the bytes it was, and fails there.
-        service.produce(topic, value.encode(errors="surrogateescape"), key, _headers(headers))
+        service.produce(topic, value.encode(errors="surrogateescape"), key, parse_headers(headers))
         click.echo("1 entry written", err=True)
         return
     if key is not None or headers:
@@ -329,17 +330,6 @@ def produce(
 
 
 _PROGRESS_FROM_BYTES = 10_000_000
-
-
-def _headers(given: tuple[str, ...]) -> dict[str, str] | None:
-    """``--header NAME=VALUE`` options as a dict (None when there are none)."""
-    headers = {}
-    for item in given:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--header")
-        headers[name] = value
-    return headers or None
 
 
 def _counted(lines: Iterable[bytes], progress: Callable[[int], None]) -> Iterator[bytes]:

@@ -483,3 +483,14 @@ def confirm(question: str) -> None:
         raise
     if not agreed:
         raise click.Abort
+
+
+def parse_headers(given: tuple[str, ...]) -> dict[str, str] | None:
+    """``--header NAME=VALUE`` options as a dict (None when there are none)."""
+    headers = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--header")
+        headers[name] = value
+    return headers or None

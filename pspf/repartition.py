@@ -167,9 +167,23 @@ class Moved:
     last: dict[int, StreamId] = field(default_factory=dict)
     #: (app, new partition) -> the first entry there the app has not handled
     first_unhandled: dict[tuple[str, int], StreamId] = field(default_factory=dict)
+    #: app -> how many of the moved entries it has not handled
+    unhandled: dict[str, int] = field(default_factory=dict)
     #: entry name -> its key (for the bookkeeping that names it); renamed ids
     entry_keys: dict[str, bytes | None] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)
+
+    def place(self, partition: int, entry_id: StreamId) -> StreamId:
+        """The id an entry gets in its new partition: its own, unless one as high is there already."""
+        last = self.last.get(partition)
+        placed = entry_id if last is None or entry_id > last else last.next()
+        self.last[partition] = placed
+        return placed
+
+    def start(self, app: str, partition: int) -> StreamId:
+        """Where the app's group starts in a new partition: before the first entry it has not handled."""
+        first = self.first_unhandled.get((app, partition))
+        return first.previous() if first is not None else self.last.get(partition, keys.ZERO_ID)
 
 
 def _entries(broker: Broker, stream: str) -> Iterator[tuple[bytes, Fields]]:
@@ -200,42 +214,64 @@ def _with_headers(fields: Fields, partition: int, original: str | None) -> Field
     return {**fields, codec.HEADERS: msgspec.json.encode(headers)}
 
 
-def copy_topic(broker: Broker, plan: Plan, topic: str, apps: list[AppState], wanted: set[str]) -> Moved:
-    """Copy ``topic``'s old streams into the staged new ones; what each app must start at."""
+class _Staging:
+    """The staged new streams of a topic, written in chunks; a dry run writes nothing."""
+
+    def __init__(self, broker: Broker, topic: str, count: int, write: bool) -> None:
+        self.broker = broker
+        self.write = write
+        self.streams = {q: keys.stream_key(topic, q) + STAGED for q in range(count)}
+        self.buffers: dict[int, list[tuple[str, Fields]]] = {q: [] for q in range(count)}
+        if write:
+            broker.delete_keys(list(self.streams.values()))  # a resumed copy starts over
+
+    def add(self, partition: int, entry_id: StreamId, fields: Fields, old: int, original: str | None) -> None:
+        """One entry, with the headers that say where it came from."""
+        if self.write:
+            buffer = self.buffers[partition]
+            buffer.append((str(entry_id), _with_headers(fields, old, original)))
+            if len(buffer) >= PAGE:
+                self.broker.add_with_ids(self.streams[partition], buffer)
+                self.buffers[partition] = []
+
+    def finish(self, readers: list[AppState], moved: Moved) -> None:
+        """The last chunks, then each app's group at its start in each new stream."""
+        if not self.write:
+            return
+        for q, entries in self.buffers.items():
+            if entries:
+                self.broker.add_with_ids(self.streams[q], entries)
+        for app in readers:
+            for q, stream in self.streams.items():
+                self.broker.ensure_group(stream, app.name, str(moved.start(app.name, q)))
+
+
+def copy_topic(
+    broker: Broker, plan: Plan, topic: str, apps: list[AppState], wanted: set[str], write: bool = True
+) -> Moved:
+    """Copy ``topic``'s old streams into the staged new ones; what each app must start at.
+
+    Without ``write`` nothing is written: the counts a dry run shows.
+    """
     moved = Moved()
-    staged = {q: keys.stream_key(topic, q) + STAGED for q in range(plan.new)}
-    broker.delete_keys(list(staged.values()))
-    buffers: dict[int, list[tuple[str, Fields]]] = {q: [] for q in range(plan.new)}
+    staging = _Staging(broker, topic, plan.new, write)
     readers = [a for a in apps if topic in broker.app_topics(a.name)]
     for entry_id, partition, raw_id, fields in _merged(broker, topic, plan.old):
         key = fields.get(codec.KEY)
         q = keys.partition_for(key, plan.new) if key is not None else spread(raw_id.decode(), plan.new)
-        last = moved.last.get(q)
-        new_id = entry_id if last is None or entry_id > last else last.next()
-        moved.last[q] = new_id
+        new_id = moved.place(q, entry_id)
         name = keys.entry_name(topic, raw_id)
         original = None if new_id == entry_id else str(entry_id)
         if original is not None:
             moved.renamed[name] = keys.entry_name(topic, str(new_id).encode())
         if name in wanted:
             moved.entry_keys[name] = key
-        buffers[q].append((str(new_id), _with_headers(fields, partition, original)))
         for app in readers:
-            if (app.name, q) not in moved.first_unhandled and not app.handled(
-                topic, partition, entry_id, name
-            ):
-                moved.first_unhandled[(app.name, q)] = new_id
-        if len(buffers[q]) >= PAGE:
-            broker.add_with_ids(staged[q], buffers[q])
-            buffers[q] = []
-    for q, entries in buffers.items():
-        if entries:
-            broker.add_with_ids(staged[q], entries)
-    for app in readers:
-        for q in range(plan.new):
-            start = moved.first_unhandled.get((app.name, q))
-            at = start.previous() if start is not None else moved.last.get(q, keys.ZERO_ID)
-            broker.ensure_group(staged[q], app.name, str(at))
+            if not app.handled(topic, partition, entry_id, name):
+                moved.unhandled[app.name] = moved.unhandled.get(app.name, 0) + 1
+                moved.first_unhandled.setdefault((app.name, q), new_id)
+        staging.add(q, new_id, fields, partition, original)
+    staging.finish(readers, moved)
     return moved
 
 
@@ -274,12 +310,11 @@ def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Move
             found = moved.get(topic)
             if found is None:
                 continue
-            start = found.first_unhandled.get((app.name, q))
-            at = start.previous() if start is not None else found.last.get(q)
-            if at is not None and at != keys.ZERO_ID:
+            at = found.start(app.name, q)
+            if at != keys.ZERO_ID:
                 meta[f"cp:{topic}"] = str(at)
             last = found.last.get(q)
-            if last is not None and (at is None or at < last):  # handled entries may follow the start
+            if last is not None and at < last:  # handled entries may follow the start
                 for partition in range(plan.old):
                     upto = app.handled_to.get((topic, partition))
                     if upto is not None:

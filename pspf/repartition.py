@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -82,10 +85,11 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     for other in topics:
         if broker.topic_partitions(other) != old:
             raise ConfigError(f"topic {other!r}, read with {topic!r}, does not have {old} partitions")
+    plan = Plan(topic=topic, topics=topics, apps=apps, old=old, new=new, started_ms=int(time.time() * 1000))
+    check_stopped(broker, plan)
     for app in apps:
-        _refuse_running(broker, app, topics, old)
         _refuse_unmovable(broker, app, old)
-    return Plan(topic=topic, topics=topics, apps=apps, old=old, new=new, started_ms=int(time.time() * 1000))
+    return plan
 
 
 def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
@@ -169,6 +173,8 @@ class Moved:
     first_unhandled: dict[tuple[str, int], StreamId] = field(default_factory=dict)
     #: app -> how many of the moved entries it has not handled
     unhandled: dict[str, int] = field(default_factory=dict)
+    #: entries moved
+    count: int = 0
     #: entry name -> its key (for the bookkeeping that names it); renamed ids
     entry_keys: dict[str, bytes | None] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)
@@ -198,11 +204,13 @@ def _entries(broker: Broker, stream: str) -> Iterator[tuple[bytes, Fields]]:
 
 def _merged(broker: Broker, topic: str, old: int) -> Iterator[tuple[StreamId, int, bytes, Fields]]:
     """Every entry of the old streams in id order (ties: the lower old partition first)."""
-    sources = [
-        ((StreamId.parse(i), p, i, f) for i, f in _entries(broker, keys.stream_key(topic, p)))
-        for p in range(old)
-    ]
+    sources = [_numbered(broker, topic, p) for p in range(old)]
     yield from heapq.merge(*sources, key=lambda e: (e[0], e[1]))
+
+
+def _numbered(broker: Broker, topic: str, partition: int) -> Iterator[tuple[StreamId, int, bytes, Fields]]:
+    for raw_id, fields in _entries(broker, keys.stream_key(topic, partition)):
+        yield StreamId.parse(raw_id), partition, raw_id, fields
 
 
 def _with_headers(fields: Fields, partition: int, original: str | None) -> Fields:
@@ -260,6 +268,7 @@ def copy_topic(
         key = fields.get(codec.KEY)
         q = keys.partition_for(key, plan.new) if key is not None else spread(raw_id.decode(), plan.new)
         new_id = moved.place(q, entry_id)
+        moved.count += 1
         name = keys.entry_name(topic, raw_id)
         original = None if new_id == entry_id else str(entry_id)
         if original is not None:
@@ -291,13 +300,7 @@ def copy_dlqs(broker: Broker, plan: Plan, topic: str) -> None:
 
 def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Moved], identity: str) -> None:
     """The app's new backups, staged: its state split by key, its new checkpoints and moved map."""
-
-    def entry_key(topic: str, entry_id: str) -> bytes | Gone | None:
-        name = f"{topic}/{entry_id}"
-        found: dict[str, bytes | Gone | None] = dict(moved[topic].entry_keys) if topic in moved else {}
-        return found.get(name, GONE)
-
-    parts = split(app.values, plan.new, entry_key)
+    parts = split(app.values, plan.new, _entry_keys(moved))
     read = broker.app_topic_list(app.name)
     for q, values in enumerate(parts):
         renamed = {_renamed(name, moved): value for name, value in values.items()}
@@ -328,6 +331,29 @@ def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Move
         broker.replace_hash(backup.meta + STAGED, meta)
 
 
+def _entry_keys(moved: dict[str, Moved]) -> Callable[[str, str], bytes | Gone | None]:
+    """The key of an entry some bookkeeping names, as the copy saw it (GONE: not in the stream)."""
+
+    def entry_key(topic: str, entry_id: str) -> bytes | Gone | None:
+        found = moved.get(topic)
+        name = f"{topic}/{entry_id}"
+        return found.entry_keys[name] if found is not None and name in found.entry_keys else GONE
+
+    return entry_key
+
+
+def _named_entries(apps: list[AppState]) -> set[str]:
+    """The entries the apps' bookkeeping names (``topic/id``): the copy notes their keys."""
+    return {
+        key.decode()
+        for app in apps
+        for page in app.values
+        for name, _ in page
+        for namespace, _, key in [name.partition(b"\x00")]
+        if namespace.decode() in (*_PENDING_WORK, keys.SUPERSEDED_NAMESPACE)
+    }
+
+
 def _renamed(name: bytes, moved: dict[str, Moved]) -> bytes:
     """A bookkeeping field named after an entry whose id changed gets the new id."""
     namespace, _, key = name.partition(b"\x00")
@@ -341,12 +367,14 @@ def _renamed(name: bytes, moved: dict[str, Moved]) -> bytes:
     return namespace + b"\x00" + found.renamed[text].encode()
 
 
-def switch(broker: Broker, plan: Plan) -> None:
+def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda step: None) -> None:
     """Swap the staged keys in (idempotent: a resumed switch renames what is left)."""
     for topic in plan.topics:
         for q in range(plan.new):
             for live in (keys.stream_key(topic, q), keys.dlq_key(topic, q)):
                 broker.rename_over(live + STAGED, live)  # a new partition with nothing staged has no key yet
+            if q == 0:
+                crash_at(f"switched {topic} 0")
         gone = [
             name
             for p in range(plan.new, plan.old)
@@ -387,6 +415,8 @@ class Repartition:
         self.broker = broker
         self.plan = plan
         self.crash_at = crash_at
+        #: what the copy found (None when a resumed run had copied before)
+        self.summary: Summary | None = None
 
     def record(self, step: str) -> None:
         """Record the plan at ``step`` under every topic it moves: none can start another."""
@@ -404,7 +434,7 @@ class Repartition:
             self.record("switching")
         if plan.step == "switching":
             self.crash_at("switch")
-            switch(self.broker, plan)
+            switch(self.broker, plan, self.crash_at)
             self.broker.delete_keys([plan_key(topic) for topic in plan.topics])
             plan.step = "done"
         return plan
@@ -413,14 +443,7 @@ class Repartition:
         """Copy the entries and DLQs and build the new backups, all into staged keys."""
         plan = self.plan
         apps = [read_app(self.broker, app, plan.topics, plan.old) for app in plan.apps]
-        wanted = {
-            key.decode()
-            for a in apps
-            for page in a.values
-            for name, _ in page
-            for namespace, _, key in [name.partition(b"\x00")]
-            if namespace.decode() in (*_PENDING_WORK, keys.SUPERSEDED_NAMESPACE)
-        }
+        wanted = _named_entries(apps)
         moved = {}
         for topic in plan.topics:
             moved[topic] = copy_topic(self.broker, plan, topic, apps, wanted)
@@ -430,9 +453,56 @@ class Repartition:
         for app in apps:
             stage_state(self.broker, plan, app, moved, identity)
             self.crash_at(f"staged {app.name}")
+        self.summary = summarize(plan, apps, moved)
+
+
+def crash_point() -> Callable[[str], None]:
+    """The test hook: ``PSPF_REPARTITION_CRASH_AT=<step>`` kills this process (SIGKILL) there."""
+    wanted = os.environ.get("PSPF_REPARTITION_CRASH_AT")
+
+    def crash_at(step: str) -> None:
+        if step == wanted:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return crash_at
+
+
+def check_stopped(broker: Broker, plan: Plan) -> None:
+    """Refuse while a worker of an app of the plan is alive."""
+    for app in plan.apps:
+        _refuse_running(broker, app, plan.topics, plan.old)
 
 
 def recorded(broker: Broker, topic: str) -> Plan | None:
     """The repartition of ``topic`` under way, if any."""
     raw = broker.hash_fields(plan_key(topic)).get("plan")
     return None if raw is None else msgspec.json.decode(raw, type=Plan)
+
+
+class Summary(NamedTuple):
+    """What a repartition moves: entries each app will handle, its state keys per new partition."""
+
+    to_handle: dict[str, int]
+    state_keys: dict[str, list[int]]
+    entries: int
+
+
+def summarize(plan: Plan, apps: list[AppState], moved: dict[str, Moved]) -> Summary:
+    to_handle = {app.name: sum(m.unhandled.get(app.name, 0) for m in moved.values()) for app in apps}
+    state = keys.STATE_NAMESPACE.encode() + b"\x00"
+    state_keys = {
+        app.name: [
+            sum(1 for name in part if name.startswith(state))
+            for part in split(app.values, plan.new, _entry_keys(moved))
+        ]
+        for app in apps
+    }
+    return Summary(to_handle, state_keys, sum(m.count for m in moved.values()))
+
+
+def dry_run(broker: Broker, plan: Plan) -> Summary:
+    """What a run would do, writing nothing."""
+    apps = [read_app(broker, app, plan.topics, plan.old) for app in plan.apps]
+    wanted = _named_entries(apps)
+    moved = {topic: copy_topic(broker, plan, topic, apps, wanted, write=False) for topic in plan.topics}
+    return summarize(plan, apps, moved)

@@ -116,7 +116,8 @@ class TimeKeeping:
         windows, timers = batch.owned.windows, batch.owned.timers
         if not self.app.callbacks or windows is None or timers is None or self.app.handlers[topic].is_async:
             return None
-        plain = not self.app.windows_of(topic)
+        # a plain handler's entry moves stream time as it is applied; a table's update is no event
+        plain = not self.app.windows_of(topic) and topic not in self.app.tables
 
         def passed(entry_id: bytes) -> None:
             if plain:

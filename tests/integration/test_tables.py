@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import random
 import subprocess
+from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import msgspec
 import pytest
 import redis
 
-from pspf import App, Context, Settings, Worker
+from pspf import App, Context, Settings, Worker, windows
 from pspf.errors import ConfigError
 from pspf.keys import StreamId, dlq_key, partition_for, stream_key
 from pspf.state_stores import open_store
@@ -209,3 +211,52 @@ def test_pspf_run_refuses_a_table_of_another_partition_count_with_exit_2_and_one
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr
     assert f"table {customers!r}" in errors[0] and "has 2 partitions" in errors[0] and "have 4" in errors[0]
+
+
+def test_table_updates_move_no_stream_time_when_the_app_has_scheduled_callbacks(
+    make_topic: Callable[[int], str],
+    rclient: redis.Redis,
+    make_settings: Callable[..., Settings],
+    names: Any,
+) -> None:
+    """With a callback registered, each entry's stream time was moved by table updates too: windows
+    then closed early and dropped their later entries as late (found carrying state across a
+    repartition)."""
+    orders, customers, counts = make_topic(4), make_topic(4), make_topic(4)
+    users = [f"u{i}" for i in range(12)]
+    expected: Counter[tuple[str, int]] = Counter()
+    for n in range(1, 400):
+        user = users[n % 12]
+        partition = partition_for(user.encode(), 4)
+        if n % 7 == 0:
+            fields = {b"key": user.encode(), b"value": msgspec.json.encode({"tier": f"t{n}"})}
+            rclient.xadd(stream_key(customers, partition), fields, id=f"{n * 50 + 1}-0")  # type: ignore[arg-type]
+        fields = {b"key": user.encode(), b"value": msgspec.json.encode({"ts": n * 50})}
+        rclient.xadd(stream_key(orders, partition), fields, id=f"{n * 50 + 2}-0")  # type: ignore[arg-type]
+        expected[(user, n * 50 // 1000 * 1000)] += 1
+    app = App(names.app())
+    app.table(customers)
+
+    @app.handler(orders)
+    def order(value: dict[str, int], ctx: Context) -> None:
+        ctx.state["tier"] = ctx.table(customers)
+
+    @app.window(orders, windows.tumbling(timedelta(seconds=1)), timestamp="ts", emit_to=counts)
+    def per_second(total: int | None, value: dict[str, int]) -> int:
+        return (total or 0) + 1
+
+    @app.on_schedule("never")
+    def never(payload: Any, ctx: Context) -> None:
+        raise AssertionError("nothing schedules it")
+
+    summary = Worker(app, make_settings(PSPF_BATCH_SIZE=25)).run(until_idle=True)
+    assert summary.late == 0
+    emitted = {
+        (window["key"], window["start"]): window["value"]
+        for partition in range(4)
+        for _, fields in rclient.xrange(stream_key(counts, partition))
+        for window in [msgspec.json.decode(fields[b"value"])]
+    }
+    # every window that closed (those before each partition's last second) counted all its orders
+    assert len(emitted) >= len(expected) - len(users)
+    assert all(expected[window] == count for window, count in emitted.items())

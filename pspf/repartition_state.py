@@ -4,7 +4,8 @@ Each field of an old partition's state backup (``namespace NUL key``) goes to th
 of the key it belongs to (see the table in the repartitioning design): the entry key itself, the
 key inside a table row's, window's or schedule's name, or, for bookkeeping named after an entry
 (``topic/id``), the key of that entry, looked up in the old stream. A partition's stream time goes
-to every new partition it feeds, the largest winning; a timer's last period to every new partition.
+to every new partition it feeds, the largest winning; a timer's last period and the outbox's
+counters (the largest) to every new partition.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import msgspec
 from pspf import keys
 from pspf.state_stores.base import field, split_field
 
+#: The outbox's counters (next row id / next sequence), as ``pspf.outbox.NEXT_KEY`` names them.
+OUTBOX_COUNTERS = "next"
 #: Namespaces whose key is the entry key.
 _BY_KEY = frozenset({keys.STATE_NAMESPACE, keys.EXPIRY_NAMESPACE})
 #: Namespaces named after an entry (``topic/id``): they follow that entry's key.
@@ -93,6 +96,7 @@ def split(
     """
     routed: list[dict[bytes, bytes]] = [{} for _ in range(count)]
     times: list[bytes | None] = [None] * count
+    counters: tuple[int, int] | None = None
     for pages in sources:
         reached: set[int] = set()
         stream_time: bytes | None = None
@@ -100,6 +104,11 @@ def split(
             namespace, key = split_field(name)
             if namespace == keys.TIME_NAMESPACE and key == keys.STREAM_TIME:
                 stream_time = value
+                continue
+            if namespace == keys.OUTBOX_META_NAMESPACE and key == OUTBOX_COUNTERS:
+                row_id, _, seq = value.decode().partition("/")
+                previous = counters or (0, 0)
+                counters = (max(previous[0], int(row_id)), max(previous[1], int(seq)))
                 continue
             for q in new_partitions(namespace, key, count, entry_key):
                 routed[q][name] = value
@@ -110,6 +119,12 @@ def split(
     for q, time in enumerate(times):
         if time is not None:
             routed[q][field(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = time
+        if counters is not None:
+            # Targets drop an emitted row whose sequence is not above the last they recorded for
+            # its (app, source partition): every new partition goes on above every old one's.
+            routed[q][field(keys.OUTBOX_META_NAMESPACE, OUTBOX_COUNTERS)] = (
+                f"{counters[0]}/{counters[1]}".encode()
+            )
     return routed
 
 

@@ -7,10 +7,10 @@ import time
 from pspf import repartition
 from pspf.errors import ConfigError, NotFound
 from pspf.records import RepartitionResult
-from pspf.service.base import ServiceBase
+from pspf.service.outbox import OutboxRows
 
 
-class Repartitioning(ServiceBase):
+class Repartitioning(OutboxRows):
     """Change a topic's partition count, with every app's state."""
 
     def repartition_topic(
@@ -46,6 +46,7 @@ class Repartitioning(ServiceBase):
             raise ConfigError("give the new partition count (--partitions N)")
         else:
             plan = repartition.make_plan(self.broker, topic, partitions)
+            self._refuse_outbox_rows(plan.apps)
         to_handle, state_keys, entries = (
             repartition.dry_run(self.broker, plan) if plan.step == "planned" else ({}, {}, 0)
         )
@@ -65,3 +66,19 @@ class Repartitioning(ServiceBase):
             dry_run=dry_run,
             seconds=round(time.perf_counter() - started, 3),
         )
+
+    def _refuse_outbox_rows(self, apps: list[str]) -> None:
+        """Refuse apps whose outbox holds rows: they are numbered per partition and do not move."""
+        for app in apps:
+            try:
+                states = [
+                    state for state in ("pending", "claimed", "dead") if self.outbox_list(app, state, limit=1)
+                ]
+            except NotFound:
+                continue  # no outbox
+            if states:
+                raise ConfigError(
+                    f"app {app!r} has outbox rows not published ({', '.join(states)}): run it until "
+                    "idle so its relay publishes them, and replay or drop dead rows "
+                    "(pspf outbox replay), then repartition"
+                )

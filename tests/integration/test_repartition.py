@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 
-from pspf import Settings, Worker
+from pspf import App, Context, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
 from pspf.keys import partition_for, stream_key
@@ -170,3 +172,100 @@ def test_entries_with_the_same_id_in_two_old_partitions_are_merged_and_handled_o
     assert Worker(summing_app(app, topic), settings).run(until_idle=True).handled == 100
     service = Service(make_settings())
     assert {k: service.state_get(app, k)["total"] for k in expected} == expected
+
+
+def carried_app(name: str, orders: str, customers: str, reminders: str, counts: str) -> App:
+    """A table lookup, a scheduled callback and a window: what a repartition must carry."""
+    app = App(name)
+    app.table(customers)
+
+    @app.handler(orders)
+    def order(value: dict[str, int], ctx: Context) -> None:
+        row = ctx.table(customers)
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+        ctx.state["tiers"] = [*ctx.state.get("tiers", []), None if row is None else row["tier"]]
+        if ctx.state["n"] == 1:  # due after the repartition: the schedule must move with its key
+            ctx.schedule(15_000, "remind", value["ts"])
+
+    @app.on_schedule("remind")
+    def remind(ts: int, ctx: Context) -> None:
+        ctx.emit(reminders, {"key": ctx.key, "ts": ts})
+
+    @app.window(orders, windows.tumbling(timedelta(seconds=1)), timestamp="ts", emit_to=counts)
+    def per_second(total: int | None, value: dict[str, int]) -> int:
+        return (total or 0) + 1
+
+    return app
+
+
+def test_a_window_a_table_and_a_schedule_give_the_same_results_across_a_repartition(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """The same entries into two copies of the app; one copy's topics go from 4 to 3 partitions."""
+    users = [f"u{i}" for i in range(12)]
+    runs = {}
+    for label in ("reference", "repartitioned"):
+        orders, customers, reminders, counts = (make_topic(4) for _ in range(4))
+        runs[label] = (names.app(), orders, customers, reminders, counts)
+    settings = {
+        label: make_settings(PSPF_STATE_DIR=str(tmp_path / label), PSPF_BATCH_SIZE=25) for label in runs
+    }
+
+    def produce(first: int, last: int, partitions: int) -> None:
+        for label, (_, orders, customers, _, _) in runs.items():
+            count = partitions if label == "repartitioned" else 4
+            for n in range(first, last):
+                user = users[n % len(users)]
+                if n % 7 == 0:
+                    fields = {b"key": user.encode(), b"value": f'{{"tier": "t{n}"}}'.encode()}
+                    rclient.xadd(
+                        stream_key(customers, partition_for(user.encode(), count)),
+                        fields,
+                        id=f"{n * 50 + 1}-0",
+                    )
+                fields = {b"key": user.encode(), b"value": f'{{"ts": {n * 50}}}'.encode()}
+                rclient.xadd(
+                    stream_key(orders, partition_for(user.encode(), count)), fields, id=f"{n * 50 + 2}-0"
+                )
+
+    def run_all() -> None:
+        for label, (app, orders, customers, reminders, counts) in runs.items():
+            Worker(carried_app(app, orders, customers, reminders, counts), settings[label]).run(
+                until_idle=True
+            )
+
+    produce(1, 200, 4)
+    run_all()
+    app, orders = runs["repartitioned"][:2]
+    broker = Broker(make_settings().redis)
+    plan = make_plan(broker, orders, 3)
+    assert plan.topics == sorted([orders, runs["repartitioned"][2]]) and plan.apps == [app]
+    Repartition(broker, plan).run()
+    produce(200, 400, 3)
+    run_all()
+
+    service = Service(make_settings())
+    states = {
+        label: {user: service.state_get(app_name, user) for user in users}
+        for label, (app_name, *_) in runs.items()
+    }
+    assert states["repartitioned"] == states["reference"]
+    assert all(state["n"] > 20 and any(state["tiers"]) for state in states["reference"].values())
+
+    def emitted(topic: str, partitions: int, until_ms: int, field: str) -> list[bytes]:
+        found = [
+            fields[b"value"]
+            for p in range(partitions)
+            for _, fields in rclient.xrange(stream_key(topic, p))
+            if msgspec.json.decode(fields[b"value"])[field] <= until_ms
+        ]
+        return sorted(found)
+
+    for index, field in ((3, "ts"), (4, "end")):
+        reference = emitted(runs["reference"][index], 4, 18_000, field)
+        assert reference and emitted(runs["repartitioned"][index], 4, 18_000, field) == reference
+    assert len(emitted(runs["reference"][3], 4, 18_000, "ts")) == len(users)  # one reminder a key

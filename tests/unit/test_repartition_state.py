@@ -88,3 +88,17 @@ def test_a_merge_keeps_the_stream_time_of_the_sources_it_got_state_from() -> Non
     ]
     new = split(old, 2, no_entries)
     assert [part[field(keys.TIME_NAMESPACE, keys.STREAM_TIME)] for part in new] == [stream_time(7)] * 2
+
+
+def test_every_new_partition_goes_on_above_every_old_outbox_counter() -> None:
+    """Targets drop a row whose sequence is not above the last recorded for its (app, partition)."""
+    old = [
+        [
+            (field(keys.OUTBOX_META_NAMESPACE, "next"), b"40/900"),
+            (field(keys.OUTBOX_META_NAMESPACE, "sent/t:0"), b"1"),
+        ],
+        [(field(keys.OUTBOX_META_NAMESPACE, "next"), b"75/310")],
+    ]
+    new = split(old, 3, no_entries)
+    assert [part[field(keys.OUTBOX_META_NAMESPACE, "next")] for part in new] == [b"75/900"] * 3
+    assert all(field(keys.OUTBOX_META_NAMESPACE, "sent/t:0") not in part for part in new)

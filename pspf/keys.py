@@ -176,6 +176,11 @@ def stream_key(topic: str, partition: int) -> str:
     return f"{PREFIX}:{{{topic}:{partition}}}"
 
 
+def layout_key(topic: str, partition: int) -> str:
+    """The layout generation a partition's stream belongs to (absent: "0"); see ``lua/add.lua``."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:layout"
+
+
 def dlq_key(topic: str, partition: int) -> str:
     """The dead-letter stream of one topic partition (shared by the apps reading the topic)."""
     return f"{PREFIX}:{{{topic}:{partition}}}:dlq"

@@ -49,6 +49,8 @@ class Plan(msgspec.Struct, kw_only=True):
     new: int
     step: str = "planned"
     started_ms: int = 0
+    #: topic -> the layout generation it switches to (producers write only in their own)
+    layouts: dict[str, str] = {}
 
 
 def plan_key(topic: str) -> str:
@@ -85,7 +87,9 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     for other in topics:
         if broker.topic_partitions(other) != old:
             raise ConfigError(f"topic {other!r}, read with {topic!r}, does not have {old} partitions")
-    plan = Plan(topic=topic, topics=topics, apps=apps, old=old, new=new, started_ms=int(time.time() * 1000))
+    layouts = {t: str(int(broker.topic_layout(t)[1]) + 1) for t in topics}
+    started = int(time.time() * 1000)
+    plan = Plan(topic=topic, topics=topics, apps=apps, old=old, new=new, started_ms=started, layouts=layouts)
     check_stopped(broker, plan)
     for app in apps:
         _refuse_unmovable(broker, app, old)
@@ -230,8 +234,9 @@ class _Staging:
         self.write = write
         self.streams = {q: keys.stream_key(topic, q) + STAGED for q in range(count)}
         self.buffers: dict[int, list[tuple[str, Fields]]] = {q: [] for q in range(count)}
-        if write:
-            broker.delete_keys(list(self.streams.values()))  # a resumed copy starts over
+        if write:  # a resumed copy starts over; every staged stream exists, an empty one too, so
+            for stream in self.streams.values():  # the switch knows one gone was renamed in
+                broker.empty_stream(stream)
 
     def add(self, partition: int, entry_id: StreamId, fields: Fields, old: int, original: str | None) -> None:
         """One entry, with the headers that say where it came from."""
@@ -287,7 +292,8 @@ def copy_topic(
 def copy_dlqs(broker: Broker, plan: Plan, topic: str) -> None:
     """Each DLQ entry into the DLQ of its key's new partition (staged): redrives land there."""
     staged = {q: keys.dlq_key(topic, q) + STAGED for q in range(plan.new)}
-    broker.delete_keys(list(staged.values()))
+    for stream in staged.values():
+        broker.empty_stream(stream)
     for partition in range(plan.old):
         batch: dict[int, list[tuple[bytes, Fields]]] = {}
         for dlq_id, fields in _entries(broker, keys.dlq_key(topic, partition)):
@@ -367,10 +373,19 @@ def _renamed(name: bytes, moved: dict[str, Moved]) -> bytes:
     return namespace + b"\x00" + found.renamed[text].encode()
 
 
+def seal(broker: Broker, plan: Plan) -> None:
+    """From here producers write nothing into the topics: they wait for the switch (``lua/add.lua``)."""
+    for topic in plan.topics:
+        broker.set_fields(keys.topic_key(topic), {"moving": "1"})
+        for partition in range(plan.old):
+            broker.set_value(keys.layout_key(topic, partition), "moving")
+
+
 def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda step: None) -> None:
     """Swap the staged keys in (idempotent: a resumed switch renames what is left)."""
     for topic in plan.topics:
         for q in range(plan.new):
+            broker.set_value(keys.layout_key(topic, q), plan.layouts[topic])
             for live in (keys.stream_key(topic, q), keys.dlq_key(topic, q)):
                 broker.rename_over(live + STAGED, live)  # a new partition with nothing staged has no key yet
             if q == 0:
@@ -378,7 +393,12 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
         gone = [
             name
             for p in range(plan.new, plan.old)
-            for name in (keys.stream_key(topic, p), keys.dlq_key(topic, p), keys.producers_key(topic, p))
+            for name in (
+                keys.stream_key(topic, p),
+                keys.dlq_key(topic, p),
+                keys.producers_key(topic, p),
+                keys.layout_key(topic, p),
+            )
         ]
         broker.delete_keys(gone)
     for app in plan.apps:
@@ -402,8 +422,9 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
         starts = [name for name in broker.hash_fields(record) if name.startswith("start:")]
         broker.delete_fields(record, starts)
         broker.set_fields(record, {"partitions": str(plan.new)})
-    for topic in plan.topics:
-        broker.set_fields(keys.topic_key(topic), {"partitions": str(plan.new)})
+    for topic in plan.topics:  # producers waiting read the new count and layout from here
+        broker.set_fields(keys.topic_key(topic), {"partitions": str(plan.new), "layout": plan.layouts[topic]})
+        broker.delete_fields(keys.topic_key(topic), ["moving"])
 
 
 class Repartition:
@@ -429,6 +450,7 @@ class Repartition:
         plan = self.plan
         if plan.step == "planned":
             self.record("planned")
+            seal(self.broker, plan)
             self.crash_at("copy")
             self._stage()
             self.record("switching")

@@ -211,6 +211,7 @@ class Connection:
         self._lease_release = self.client.register_script(_script("lease_release"))
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
+        self._add = self.client.register_script(_script("add"))
         self._read = self.client.register_script(_script("read"))
         self._last_ids = self.client.register_script(_script("last_ids"))
         self._read_loaded = False

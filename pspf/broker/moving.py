@@ -48,6 +48,19 @@ class Moving(Connection):
                 raise
         return True
 
+    def empty_stream(self, key: str) -> None:
+        """Make ``key`` an empty stream (a group made with MKSTREAM, then destroyed), in one MULTI."""
+        with self.translate_errors(key):
+            pipe = self._on(key).pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.xgroup_create(key, "pspf-empty", id="0", mkstream=True)
+            pipe.xgroup_destroy(key, "pspf-empty")
+            pipe.execute()
+
+    def set_value(self, key: str, value: str) -> None:
+        with self.translate_errors(key):
+            self.client.set(key, value)
+
     def delete_keys(self, names: Sequence[str]) -> None:
         """DEL each of ``names`` (one command a key: they may be in any slot)."""
         with self.translate_errors():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import redis
@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError
 from pspf import keys
 from pspf.broker.connection import Connection, packed
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
-from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
+from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,47 @@ class Publishing(Connection):
                     approximate=True,
                 )
             return list(pipe.execute())
+
+    def add_in_layout(
+        self, topic: str, layout: str, entries: Mapping[int, Sequence[Fields]]
+    ) -> dict[int, list[bytes] | None]:
+        """Append each partition's entries unless its layout is not ``layout``; one round trip.
+
+        Per partition, the new ids, or None when its layout moved on (nothing of it was written:
+        the producer reads the topic's count again). Held back near the server's maxmemory.
+        """
+        self.guard_memory()
+        partitions = list(entries)
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for partition in partitions:
+                args: list[Any] = [layout]
+                for fields in entries[partition]:
+                    args.append(2 * len(fields))
+                    for name, value in fields.items():
+                        args += (name, value)
+                stream = keys.stream_key(topic, partition)
+                self._add(keys=[stream, keys.layout_key(topic, partition)], args=args, client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        found: dict[int, list[bytes] | None] = {}
+        for partition, reply in zip(partitions, replies, strict=True):
+            if isinstance(reply, redis.ResponseError) and str(reply).startswith("LAYOUT"):
+                found[partition] = None
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                found[partition] = list(reply)
+        return found
+
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
+        """A topic's partition count, layout generation and whether a repartition of it runs."""
+        with self.translate_errors():
+            raw = self.client.hmget(keys.topic_key(topic), ["partitions", "layout", "moving"])
+        if raw[0] is None:
+            raise NotFound(
+                f"topic {topic!r} does not exist; create it with `pspf topic create {topic} --partitions N`"
+            )
+        return int(raw[0]), (raw[1] or b"0").decode(), raw[2] is not None
 
     def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
         """Append a producer's rows to a topic partition, each at most once; how many were new.

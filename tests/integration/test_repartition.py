@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -11,9 +13,10 @@ import msgspec
 import pytest
 import redis
 
-from pspf import App, Context, Settings, Worker, windows
+from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
+from pspf.errors import BrokerError
 from pspf.keys import partition_for, stream_key
 from pspf.repartition import Repartition, make_plan
 from pspf.service import Service
@@ -269,3 +272,45 @@ def test_a_window_a_table_and_a_schedule_give_the_same_results_across_a_repartit
         reference = emitted(runs["reference"][index], 4, 18_000, field)
         assert reference and emitted(runs["repartitioned"][index], 4, 18_000, field) == reference
     assert len(emitted(runs["reference"][3], 4, 18_000, "ts")) == len(users)  # one reminder a key
+
+
+def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to_finish(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    rclient: redis.Redis,
+    redis_url: str,
+) -> None:
+    topic = make_topic(4)
+    broker = Broker(make_settings().redis)
+    stale = Producer(broker, batch_size=10_000)
+    stale.send(topic, {"n": -1}, key="first")
+    stale.flush()  # it knows the topic as 4 partitions, layout 0
+
+    # Killed after sealing: producers wait, bounded, and lose nothing.
+    command = pspf_command("topic", "repartition", topic, "--partitions", "6", "--yes", "--broker", redis_url)
+    killed = subprocess.run(
+        command, env=subprocess_env(PSPF_REPARTITION_CRASH_AT="copy"), capture_output=True
+    )
+    assert killed.returncode == -9
+    for n in range(100):
+        stale.send(topic, {"n": n}, key=f"k{n}")
+    stale.repartition_wait_s = 0.3
+    with pytest.raises(BrokerError, match="being repartitioned"):
+        stale.flush()
+    assert sum(rclient.xlen(stream_key(topic, p)) for p in range(4)) == 1  # nothing written meanwhile
+
+    stale.repartition_wait_s = 30
+    waiting = threading.Thread(target=stale.flush)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive(), "the flush waits for the repartition"
+    resumed = subprocess.run(
+        pspf_command("topic", "repartition", topic, "--resume", "--yes", "--broker", redis_url),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    waiting.join(30)
+    assert not waiting.is_alive() and stale.sent == 101
+    assert every_entry_in_its_partition(rclient, topic, 6) == 101

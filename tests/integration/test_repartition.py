@@ -314,3 +314,42 @@ def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to
     waiting.join(30)
     assert not waiting.is_alive() and stale.sent == 101
     assert every_entry_in_its_partition(rclient, topic, 6) == 101
+
+
+def test_a_dead_letter_is_redriven_into_its_keys_new_partition(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    topic, app_name = make_topic(2), names.app()
+    fixed = {"yes": False}
+
+    def app() -> App:
+        built = App(app_name)
+
+        @built.handler(topic, non_retryable=(ValueError,))
+        def add(value: dict[str, int], ctx: Context) -> None:
+            if value["n"] % 10 == 3 and not fixed["yes"]:
+                raise ValueError("bad until fixed")
+            ctx.state["total"] = ctx.state.get("total", 0) + value["n"]
+
+        return built
+
+    produce(topic, [(f"k{n % 7}", {"n": n}) for n in range(50)])
+    settings = make_settings()
+    assert Worker(app(), settings).run(until_idle=True).dead_lettered == 5
+    broker = Broker(settings.redis)
+    Repartition(broker, make_plan(broker, topic, 5)).run()
+    service = Service(settings)
+    dead = service.dlq_list(topic)
+    assert len(dead) == 5
+    assert all(d.partition == partition_for(d.key.encode(), 5) for d in dead if d.key is not None)
+    assert service.dlq_redrive(topic, all_entries=True).changed == 5
+    fixed["yes"] = True
+    assert Worker(app(), settings).run(until_idle=True).handled == 5
+    assert every_entry_in_its_partition(rclient, topic, 5) == 55
+    assert {f"k{k}": service.state_get(app_name, f"k{k}")["total"] for k in range(7)} == {
+        f"k{k}": sum(n for n in range(50) if n % 7 == k) for k in range(7)
+    }

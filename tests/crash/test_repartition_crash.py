@@ -90,7 +90,9 @@ def test_two_apps_across_a_repartition_and_random_sigkills_on_two_state_dirs_sta
         wait_until(
             lambda a=app: no_leases(rclient, topic, a, after), 10, "the dead worker's leases to expire"
         )
-        assert to_the_end(app, dirs[0], f"{app}-final") > 0, "the kills should land mid-stream"
+        handled = to_the_end(app, dirs[0], f"{app}-final")
+        if app == behind:  # 7,000 entries to handle: the kills land mid-stream (the other has 3,000)
+            assert handled > 0, "the kills should land mid-stream"
 
     expected = expected_state(records)
     for app in (ahead, behind):

@@ -111,17 +111,17 @@ class Publishing(Connection):
         """
         self.guard_memory()
         partitions = list(entries)
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
-            for partition in partitions:
-                args: list[Any] = [layout]
-                for fields in entries[partition]:
-                    args.append(2 * len(fields))
-                    for name, value in fields.items():
-                        args += (name, value)
-                stream = keys.stream_key(topic, partition)
-                self._add(keys=[stream, keys.layout_key(topic, partition)], args=args, client=pipe)
-            replies = pipe.execute(raise_on_error=False)
+        calls = []
+        for partition in partitions:
+            args: list[Any] = [layout]
+            for fields in entries[partition]:
+                args.append(2 * len(fields))
+                for name, value in fields.items():
+                    args += (name, value)
+            calls.append(([keys.stream_key(topic, partition), keys.layout_key(topic, partition)], args))
+        # EVALSHA straight into the pipeline (one per node): redis-py's script objects would send
+        # SCRIPT EXISTS, which an ACL user may lack, and a cluster pipeline refuses them.
+        replies = self._eval_pipelined(self._add, calls, raise_on_error=False)
         found: dict[int, list[bytes] | None] = {}
         for partition, reply in zip(partitions, replies, strict=True):
             if isinstance(reply, redis.ResponseError) and str(reply).startswith("LAYOUT"):

@@ -10,7 +10,8 @@ again completes it. ``parse_position`` turns the start, an entry id or a time in
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from pspf import codec, keys
@@ -85,18 +86,12 @@ class Replaying(ServiceBase):
         chosen = self._replay_topics(app, read, topics, keep_state)
         self._refuse_if_running(app, read, partitions)
         self._refuse_moving_forward(app, chosen, partitions, position)
-        state = self.settings.state
         self._need_state_dir(app, "replay resets the app's checkpoints there")
-        stores: dict[int, StateStore] = {}
-        try:
-            for partition in stored_partitions(state.engine, state.dir, app):  # locks them: a worker
-                stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
-            self._refuse_if_running(app, read, partitions)  # starting now waits for us
+        with self._stores_here(app, read, partitions) as stores:
             marks = self._superseded(app, chosen, partitions, position)
             streams = [keys.stream_key(t, p) for t in chosen for p in range(partitions)]
             if not dry_run:
-                for partition in sorted(set(marks) - set(stores)):  # the marks need a store
-                    stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+                self._open_for_marks(app, stores, marks)
                 for stream in streams:
                     self.broker.reset_group(stream, app, str(position))
                 checkpoint = None if position == keys.ZERO_ID else position
@@ -104,9 +99,6 @@ class Replaying(ServiceBase):
                 clear = BOOKKEEPING | (set() if keep_state else APP_STATE)
                 self._rewind(app, stores, rewound, marks, clear)
             entries = sum(self._entries_after(stream, position) for stream in streams)
-        finally:
-            for store in stores.values():
-                store.close()
         return ReplayResult(
             app=app,
             topics=chosen,
@@ -141,12 +133,7 @@ class Replaying(ServiceBase):
         rebuilt = [] if keep_state or not to_end else [t for t in self.broker.app_tables(app) if t in topics]
         from_start = topics if not to_end else rebuilt
         self._refuse_if_running(app, topics, partitions)
-        state = self.settings.state
-        stores: dict[int, StateStore] = {}
-        try:
-            for partition in stored_partitions(state.engine, state.dir, app):  # locks them: a worker
-                stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
-            self._refuse_if_running(app, topics, partitions)  # starting now waits for us
+        with self._stores_here(app, topics, partitions) as stores:
             self._refuse_unreachable_state(app, topics[0], partitions, stores)
             positions = self._reset_positions(topics, from_start, partitions)
             skipped = sum(
@@ -155,12 +142,8 @@ class Replaying(ServiceBase):
             entries = sum(self._entries_after(keys.stream_key(t, p), at) for (t, p), at in positions.items())
             marks = self._superseded(app, from_start, partitions, keys.ZERO_ID)
             if not dry_run:
-                for partition in sorted(set(marks) - set(stores)):  # the marks need a store
-                    stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+                self._open_for_marks(app, stores, marks)
                 self._reset_groups(app, stores, positions, partitions, marks, keep_state)
-        finally:
-            for store in stores.values():
-                store.close()
         return AppReset(
             app=app,
             to="end" if to_end else "start",
@@ -228,6 +211,30 @@ class Replaying(ServiceBase):
         if mine is None:
             return info.length
         return mine.pending + self.broker.count_after(stream, mine.last_delivered_id)
+
+    @contextmanager
+    def _stores_here(self, app: str, topics: list[str], partitions: int) -> Iterator[dict[int, StateStore]]:
+        """The app's stores in this state dir, open until the block ends.
+
+        Open stores are locked: a worker of the app cannot start meanwhile. Refused if a worker
+        took a lease before they were opened.
+        """
+        state = self.settings.state
+        stores: dict[int, StateStore] = {}
+        try:
+            for partition in stored_partitions(state.engine, state.dir, app):
+                stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
+            self._refuse_if_running(app, topics, partitions)  # starting now waits for us
+            yield stores
+        finally:
+            for store in stores.values():
+                store.close()
+
+    def _open_for_marks(self, app: str, stores: dict[int, StateStore], marks: Mapping[int, object]) -> None:
+        """Open (create) the stores here that superseded marks must be written to."""
+        state = self.settings.state
+        for partition in sorted(set(marks) - set(stores)):
+            stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
 
     def _need_state_dir(self, app: str, why: str) -> None:
         state = self.settings.state

@@ -393,14 +393,15 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
         gone = [
             name
             for p in range(plan.new, plan.old)
-            for name in (
-                keys.stream_key(topic, p),
-                keys.dlq_key(topic, p),
-                keys.producers_key(topic, p),
-                keys.layout_key(topic, p),
-            )
+            for name in (keys.stream_key(topic, p), keys.dlq_key(topic, p), keys.producers_key(topic, p))
         ]
         broker.delete_keys(gone)
+        # A retired partition keeps its guard at the new generation: a producer that still routes
+        # with the old count is refused there too (an absent guard would read as generation "0").
+        for p in range(plan.new, plan.old):
+            broker.set_value(keys.layout_key(topic, p), plan.layouts[topic])
+        guards = int(broker.hash_fields(keys.topic_key(topic)).get("guards", "0"))
+        broker.set_fields(keys.topic_key(topic), {"guards": str(max(guards, plan.old))})
     for app in plan.apps:
         read = broker.app_topic_list(app)
         for q in range(plan.new):

@@ -316,6 +316,39 @@ def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to
     assert every_entry_in_its_partition(rclient, topic, 6) == 101
 
 
+def test_a_producer_of_the_old_count_writes_nothing_into_a_retired_partition(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    rclient: redis.Redis,
+) -> None:
+    """8 -> 3: a producer still routing with 8 is refused on partitions 3..7 too, and re-routes.
+
+    A retired partition's guard must not read as "generation 0" (an absent key), or the stale
+    producer would recreate a stream no app reads. Deleting the topic takes the guards with it.
+    """
+    topic = make_topic(8)
+    broker = Broker(make_settings().redis)
+    stale = Producer(broker, batch_size=10_000)
+    stale.send(topic, {"n": -1}, key="first")
+    stale.flush()  # it knows the topic as 8 partitions, layout 0
+    Repartition(broker, make_plan(broker, topic, 3)).run()
+    for n in range(200):
+        stale.send(topic, {"n": n}, key=f"k{n}")
+    stale.flush()
+    assert stale.sent == 201
+    assert every_entry_in_its_partition(rclient, topic, 3) == 201
+    assert not any(rclient.exists(stream_key(topic, p)) for p in range(3, 8))
+
+    Service(make_settings()).delete_topic(topic)
+    assert not rclient.keys(f"*{{{topic}:*")  # no guard left behind
+    broker.create_topic(topic, 8)
+    fresh = Producer(broker)
+    for n in range(50):
+        fresh.send(topic, {"n": n}, key=f"k{n}")
+    fresh.flush()
+    assert every_entry_in_its_partition(rclient, topic, 8) == 50
+
+
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],

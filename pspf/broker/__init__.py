@@ -26,7 +26,7 @@ from pspf.broker.acknowledging import BACKUP_LOG_LENGTH, Acknowledging, AckReque
 from pspf.broker.admin import Admin
 from pspf.broker.connection import Connection
 from pspf.broker.moving import Moving
-from pspf.broker.publishing import PublishCall, Publishing, SentCalls
+from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
 from pspf.broker.reading import ReadAhead, Reading
 from pspf.broker.records import (
     CLUSTER_POLL_MS,
@@ -63,6 +63,7 @@ __all__ = [
     "ServerInfo",
     "StreamInfo",
     "log_data",
+    "refused_layout",
 ]
 
 

@@ -10,6 +10,7 @@ the server refused for a lost script cache, so nothing runs twice.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -39,6 +40,17 @@ class PublishCall(NamedTuple):
     head: bytes
     #: each row's values, one after another
     values: list[bytes]
+    #: the layout generation the rows were routed in (the target refuses another: a repartition)
+    layout: str = "0"
+
+
+def refused_layout(reply: object) -> str | None:
+    """The target's layout when ``reply`` is a refusal of the caller's (``LAYOUT <current>``)."""
+    if isinstance(reply, Exception):
+        found = re.search(r"\bLAYOUT (\S+)", str(reply))
+        if found is not None:
+            return found.group(1)
+    return None
 
 
 class Publishing(Connection):
@@ -124,7 +136,7 @@ class Publishing(Connection):
         replies = self._eval_pipelined(self._add, calls, raise_on_error=False)
         found: dict[int, list[bytes] | None] = {}
         for partition, reply in zip(partitions, replies, strict=True):
-            if isinstance(reply, redis.ResponseError) and str(reply).startswith("LAYOUT"):
+            if refused_layout(reply) is not None:
                 found[partition] = None
             elif isinstance(reply, Exception):
                 raise reply
@@ -166,10 +178,20 @@ class Publishing(Connection):
         """
         scripted = [
             (
-                [keys.stream_key(*call.target), keys.producers_key(*call.target)],
-                [producer, call.prev, call.seqs, len(call.names), *call.names, call.head, *call.values],
+                [keys.stream_key(*t), keys.producers_key(*t), keys.layout_key(*t)],
+                [
+                    call.layout,
+                    producer,
+                    call.prev,
+                    call.seqs,
+                    len(call.names),
+                    *call.names,
+                    call.head,
+                    *call.values,
+                ],
             )
             for call in calls
+            for t in (call.target,)
         ]
         if self.cluster:
             try:
@@ -183,7 +205,7 @@ class Publishing(Connection):
                 connection = pool.get_connection()
                 try:
                     connection.send_packed_command(
-                        packed([("EVALSHA", self._publish.sha, 2, *k, *a) for k, a in scripted])
+                        packed([("EVALSHA", self._publish.sha, 3, *k, *a) for k, a in scripted])
                     )
                 except BaseException:
                     connection.disconnect()

@@ -16,12 +16,12 @@ import redis
 from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
-from pspf.errors import BrokerError
+from pspf.errors import BrokerError, NotFound
 from pspf.keys import partition_for, stream_key
 from pspf.repartition import Repartition, make_plan
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
-from tests.integration.failures_support import summing_app
+from tests.integration.failures_support import WorkerThread, summing_app
 
 pytestmark = pytest.mark.integration
 
@@ -347,6 +347,91 @@ def test_a_producer_of_the_old_count_writes_nothing_into_a_retired_partition(
         fresh.send(topic, {"n": n}, key=f"k{n}")
     fresh.flush()
     assert every_entry_in_its_partition(rclient, topic, 8) == 50
+
+
+def forwarding_app(name: str, source: str, target: str) -> App:
+    """An app that emits each entry of ``source`` to ``target`` under its key."""
+    app = App(name)
+
+    @app.handler(source)
+    def forward(value: dict[str, int], ctx: Context) -> None:
+        ctx.emit(target, value, key=ctx.key)
+
+    return app
+
+
+@pytest.mark.parametrize("across", ["running", "restarted"])
+def test_an_app_emitting_into_a_repartitioned_topic_routes_its_rows_again(
+    across: str,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The emitting app reads another topic, so it runs on; its relay is refused while the
+    repartition runs and then routes its waiting rows with the new count: each once.
+
+    ``running``: the same worker sees the switch. ``restarted``: it stops while its rows wait and
+    a worker on another state dir publishes them from the backup.
+    """
+    source, target = make_topic(2), make_topic(4)
+    forwarder, reader = names.app(), names.app()
+    reading = make_settings(PSPF_STATE_DIR=str(tmp_path / "reader"))
+    produce(target, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    Worker(summing_app(reader, target), reading).run(until_idle=True)
+
+    sealed = subprocess.run(
+        pspf_command("topic", "repartition", target, "--partitions", "6", "--yes", "--broker", redis_url),
+        env=subprocess_env(PSPF_REPARTITION_CRASH_AT="copy"),
+        capture_output=True,
+    )
+    assert sealed.returncode == -9
+    produce(source, [(f"k{n % KEYS}", {"n": n}) for n in range(100, 400)])
+    first = make_settings(PSPF_STATE_DIR=str(tmp_path / "first"))
+    with WorkerThread(forwarding_app(forwarder, source, target), first, until_idle=True) as running:
+        deadline = time.monotonic() + 20
+        service = Service(make_settings())
+
+        def pending() -> int:
+            try:
+                return len(service.outbox_list(forwarder, "pending"))
+            except NotFound:  # no backup yet
+                return 0
+
+        while pending() < 300:
+            running.check()
+            assert time.monotonic() < deadline, "the rows never waited"
+            time.sleep(0.1)
+        assert sum(rclient.xlen(stream_key(target, p)) for p in range(4)) == 100  # nothing written
+        if across == "restarted":
+            running.stop()
+        resumed = subprocess.run(
+            pspf_command("topic", "repartition", target, "--resume", "--yes", "--broker", redis_url),
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        if across == "running":
+            running.thread.join(30)
+            assert not running.alive()
+            running.check()
+    if across == "restarted":
+        second = make_settings(PSPF_STATE_DIR=str(tmp_path / "second"))
+        Worker(forwarding_app(forwarder, source, target), second).run(until_idle=True)
+
+    assert every_entry_in_its_partition(rclient, target, 6) == 400
+    values = sorted(
+        msgspec.json.decode(fields[b"value"])["n"]
+        for p in range(6)
+        for _, fields in rclient.xrange(stream_key(target, p))
+    )
+    assert values == list(range(400))  # each once
+    Worker(summing_app(reader, target), reading).run(until_idle=True)
+    assert state_of(Service(make_settings()), reader) == totals(0, 400)
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

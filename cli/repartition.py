@@ -43,9 +43,11 @@ def topic_repartition(
     service = service_for(obj, broker)
     if not dry_run and not yes:
         preview = service.repartition_topic(name, partitions, dry_run=True, resume=resume)
+        what = "Finish the repartition of" if preview.resumed else "Repartition"
+        moving = "" if preview.resumed else f", moving {counted(preview.entries, 'entry')}"
         confirm(
-            f"Repartition {', '.join(preview.topics)} from {preview.partitions_before} to "
-            f"{preview.partitions_after} partitions, moving {counted(preview.entries, 'entry')}?"
+            f"{what} {', '.join(preview.topics)} from {preview.partitions_before} to "
+            f"{preview.partitions_after} partitions{moving}?"
         )
     result = service.repartition_topic(name, partitions, dry_run=dry_run, resume=resume)
     if as_json:
@@ -56,11 +58,14 @@ def topic_repartition(
 
 def _say(result: RepartitionResult) -> None:
     if result.resumed:
-        click.echo(f"resumed the repartition of {result.topic} at its {result.resumed} step")
+        resumes = "would resume" if result.dry_run else "resumed"
+        click.echo(f"{resumes} the repartition of {result.topic} at its {result.resumed} step")
     verb = "would move" if result.dry_run else "moved"
+    # a resumed switch copies nothing: the entries were counted when they were copied
+    entries = "" if result.resumed == "switching" else f": {counted(result.entries, 'entry')}"
     click.echo(
         f"{verb} {', '.join(result.topics)} from {result.partitions_before} to {result.partitions_after} "
-        f"partitions: {counted(result.entries, 'entry')} in {result.seconds:.1f}s"
+        f"partitions{entries} in {result.seconds:.1f}s"
     )
     for app, count in sorted(result.to_handle.items()):
         keys = result.state_keys.get(app, [])

@@ -70,8 +70,8 @@ class Producer:
         #: topic -> (partition count, layout generation), as last read
         self._layouts: dict[str, tuple[int, str]] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
-        #: how long a flush waits for a repartition of a topic to finish
-        self.repartition_wait_s = 60.0
+        #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
+        self.repartition_wait_s = self.broker.repartition_wait_s
         self.sent = 0
 
     def send(

@@ -1,6 +1,6 @@
 """Repartitioning: a topic, and the topics read with it, to a new partition count, with every app's state.
 
-The design is in ``docs/concepts/repartitioning-design.md``. In short: with every app of the
+The design is in ``docs/concepts/repartitioning.md``. In short: with every app of the
 topics stopped, every entry moves to its key's new partition (ids kept, old streams merged by id,
 a ``pspf-moved-from`` header naming the old partition), each app's new groups start at the first
 entry it has not handled, and its state backups are split or merged by key
@@ -28,8 +28,9 @@ from pspf.broker import Broker, Fields
 from pspf.errors import AppRunning, ConfigError, StateOutOfReach
 from pspf.keys import StreamId
 from pspf.membership import live_members
-from pspf.repartition_state import GONE, Gone, checkpoints_of, split, spread
+from pspf.repartition_state import GONE, Gone, checkpoints_of, key_of, split, spread
 from pspf.state_stores.base import field as store_field
+from pspf.state_stores.base import split_field
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,19 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     return plan
 
 
+def settled_counts(broker: Broker, topics: list[str]) -> dict[str, int]:
+    """Each topic's partition count; ConfigError while a repartition of one runs (a worker waits)."""
+    counts: dict[str, int] = {}
+    for topic in topics:
+        counts[topic], _, moving = broker.topic_layout(topic)
+        if moving:
+            raise ConfigError(
+                f"topic {topic!r} is being repartitioned: start the app once "
+                f"`pspf topic repartition {topic} --resume` has finished it"
+            )
+    return counts
+
+
 def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
     members = sorted(m.consumer for m in live_members(broker, app))
     held = broker.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])
@@ -114,6 +128,12 @@ def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
                 f"app {app!r} has no state backup of partition {partition}: a repartition moves the "
                 "state in the backups (run the app with the state backup on once)"
             )
+        if _keyless_state(broker, backup.values):
+            raise ConfigError(
+                f"app {app!r} keeps state for keyless entries (partition {partition}): that state "
+                "belongs to a partition, not to a key, so it cannot be split or merged; give the "
+                "entries keys (or delete the app's state: pspf app reset) before repartitioning"
+            )
         moving = next(
             broker.backup_values(backup.values, count=100, match=keys.MOVED_NAMESPACE.encode() + b"*"), []
         )
@@ -122,6 +142,24 @@ def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
                 f"app {app!r} has not yet handled the entries the last repartition moved: run it "
                 "(pspf run ... --until-idle) before repartitioning again"
             )
+
+
+#: Backup fields that can hold state of the empty key: (HSCAN pattern, namespace).
+_KEYLESS = [
+    (keys.STATE_NAMESPACE.encode() + b"\x00", keys.STATE_NAMESPACE),
+    (keys.EXPIRY_NAMESPACE.encode() + b"\x00", keys.EXPIRY_NAMESPACE),
+    (keys.WINDOWS_NAMESPACE.encode() + b"\x00*/", keys.WINDOWS_NAMESPACE),
+    (keys.SCHEDULES_NAMESPACE.encode() + b"\x00*/", keys.SCHEDULES_NAMESPACE),
+]
+
+
+def _keyless_state(broker: Broker, values: str) -> bool:
+    """Whether a backup holds state, a window or a schedule of the empty key (keyless entries)."""
+    for pattern, namespace in _KEYLESS:
+        for page in broker.backup_values(values, count=1000, match=pattern):
+            if any(key_of(namespace, split_field(name)[1]) == "" for name, _ in page):
+                return True
+    return False
 
 
 @dataclass

@@ -79,6 +79,6 @@ class Repartitioning(OutboxRows):
             if states:
                 raise ConfigError(
                     f"app {app!r} has outbox rows not published ({', '.join(states)}): run it until "
-                    "idle so its relay publishes them, and replay or drop dead rows "
-                    "(pspf outbox replay), then repartition"
+                    f"idle so its relay publishes them (dead rows: pspf outbox replay {app} --dead "
+                    "while it runs), then repartition"
                 )

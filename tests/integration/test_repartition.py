@@ -16,8 +16,8 @@ import redis
 from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
-from pspf.errors import BrokerError, NotFound
-from pspf.keys import partition_for, stream_key
+from pspf.errors import BrokerError, ConfigError, NotFound
+from pspf.keys import partition_for, stream_key, topic_key
 from pspf.repartition import Repartition, make_plan
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
@@ -297,6 +297,12 @@ def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to
     stale.repartition_wait_s = 0.3
     with pytest.raises(BrokerError, match="being repartitioned"):
         stale.flush()
+    with pytest.raises(ConfigError, match="is being repartitioned"):  # no worker starts either
+        Worker(summing_app("late-starter", topic), make_settings()).run(until_idle=True)
+    impatient = Producer(settings=make_settings(PSPF_REPARTITION_WAIT_S="0.2"))
+    with pytest.raises(BrokerError, match=r"not done within 0\.2s"):
+        impatient.send(topic, {"n": 0}, key="new")
+    impatient.close()
     assert sum(rclient.xlen(stream_key(topic, p)) for p in range(4)) == 1  # nothing written meanwhile
 
     stale.repartition_wait_s = 30
@@ -432,6 +438,24 @@ def test_an_app_emitting_into_a_repartitioned_topic_routes_its_rows_again(
     assert values == list(range(400))  # each once
     Worker(summing_app(reader, target), reading).run(until_idle=True)
     assert state_of(Service(make_settings()), reader) == totals(0, 400)
+
+
+def test_state_of_keyless_entries_is_refused_before_anything_moves(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Keyless entries' state belongs to a partition: merging would keep one partition's."""
+    topic, app = make_topic(2), names.app()
+    produce(topic, [(None, {"n": n}) for n in range(10)])
+    Worker(summing_app(app, topic), make_settings(PSPF_STATE_DIR=str(tmp_path))).run(until_idle=True)
+    broker = Broker(make_settings().redis)
+    with pytest.raises(ConfigError, match="keeps state for keyless entries"):
+        make_plan(broker, topic, 1)
+    assert rclient.hgetall(topic_key(topic)).get(b"moving") is None
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

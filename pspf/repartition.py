@@ -397,10 +397,13 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
                 keys.stream_key(topic, p),
                 keys.dlq_key(topic, p),
                 keys.producers_key(topic, p),
-                keys.layout_key(topic, p),
             )
         ]
         broker.delete_keys(gone)
+        # A partition that is gone keeps its guard, at the new layout: a missing guard reads as
+        # layout "0", and a writer still routing with it would make the stream again.
+        for p in range(plan.new, plan.old):
+            broker.set_value(keys.layout_key(topic, p), plan.layouts[topic])
     for app in plan.apps:
         read = broker.app_topic_list(app)
         for q in range(plan.new):

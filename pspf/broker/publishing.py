@@ -217,24 +217,41 @@ class Publishing(Connection):
 
     def add_chunks(
         self,
-        chunks: Sequence[tuple[str, str | None, list[Any]]],
+        topic: str,
+        layout: str,
+        chunks: Mapping[int, tuple[str | None, list[Any]]],
         marker_ttl_s: int,
         maxlen: str = "",
         minid: str = "",
-    ) -> list[int]:
-        """Add chunks of entries, one Lua call per chunk, all in one pipelined round trip.
+    ) -> dict[int, int | None]:
+        """Add chunks of entries to a topic's partitions, one Lua call each, in one pipelined round trip.
 
-        Each chunk is (stream, marker or None, flat entries): per entry the number of field and
-        value arguments, then those arguments. A chunk's marker counts its entries already added,
-        which are skipped. Returns how many entries each chunk added. Held back near the server's
-        maxmemory (``guard_memory``).
+        ``chunks`` maps a partition to (marker or None, flat entries): per entry the number of field
+        and value arguments, then those arguments. A chunk's marker counts its entries already
+        added, which are skipped. Per partition, how many entries its chunk added, or None when the
+        partition's layout is not ``layout`` (a repartition): then nothing of it was written, marker
+        included. Held back near the server's maxmemory (``guard_memory``).
         """
         self.guard_memory()
-        calls = [
-            ([stream] if marker is None else [stream, marker], [marker_ttl_s, maxlen, minid, *flat])
-            for stream, marker, flat in chunks
-        ]
-        return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+        partitions = list(chunks)
+        calls = []
+        for partition in partitions:
+            marker, flat = chunks[partition]
+            names = [keys.stream_key(topic, partition), keys.layout_key(topic, partition)]
+            calls.append(
+                (names if marker is None else [*names, marker], [layout, marker_ttl_s, maxlen, minid, *flat])
+            )
+        replies = self._eval_pipelined(self._sink_write, calls, raise_on_error=False)
+        added: dict[int, int | None] = {}
+        for partition, reply in zip(partitions, replies, strict=True):
+            if isinstance(reply, redis.ResponseError):
+                if str(reply).startswith("LAYOUT"):
+                    added[partition] = None
+                    continue
+                with self.translate_errors():
+                    raise reply
+            added[partition] = int(reply)
+        return added
 
 
 class SentCalls:

@@ -55,6 +55,7 @@ from pspf.service import (
     OutboxReplay,
     OutboxRowDetail,
     OutboxRowInfo,
+    RepartitionResult,
     ReplayResult,
     Service,
     TopicDescription,
@@ -150,6 +151,16 @@ class TopicDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """What ``pspf topic delete`` takes."""
 
     dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
+
+
+class RepartitionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf topic repartition`` takes."""
+
+    partitions: Annotated[int, msgspec.Meta(ge=1, le=1024, description="the new partition count")] | None = (
+        None
+    )
+    resume: Annotated[bool, msgspec.Meta(description="finish a repartition a crash interrupted")] = False
+    dry_run: Annotated[bool, msgspec.Meta(description="say what would move; change nothing")] = False
 
 
 class AppResetRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -531,6 +542,26 @@ def topic_delete(
 
 
 @post(
+    "/topics/{topic:str}/repartition",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "topic.repartition"},
+    security=_BEARER,
+    responses=_errors(401, 403, 404, 409),
+    summary="Change a topic's partition count (and the topics read with it), with every app's state",
+)
+def topic_repartition(
+    request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[RepartitionRequest]
+) -> RepartitionResult:
+    remember_params(request, data)
+    result = _service(state).repartition_topic(
+        topic, data.partitions, dry_run=data.dry_run, resume=data.resume
+    )
+    audit(request, 200, "ok", result)
+    return result
+
+
+@post(
     "/apps/{app:str}/reset",
     sync_to_thread=True,
     status_code=200,
@@ -574,6 +605,7 @@ _WRITE_ROUTES: list[ControllerRouterHandler] = [
     app_reset,
     app_delete,
     topic_delete,
+    topic_repartition,
 ]
 
 
@@ -652,5 +684,6 @@ def _amend_openapi(app: Litestar) -> None:
         AppDeleteRequest,
         AppResetRequest,
         TopicDeleteRequest,
+        RepartitionRequest,
     ):
         schemas[body.__name__].additional_properties = False

@@ -37,6 +37,7 @@ from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
+    from pspf.state_stores.base import StoreTransaction
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,8 @@ class PartitionBatch:
             tx.put(keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:
                 tx.delete(keys.FOREIGN_NAMESPACE, name)
-            for cursor, passed in superseded_passed.items():
-                for done_id in passed:
-                    tx.delete(keys.SUPERSEDED_NAMESPACE, entry_name(cursor.topic, done_id))
+            moved_passed = _moved_passed(outcomes)
+            _forget_marks(tx, superseded_passed, moved_passed)
             for topic, entry_id in checkpoints.items():
                 tx.set_checkpoint(topic, entry_id)
         took = time.perf_counter() - started
@@ -240,6 +240,8 @@ class PartitionBatch:
         if page is not None:
             owned.outbox.committed(page, page_writes)
         self._adopt(outcomes, superseded_passed)
+        for cursor in moved_passed:
+            cursor.moved, cursor.moved_until = {}, None
         owned.adopt_rows(rows)
         return took
 
@@ -430,3 +432,26 @@ def iter_state(store: StateStore, prefix: str = "") -> Iterator[tuple[str, dict[
     """Every key's decoded state in one store, in key order."""
     for key, raw in store.items(keys.STATE_NAMESPACE, prefix):
         yield key, codec.state_decoder.decode(raw)
+
+
+def _moved_passed(outcomes: list[StreamOutcome]) -> list[StreamCursor]:
+    """The streams whose new checkpoint passes the last entry a repartition moved there."""
+    return [
+        o.cursor
+        for o in outcomes
+        if o.cursor.moved_until is not None
+        and o.checkpoint is not None
+        and o.checkpoint >= o.cursor.moved_until
+    ]
+
+
+def _forget_marks(
+    tx: StoreTransaction, superseded_passed: dict[StreamCursor, list[bytes]], moved_passed: list[StreamCursor]
+) -> None:
+    """Delete the marks a commit's checkpoints pass: superseded entries, a repartition's old positions."""
+    for cursor, passed in superseded_passed.items():
+        for done_id in passed:
+            tx.delete(keys.SUPERSEDED_NAMESPACE, entry_name(cursor.topic, done_id))
+    for cursor in moved_passed:
+        for name in (*map(str, cursor.moved), "until"):
+            tx.delete(keys.MOVED_NAMESPACE, f"{cursor.topic}/{name}")

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields, RawEntry, ReadAhead
+from pspf.errors import ConfigError, DecodeError
 from pspf.execution import Entry
 from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
@@ -49,16 +51,17 @@ class Read(NamedTuple):
     alone: bool = False
 
 
-class Screened(NamedTuple):
+@dataclass(slots=True)
+class Screened:
     """A read after screening: the entries that need a handler, in id order, and the others."""
 
-    todo: list[Entry]
+    todo: list[Entry] = field(default_factory=list)
     #: entries done without a handler (applied before, lost, superseded, or meant for another app)
-    done_ids: list[bytes]
+    done_ids: list[bytes] = field(default_factory=list)
     #: (id, DLQ fields) of entries judged dead before a crash, to move now
-    dead: list[tuple[bytes, Fields]]
-    skipped: int
-    lost: int
+    dead: list[tuple[bytes, Fields]] = field(default_factory=list)
+    skipped: int = 0
+    lost: int = 0
 
 
 class Delivery:
@@ -346,10 +349,8 @@ class Delivery:
     def screen(self, owned: OwnedPartition, read: Read) -> Screened:
         """Sort out entries that need no handler; the ones that do come back in id order."""
         cursor, entries = read.cursor, read.entries
-        done_ids: list[bytes] = []
-        dead: list[tuple[bytes, Fields]] = []
+        screened = Screened()
         forced: list[RawEntry] = []
-        skipped = lost = 0
         start = 0
         checkpoint = cursor.checkpoint
         superseded = cursor.superseded
@@ -360,26 +361,20 @@ class Delivery:
                 start += 1
                 if id_b in cursor.foreign and id_b not in superseded:
                     forced.append((id_b, fields))
-                    continue
-                if owned.dead or owned.failures:
-                    name = entry_name(cursor.topic, id_b)
-                    if name in owned.dead:
-                        dead.append((id_b, owned.dead[name]))  # decided before a crash: move it now
-                        continue
-                    if parked(owned.failures.get(name)):
-                        continue  # stays pending until it is due
-                done_ids.append(id_b)
-                skipped += 1
+                else:
+                    _handled_before(owned, cursor.topic, id_b, screened)
         rest = entries[start:]
         if not (forced or superseded) and all(
             fields is not None and codec.HEADERS not in fields for _, fields in rest
         ):
-            return Screened(rest, done_ids, dead, skipped, lost)  # type: ignore[arg-type]
+            screened.todo = rest  # type: ignore[assignment]
+            return screened
         todo: list[Entry] = []
         for id_b, fields in forced + rest:
             if id_b in superseded:
-                done_ids.append(id_b)  # its redriven copy is applied instead, as in the first run
-                skipped += 1
+                # its redriven copy is applied instead, as in the first run
+                screened.done_ids.append(id_b)
+                screened.skipped += 1
             elif fields is None:
                 log.warning(
                     "entry deleted while pending, lost before processing topic=%s partition=%s id=%s",
@@ -387,14 +382,18 @@ class Delivery:
                     cursor.partition,
                     id_b.decode(),
                 )
-                done_ids.append(id_b)
-                lost += 1
+                screened.done_ids.append(id_b)
+                screened.lost += 1
             elif codec.HEADERS in fields and not self._meant_for_us(fields[codec.HEADERS]):
-                done_ids.append(id_b)
-                skipped += 1
+                screened.done_ids.append(id_b)
+                screened.skipped += 1
+            elif cursor.moved and _moved_done(cursor, id_b, fields):
+                # handled in its old partition before a repartition
+                _handled_before(owned, cursor.topic, id_b, screened)
             else:
                 todo.append((id_b, fields))
-        return Screened(todo, done_ids, dead, skipped, lost)
+        screened.todo = todo
+        return screened
 
     def _meant_for_us(self, headers: bytes) -> bool:
         """False for an entry a redrive sent back for another app reading the same topic."""
@@ -434,3 +433,34 @@ class Delivery:
         if self.order is not None:
             for cursor in self.streams.values():
                 self.order.after_cycle(cursor)
+
+
+def _moved_done(cursor: StreamCursor, id_b: bytes, fields: Fields) -> bool:
+    """Whether a repartition moved this entry from an old partition where it was handled.
+
+    Unless it is marked as still needing a handler there (foreign: checked by the caller for
+    dead and parked ones).
+    """
+    raw = fields.get(codec.HEADERS)
+    if raw is None or keys.MOVED_FROM_HEADER.encode() not in raw or id_b in cursor.foreign:
+        return False
+    try:
+        headers = codec.decode_headers(raw)
+        upto = cursor.moved.get(int(headers[keys.MOVED_FROM_HEADER]))
+        original = StreamId.parse(headers.get(keys.MOVED_ID_HEADER, id_b.decode()))
+    except (KeyError, ValueError, DecodeError, ConfigError):
+        return False
+    return upto is not None and original <= upto
+
+
+def _handled_before(owned: OwnedPartition, topic: str, id_b: bytes, screened: Screened) -> None:
+    """An entry handled before: done, unless judged dead (moved to the DLQ now) or parked."""
+    if owned.dead or owned.failures:
+        name = entry_name(topic, id_b)
+        if name in owned.dead:
+            screened.dead.append((id_b, owned.dead[name]))  # decided before a crash: move it now
+            return
+        if parked(owned.failures.get(name)):
+            return  # stays pending until it is due
+    screened.done_ids.append(id_b)
+    screened.skipped += 1

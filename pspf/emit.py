@@ -86,18 +86,29 @@ class SourceHeaders:
 
 
 class Topics(Protocol):
-    """Where an emitter finds a topic's partition count: the broker (``pspf.testing``: its own)."""
+    """Where an emitter finds a topic's partition count: the broker (``pspf.testing``: its own).
 
-    def topic_partitions(self, topic: str) -> int: ...
+    ``topic_layout``: (partition count, layout generation, whether a repartition of it runs).
+    """
+
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]: ...
 
 
 class Emitter:
-    """Turns ``ctx.emit`` calls into rows: checks the topic, encodes, picks the partition."""
+    """Turns ``ctx.emit`` calls into rows: checks the topic, encodes, picks the partition.
+
+    It routes with each topic's count as first read, and ``layouts`` names the layout generation
+    that count belongs to: the relay publishes in it, and after a repartition (the target refused
+    the generation) ``refresh`` reads the new count, so rows emitted from then on are routed in
+    the new layout and the relay re-routes the ones before (``PartitionOutbox.reroute``).
+    """
 
     def __init__(self, topics: Topics, app: str) -> None:
         self.topics = topics
         self.app = app
         self._partitions: dict[str, int] = {}
+        #: topic -> the layout generation its known count belongs to
+        self.layouts: dict[str, str] = {}
 
     def partitions(self, topic: str) -> int:
         known = self._partitions.get(topic)
@@ -105,11 +116,22 @@ class Emitter:
             return known
         try:
             keys.check_name("topic", topic)
-            count = self.topics.topic_partitions(topic)
+            count, layout, _ = self.topics.topic_layout(topic)
         except (ConfigError, NotFound) as exc:
             raise EmitError(f"cannot emit to topic {topic!r}: {exc}") from None
-        self._partitions[topic] = count
+        self._partitions[topic], self.layouts[topic] = count, layout
         return count
+
+    def refresh(self, topic: str) -> bool:
+        """Read a topic's count and layout again; whether it moved to another layout.
+
+        While a repartition of it runs the old count stays (the rows wait for the switch).
+        """
+        count, layout, moving = self.topics.topic_layout(topic)
+        if moving or layout == self.layouts.get(topic):
+            return False
+        self._partitions[topic], self.layouts[topic] = count, layout
+        return True
 
     def entry(
         self,

@@ -71,6 +71,9 @@ TIMER_PREFIX = "timer/"
 #: (``state_ttl``), by key (see ``pspf.timers``).
 SCHEDULES_NAMESPACE = "__schedules"
 EXPIRY_NAMESPACE = "__expiry"
+#: After a repartition, until the app passes the moved entries: the old partitions' checkpoints,
+#: by "topic/old partition", and the last moved entry, by "topic/until" (see ``pspf.repartition``).
+MOVED_NAMESPACE = "__moved"
 #: Rows of the app's co-partitioned tables (``App.table``), by "table/key" (``table_key``).
 TABLES_NAMESPACE = "__tables"
 #: Rows of the app's global tables in a worker's own store (``pspf.tables.GlobalTables``).
@@ -92,8 +95,13 @@ STORE_NAMESPACES = (
     SCHEDULES_NAMESPACE,
     EXPIRY_NAMESPACE,
     TABLES_NAMESPACE,
+    MOVED_NAMESPACE,
 )
 
+#: Headers a repartition adds to the entries it moves: the partition each had before, and its id
+#: then when it had to change (another old partition had the same id).
+MOVED_FROM_HEADER = "pspf-moved-from"
+MOVED_ID_HEADER = "pspf-moved-id"
 #: Header a redrive adds so that only the app that dead-lettered an entry runs it again.
 REDRIVE_APP_HEADER = "pspf-redrive-app"
 #: Header a redrive adds: how often the entry was redriven.
@@ -166,6 +174,11 @@ def outbox_replayed_key(app: str) -> str:
 def stream_key(topic: str, partition: int) -> str:
     """The stream of one topic partition, e.g. ``pspf:{orders:0}``."""
     return f"{PREFIX}:{{{topic}:{partition}}}"
+
+
+def layout_key(topic: str, partition: int) -> str:
+    """The layout generation a partition's stream belongs to (absent: "0"); see ``lua/add.lua``."""
+    return f"{PREFIX}:{{{topic}:{partition}}}:layout"
 
 
 def dlq_key(topic: str, partition: int) -> str:

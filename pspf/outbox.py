@@ -174,6 +174,10 @@ _page_decoder = msgspec.msgpack.Decoder(
     tuple[int, int, str, list[tuple[str, int, bytes | None, bytes, str, bytes, bytes | None]]]
 )
 _status_decoder = msgspec.msgpack.Decoder(
+    tuple[RowState, int, int, int, int, int | None, str | None, int | None, str | None, int]
+)
+#: records written before rows could be re-routed (a repartition): no partition of their own
+_status_decoder_9 = msgspec.msgpack.Decoder(
     tuple[RowState, int, int, int, int, int | None, str | None, int | None, str | None]
 )
 _watermark_decoder = msgspec.msgpack.Decoder(tuple[int, int])
@@ -262,6 +266,7 @@ def status_value(row: OutboxRow) -> bytes:
             row.claimed_by,
             row.published_ms,
             row.last_error,
+            row.partition,  # a re-routed row's own (a repartition): its page has the old one
         )
     )
 
@@ -299,11 +304,17 @@ def page_row(
     fields = headers.fields(row)
     raw = None if statuses is None else statuses.get(row_id)
     if raw is not None:
-        state, seq, created, attempts, available, claimed_ms, claimed_by, published, error = (
-            _status_decoder.decode(raw)
-        )
+        try:
+            state, seq, created, attempts, available, claimed_ms, claimed_by, published, error, partition = (
+                _status_decoder.decode(raw)
+            )
+        except msgspec.ValidationError:
+            state, seq, created, attempts, available, claimed_ms, claimed_by, published, error = (
+                _status_decoder_9.decode(raw)
+            )
+            partition = row[1]
         return OutboxRow(
-            row_id, seq, row[0], row[1], fields, created, state, attempts, available,
+            row_id, seq, row[0], partition, fields, created, state, attempts, available,
             claimed_ms, claimed_by, published, error,
         )  # fmt: skip
     seq = page.first_seq + index

@@ -195,7 +195,7 @@ class Partitions:
         """
         store = self.open_store(self.group, partition)
         try:
-            self._check_count(store.get(BACKUP_NAMESPACE, BACKUP_PARTITIONS), count, "its store")
+            self._check_store_count(store, partition, count)
             backup, done = self._reconcile(store, partition, leases, count, keep_alive)
             checkpoints = store.checkpoints()
             streams = {}
@@ -228,6 +228,30 @@ class Partitions:
 
     def _check_count(self, recorded: bytes | str | None, count: int, where: str) -> None:
         check_partition_count(self.group, self.topics, recorded, count, where)
+
+    def _check_store_count(self, store: StateStore, partition: int, count: int) -> None:
+        """Refuse a store built for another count, unless a repartition rebuilt the backup for this one.
+
+        Then the store is of the old layout: its keys belong to other partitions now. It is
+        cleared, so the backup restores it whole; it is never trusted.
+        """
+        recorded = store.get(BACKUP_NAMESPACE, BACKUP_PARTITIONS)
+        if recorded is None or int(recorded) == count or not self.backup:
+            self._check_count(recorded, count, "its store")
+            return
+        meta = self.broker.backup_meta(keys.backup_keys(self.topics[0], partition, self.group).meta)
+        if meta.get(BACKUP_PARTITIONS) != str(count):
+            self._check_count(recorded, count, "its store")
+            return
+        log.info(
+            "the store of app %s partition %s was built for %s partitions; the topic was "
+            "repartitioned to %s: restoring it from the state backup",
+            self.group,
+            partition,
+            int(recorded),
+            count,
+        )
+        store.rewind(keys.STORE_NAMESPACES, dict.fromkeys(store.checkpoints()))
 
     def _claim_pending(self, owned: OwnedPartition) -> None:
         legacy = not owned.consumers and any(c.checkpoint is not None for c in owned.streams.values())

@@ -100,6 +100,11 @@ class StreamCursor:
     superseded: Superseded = field(default_factory=Superseded)
     #: Entries delivered and held back (``pspf.ordering``): the stream's next ones, a ``Read``
     held: Any = None
+    #: After a repartition (``MOVED_NAMESPACE``): old partition -> the entries of it at or below
+    #: this were handled; an entry moved from there (its ``pspf-moved-from`` header) is done when
+    #: its id is. Empty once the checkpoint passes ``moved_until``, the last moved entry.
+    moved: dict[int, StreamId] = field(default_factory=dict)
+    moved_until: StreamId | None = None
 
     def rewind(self) -> None:
         """Re-read all own pending entries: after a failure or a lost connection.
@@ -208,6 +213,12 @@ class OwnedPartition:
         for cursor in self.streams.values():
             cursor.foreign.update(self._marked(keys.FOREIGN_NAMESPACE, cursor.topic))
             cursor.superseded.load(self._marked(keys.SUPERSEDED_NAMESPACE, cursor.topic))
+            for name, raw in store.items(keys.MOVED_NAMESPACE, f"{cursor.topic}/"):
+                where = name.rpartition("/")[2]
+                if where == "until":
+                    cursor.moved_until = StreamId.parse(raw)
+                else:
+                    cursor.moved[int(where)] = StreamId.parse(raw)
         self.outbox.load()
 
     def _marked(self, namespace: str, topic: str) -> list[bytes]:

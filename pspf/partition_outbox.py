@@ -21,6 +21,7 @@ import bisect
 import itertools
 import logging
 import operator
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -103,6 +104,8 @@ class PartitionOutbox:
         self.sending: Sending | None = None
         #: when the relay looks for published pages to prune next (monotonic)
         self.next_prune = 0.0
+        #: topic -> the layout generation its waiting rows are routed in (none yet: unchecked)
+        self.layouts: dict[str, str] = {}
 
     # -- reading the store back ----------------------------------------------------------------
 
@@ -161,8 +164,12 @@ class PartitionOutbox:
         return waiting
 
     def _queue(self, item: Item) -> None:
-        row = item[2].rows[item[3]]
-        target = (row[0], row[1])
+        marked = self.marked.get(item[1])
+        if marked is not None:  # its own record: a re-routed row's target is not its page's
+            target = (marked.topic, marked.partition)
+        else:
+            row = item[2].rows[item[3]]
+            target = (row[0], row[1])
         queue = self.queues.get(target)
         if queue is None:
             queue = self.queues[target] = deque()
@@ -352,6 +359,52 @@ class PartitionOutbox:
             queue.popleft()
         if not queue:
             del self.queues[target]
+
+    # -- a repartition of a target topic ----------------------------------------------------------
+
+    def reroute(self, topic: str, count: int) -> int:
+        """Route the waiting rows to ``topic`` again with its new ``count``; how many moved.
+
+        A row whose key (a keyless row: its partition) falls in another partition now becomes
+        PENDING there, under a new sequence number: numbers above every one given before, in the
+        rows' old order, so the target's record of this producer (``lua/publish.lua``) takes them
+        and a key's rows keep their order. Like a replay, they are published once ``confirm``
+        says the write reached the backup. Rows in flight are not looked at: call it between steps.
+        """
+        allowed(RowState.CLAIMED, RowState.PENDING, "a re-routed row")
+        stamp = now_ms()
+        found: list[tuple[RowState | None, OutboxRow, Item]] = []
+        for target in [t for t in self.queues if t[0] == topic]:
+            staying: deque[Item] = deque()
+            for item in self.queues.pop(target):
+                row = self.row(item)
+                key = item[2].rows[item[3]][2]
+                partition = row.partition % count if key is None else zlib.crc32(key) % count
+                if partition == row.partition or row.state in (RowState.PUBLISHED, RowState.DEAD):
+                    staying.append(item)
+                    continue
+                again = msgspec.structs.replace(
+                    row, partition=partition, state=RowState.PENDING, available_ms=stamp,
+                    claimed_ms=None, claimed_by=None,
+                )  # fmt: skip
+                found.append((row.state if item[1] in self.marked else None, again, item))
+            if staying:
+                self.queues[target] = staying
+        if not found:
+            return 0
+        found.sort(key=lambda moved: moved[2][0])
+        rows = [
+            (before, msgspec.structs.replace(row, seq=self.next_seq + n))
+            for n, (before, row, _) in enumerate(found)
+        ]
+        self.next_seq += len(rows)
+        self.update(
+            rows, {(keys.OUTBOX_META_NAMESPACE, NEXT_KEY): f"{self.next_id}/{self.next_seq}".encode()}
+        )
+        for (_, row), (_, _, item) in zip(rows, found, strict=True):
+            self._queue((row.seq, row.id, item[2], item[3]))
+        self.unconfirmed = self.next_seq - 1
+        return len(rows)
 
     # -- replays -----------------------------------------------------------------------------------
 

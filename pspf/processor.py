@@ -87,7 +87,7 @@ class BatchProcessor:
         self.policies = policies
         self.hooks = hooks or ProcessorHooks()
         self.emitter = Emitter(broker, app.name)
-        self.relay = Relay(broker, consumer, outbox or OutboxSettings(), self.hooks)
+        self.relay = Relay(broker, consumer, outbox or OutboxSettings(), self.emitter, self.hooks)
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}
         if app.timers:  # a read waits no longer than a timer period (one it overruns runs late)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields
+from pspf.errors import BrokerError
 from pspf.settings import Settings
 
 
@@ -62,9 +64,14 @@ class Producer:
         self._own_broker = broker is None
         self.broker = broker or Broker((settings or Settings.load()).redis)
         self.batch_size = batch_size
-        self._buffer: list[tuple[str, Fields]] = []
-        self._partitions: dict[str, int] = {}
+        #: queued entries by topic, routed to partitions when flushed
+        self._buffer: dict[str, list[Fields]] = {}
+        self._queued = 0
+        #: topic -> (partition count, layout generation), as last read
+        self._layouts: dict[str, tuple[int, str]] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
+        #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
+        self.repartition_wait_s = self.broker.repartition_wait_s
         self.sent = 0
 
     def send(
@@ -105,30 +112,62 @@ class Producer:
             BrokerError: as for ``send``.
         """
         fields = codec.entry_fields(value, key, headers)
-        partitions = self._partitions.get(topic)
-        if partitions is None:
+        if topic not in self._layouts:
             keys.check_name("topic", topic)
-            partitions = self._partitions[topic] = self.broker.topic_partitions(topic)
-            self._round_robin[topic] = itertools.cycle(range(partitions))
-        if key is None:
-            partition = next(self._round_robin[topic])
-        else:
-            partition = keys.partition_for(fields[codec.KEY], partitions)
-        self._buffer.append((keys.stream_key(topic, partition), fields))
-        if len(self._buffer) >= self.batch_size:
+            self._learn(topic)
+        self._buffer.setdefault(topic, []).append(fields)
+        self._queued += 1
+        if self._queued >= self.batch_size:
             self.flush()
 
+    def _learn(self, topic: str) -> None:
+        """Read the topic's count and layout; wait while a repartition of it runs (bounded)."""
+        deadline = time.monotonic() + self.repartition_wait_s
+        while True:
+            partitions, layout, moving = self.broker.topic_layout(topic)
+            if not moving:
+                break
+            if time.monotonic() >= deadline:
+                raise BrokerError(
+                    f"topic {topic!r} is being repartitioned and was not done within "
+                    f"{self.repartition_wait_s:g}s; nothing queued was lost: flush again later"
+                )
+            time.sleep(0.1)
+        self._layouts[topic] = (partitions, layout)
+        self._round_robin[topic] = itertools.cycle(range(partitions))
+
+    def _routed(self, topic: str, entries: list[Fields]) -> dict[int, list[Fields]]:
+        partitions, _ = self._layouts[topic]
+        routed: dict[int, list[Fields]] = {}
+        for fields in entries:
+            key = fields.get(codec.KEY)
+            partition = next(self._round_robin[topic]) if key is None else keys.partition_for(key, partitions)
+            routed.setdefault(partition, []).append(fields)
+        return routed
+
     def flush(self) -> None:
-        """Write everything queued, in one pipelined round trip.
+        """Write everything queued, in one pipelined round trip per topic.
+
+        A partition whose layout moved on (a repartition) wrote nothing: its entries are routed
+        again with the topic's new count, after waiting for the repartition to finish.
 
         Raises:
             BrokerError: Redis is unreachable, refused a write, or is near its ``maxmemory``;
                 the queued entries are then kept, and some of them may have been written.
         """
-        if self._buffer:
-            self.broker.add_entries(self._buffer)
-            self.sent += len(self._buffer)
-            self._buffer = []
+        for topic in list(self._buffer):
+            pending = self._buffer[topic]
+            while pending:
+                routed = self._routed(topic, pending)
+                written = self.broker.add_in_layout(topic, self._layouts[topic][1], routed)
+                pending = [f for partition, ids in written.items() if ids is None for f in routed[partition]]
+                done = sum(len(routed[p]) for p, ids in written.items() if ids is not None)
+                self.sent += done
+                self._queued -= done
+                self._buffer[topic] = pending
+                if pending:
+                    self._learn(topic)
+            del self._buffer[topic]
 
     def close(self) -> None:
         """Flush, then close the connection if the producer opened it."""

@@ -532,3 +532,24 @@ class TopicRemoval(msgspec.Struct, frozen=True, kw_only=True):
     #: keys deleted: the partitions' streams, DLQs and producer records, the topic's record
     keys: list[str]
     dry_run: bool
+
+
+class RepartitionResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``pspf topic repartition`` did (or, with ``dry_run``, would do)."""
+
+    topic: str
+    #: the topics that move together: read by a common app
+    topics: list[str]
+    apps: list[str]
+    partitions_before: int
+    partitions_after: int
+    #: entries moved to their key's new partition (all of the topics' entries)
+    entries: int
+    #: app -> entries it will handle (those it had not handled before)
+    to_handle: dict[str, int]
+    #: app -> its state keys in each new partition
+    state_keys: dict[str, list[int]]
+    #: the step a ``--resume`` took up, or None
+    resumed: str | None = None
+    dry_run: bool
+    seconds: float

@@ -31,8 +31,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pspf import codec, keys
-from pspf.broker import PublishCall
+from pspf.broker import PublishCall, refused_layout
+from pspf.emit import EmitError
 from pspf.failures import RetryPolicy
 from pspf.hooks import RelayHooks, call_hook
 from pspf.outbox import (
@@ -56,6 +59,7 @@ from pspf.partition_outbox import Item, PartitionOutbox, Sending
 
 if TYPE_CHECKING:
     from pspf.broker import Broker
+    from pspf.emit import Emitter
     from pspf.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ STEP_ROWS = 2_000
 #: runs: up to 500 pages (a batch each) a second, more than a worker publishes.
 PRUNE_SCAN = 500
 PRUNE_EVERY_S = 1.0
+
+#: How long rows refused for their layout wait while a repartition of their topic runs.
+LAYOUT_WAIT_MS = 500
 
 #: The fields of a published row, with and without a key.
 _KEYED = (codec.KEY, codec.VALUE, codec.HEADERS)
@@ -83,12 +90,15 @@ class Relay:
         broker: Broker,
         name: str,
         settings: OutboxSettings,
+        emitter: Emitter,
         hooks: RelayHooks | None = None,
         clock: Callable[[], int] = now_ms,
     ) -> None:
         self.broker = broker
         self.name = name
         self.settings = settings
+        #: the worker's emitter: the layout each target topic's rows are routed in
+        self.emitter = emitter
         self.hooks = hooks or RelayHooks()
         self.clock = clock
         #: the same backoff as failing entries': doubling, capped, with jitter
@@ -102,6 +112,7 @@ class Relay:
         Settles the calls of the step before, then sends the next calls without waiting for them.
         """
         published, failed = self.settle(outbox)
+        self._follow_layouts(outbox)
         self._expire_claims(outbox)
         work = outbox.publishable(self.clock(), STEP_ROWS)
         if work:
@@ -112,6 +123,27 @@ class Relay:
             outbox.sending = Sending(sent, [(call.target, items) for call, items in calls], claims)
         self._prune(outbox)
         return published, failed
+
+    def _follow_layouts(self, outbox: PartitionOutbox) -> None:
+        """Re-route the waiting rows of a target topic whose layout the emitter knows newer."""
+        for topic in {target[0] for target in outbox.queues}:
+            layout = self.emitter.layouts.get(topic)
+            if layout is None:  # rows from the store (a takeover): check them in today's layout
+                try:
+                    self.emitter.partitions(topic)
+                except EmitError:
+                    continue  # the topic is gone: publishing says so
+                layout = self.emitter.layouts[topic]
+            if outbox.layouts.get(topic) != layout:
+                moved = outbox.reroute(topic, self.emitter.partitions(topic))
+                outbox.layouts[topic] = layout
+                if moved:
+                    log.info(
+                        "outbox partition=%s: %s rows to topic %s routed again (it was repartitioned)",
+                        outbox.partition,
+                        moved,
+                        topic,
+                    )
 
     def _claim(self, outbox: PartitionOutbox, work: list[tuple[Target, list[Item]]]) -> dict[int, int]:
         """Claim the due PENDING rows among ``work`` (one write); the claims of rows with a record."""
@@ -143,6 +175,7 @@ class Relay:
         headers = outbox.headers
         calls: list[tuple[PublishCall, list[Item]]] = []
         for target, items in work:
+            layout = outbox.layouts.get(target[0], "0")
             prev = 0
             start = 0
             while start < len(items):
@@ -178,6 +211,7 @@ class Relay:
                     _KEYED if keyed else _UNKEYED,
                     headers.head(source_topic) if sourced else b"",
                     values,
+                    layout,
                 )
                 calls.append((call, chunk))
                 prev = chunk[-1][0]
@@ -193,8 +227,13 @@ class Relay:
         published: list[tuple[Target, list[Item]]] = []
         failed: list[tuple[Item, str]] = []
         broken: dict[Target, str] = {}
+        refused: list[Item] = []
         for (target, items), reply in zip(sending.calls, sending.sent.replies(), strict=True):
             stream = keys.stream_key(*target)
+            if refused_layout(reply) is not None:  # a repartition: nothing of the call was written
+                refused += items
+                broken.setdefault(target, str(reply))
+                continue
             if target in broken or isinstance(reply, BaseException):
                 if target not in broken:
                     broken[target] = str(reply)
@@ -206,6 +245,8 @@ class Relay:
             call_hook(self.hooks.on_outbox_sent, outbox.partition, stream, len(items), int(reply[0]))
             published.append((target, items))
         done, dead_or_pending = self._mark(outbox, sending, published, failed)
+        if refused:
+            self._wait_for_layout(outbox, sending, refused)
         call_hook(self.hooks.on_outbox_settled, outbox.partition, done, dead_or_pending)
         return len(done), len(dead_or_pending)
 
@@ -289,6 +330,30 @@ class Relay:
                 finished.append(page)
             done += [(page.created_ms, now)] * rows
         return records, marks, finished, done
+
+    def _wait_for_layout(self, outbox: PartitionOutbox, sending: Sending, refused: list[Item]) -> None:
+        """Rows a target refused for their layout wait, no attempt counted, for the switch.
+
+        The emitter reads the topics' layouts again: after the switch the next step re-routes the
+        rows (``_follow_layouts``); while the repartition runs they wait ``LAYOUT_WAIT_MS``.
+        """
+        topics = {outbox.row(item).topic for item in refused}
+        moved = {topic for topic in topics if self.emitter.refresh(topic)}
+        later = self.clock() + (0 if moved else LAYOUT_WAIT_MS)
+        rows: list[tuple[RowState | None, OutboxRow]] = []
+        for item in refused:
+            row = outbox.row(item)
+            if self._still_claimed(outbox, sending, row):
+                again = msgspec.structs.replace(
+                    row, state=RowState.PENDING, available_ms=later, claimed_ms=None, claimed_by=None
+                )
+                rows.append((RowState.CLAIMED if item[1] in outbox.marked else None, again))
+        if rows:
+            outbox.update(rows)
+        if not moved:
+            log.info(
+                "outbox partition=%s: rows to %s wait for a repartition", outbox.partition, sorted(topics)
+            )
 
     def _still_claimed(self, outbox: PartitionOutbox, sending: Sending, row: OutboxRow) -> bool:
         """Whether a row is still under the claim it was published under (by this relay)."""

@@ -42,6 +42,8 @@ class RedisSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: producers slow down above this share of the server's maxmemory, and stop above the next
     memory_slow_at: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
     memory_fail_at: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.95
+    #: how long producers wait for a repartition of a topic they write to before they fail
+    repartition_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
     def __repr__(self) -> str:
         tls = "".join(
@@ -213,6 +215,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_WAIT_REPLICAS": ("redis", "wait_replicas"),
     "PSPF_WAIT_TIMEOUT_MS": ("redis", "wait_timeout_ms"),
     "PSPF_MEMORY_SLOW_AT": ("redis", "memory_slow_at"),
+    "PSPF_REPARTITION_WAIT_S": ("redis", "repartition_wait_s"),
     "PSPF_MEMORY_FAIL_AT": ("redis", "memory_fail_at"),
     "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
     "PSPF_BLOCK_MS": ("consumer", "block_ms"),

@@ -28,6 +28,17 @@ beyond ``maxlen`` but none at or above the floor, so a stream stays longer than 
 app lags (a trim that deleted unread entries would lose them for good). A stream without groups is
 trimmed as ``XADD MAXLEN ~``/``MINID ~`` would. Trimming is approximate: whole nodes of entries go.
 
+Repartitioning. Rows are routed with the partition count and layout generation the driver read
+(``pspf topic repartition`` changes both), and each chunk's Lua call refuses, before writing
+anything, a partition whose layout is not that one. The driver waits while a repartition of the
+topic runs, ``repartition_wait_s`` at most (60 s by default), then fails. A task whose chunks are
+refused waits likewise, reads the new count and routes the refused entries again; the entries
+written before the switch moved with the topic. So within one task attempt nothing is lost and
+nothing is written twice. A Spark retry (or a streaming replay) of a task that spans the switch
+may write again the chunks its earlier attempt wrote before the switch, and the entries it routed
+again, as their markers were under the old layout or absent: stop Spark writes to a topic before
+repartitioning it, as with the apps that read it.
+
 Needs pyspark 4.1+ and pyarrow (``pip install 'pspf[spark]'``) and Java 17+. ``import pspf`` does not
 import this module.
 """
@@ -35,7 +46,8 @@ import this module.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +57,7 @@ import msgspec
 from pspf import keys
 from pspf.broker import Broker
 from pspf.codec import KEY, VALUE
-from pspf.errors import ConfigError
+from pspf.errors import BrokerError, ConfigError
 from pspf.settings import RedisSettings, check_broker_url, mask_url
 
 try:
@@ -66,6 +78,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 NAME = "pspf"
 _CHUNK_ROWS = 2_000
 _DEFAULT_MARKER_TTL_S = 7 * 24 * 3600
+#: as the ``Producer``'s ``repartition_wait_s``
+_DEFAULT_REPARTITION_WAIT_S = 60.0
 
 
 def register(spark: SparkSession) -> None:
@@ -110,6 +124,10 @@ class SinkOptions:
     minid: str
     idempotency_key: str | None
     marker_ttl_s: int
+    #: the layout generation ``partitions`` was read with (``lua/sink_write.lua`` refuses others)
+    layout: str = "0"
+    #: how long a write waits for a repartition of the topic to finish
+    repartition_wait_s: float = _DEFAULT_REPARTITION_WAIT_S
 
 
 def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
@@ -123,6 +141,7 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
         "minid",
         "idempotency_key",
         "marker_ttl_s",
+        "repartition_wait_s",
     }
     unknown = sorted(set(options) - known - SPARK_OPTIONS)
     if unknown:
@@ -151,8 +170,9 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
     ttl = options.get("marker_ttl_s", str(_DEFAULT_MARKER_TTL_S))
     if not ttl.isdigit() or int(ttl) <= 0:
         raise ConfigError(f"marker_ttl_s must be a positive number of seconds, not {ttl!r}")
+    wait_s = _positive_seconds(options.get("repartition_wait_s", str(_DEFAULT_REPARTITION_WAIT_S)))
     with connected(url) as broker:
-        partitions = broker.topic_partitions(topic)
+        partitions, layout = _settled(broker, topic, wait_s, time.monotonic() + wait_s)
     return SinkOptions(
         url=url,
         topic=topic,
@@ -164,7 +184,19 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
         minid=minid,
         idempotency_key=options.get("idempotency_key"),
         marker_ttl_s=int(ttl),
+        layout=layout,
+        repartition_wait_s=wait_s,
     )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"repartition_wait_s must be a positive number of seconds, not {text!r}")
+    return seconds
 
 
 class PSPFDataSource(DataSource):
@@ -289,44 +321,20 @@ def _write_task(
     """Write one task's rows in chunks of ``_CHUNK_ROWS``; with a ``token``, each chunk at most once.
 
     A chunk is cut by row count, whatever the sizes of the Arrow batches, so a retried task cuts
-    the same chunks as the attempt before it and their markers match.
+    the same chunks as the attempt before it and their markers match. Entries a repartition
+    refused are routed again, once, without markers (``_Chunks.write``).
     """
     from pyspark import TaskContext
 
     context = TaskContext.get()
     spark_partition = context.partitionId() if context is not None else 0
     entries = _Encoder(options, schema).entries(batches)
-    partitions = options.partitions
-    round_robin = itertools.count()
     broker = Broker(RedisSettings(url=options.url))
-    written = skipped = 0
+    chunks = _Chunks(options, broker, None if token is None else f"{token}:{spark_partition}")
     try:
         for chunk_number in itertools.count():
-            by_partition: dict[int, list[Any]] = {}
-            for key, value in itertools.islice(entries, _CHUNK_ROWS):
-                if key is None:
-                    flat = by_partition.setdefault(next(round_robin) % partitions, [])
-                    flat += (2, VALUE, value)
-                else:
-                    flat = by_partition.setdefault(keys.partition_for(key, partitions), [])
-                    flat += (4, KEY, key, VALUE, value)
-            if not by_partition:
+            if not chunks.write(chunk_number, itertools.islice(entries, _CHUNK_ROWS)):
                 break
-            chunks = [
-                (
-                    keys.stream_key(options.topic, partition),
-                    None
-                    if token is None
-                    else keys.sink_marker_key(
-                        options.topic, partition, f"{token}:{spark_partition}:{chunk_number}"
-                    ),
-                    flat,
-                )
-                for partition, flat in by_partition.items()
-            ]
-            added = broker.add_chunks(chunks, options.marker_ttl_s, options.maxlen, options.minid)
-            written += sum(added)
-            skipped += sum(1 for n in added if n == 0)
     except Exception as exc:
         # Say where, never how to log in: the URL is masked.
         raise RuntimeError(
@@ -334,7 +342,128 @@ def _write_task(
         ) from None
     finally:
         broker.close()
-    return SinkCommitMessage(written=written, skipped_chunks=skipped)
+    return SinkCommitMessage(written=chunks.written, skipped_chunks=chunks.skipped)
+
+
+class _Chunks:
+    """Writes a task's chunks in the topic's layout, and routes again what a repartition refused."""
+
+    def __init__(self, options: SinkOptions, broker: Broker, name: str | None) -> None:
+        self.options = options
+        self.broker = broker
+        #: the task's chunks are named "<name>:<chunk number>" (no markers without a name)
+        self.name = name
+        self.partitions = options.partitions
+        self.layout = options.layout
+        #: keyless entries, in the task's order: a retry spreads them as its earlier attempt did
+        self.round_robin = itertools.count()
+        self.written = self.skipped = 0
+
+    def write(self, chunk_number: int, entries: Iterable[tuple[bytes | None, bytes]]) -> bool:
+        """Write one chunk; False when ``entries`` is empty.
+
+        Partitions whose layout moved on wrote nothing: their entries are routed again with the
+        count of the new layout, once no repartition runs (waiting ``repartition_wait_s`` at
+        most). They go without markers: they are only part of the chunk, which a retry of the task
+        routes whole, so no marker of theirs could tell the retry what to skip; it writes them
+        again. (A marker named as before the switch could even skip entries: one may be in a
+        partition both layouts have, left by this chunk's entries written there.)
+        """
+        routed = self._routed(entries, self.round_robin)
+        if not routed:
+            return False
+        refused = self._send(routed, chunk_number)
+        wait_s = self.options.repartition_wait_s
+        deadline = time.monotonic() + wait_s
+        while refused:
+            self.partitions, self.layout = _settled(
+                self.broker, self.options.topic, wait_s, deadline, self.layout
+            )
+            refused = self._send(self._routed(_unflattened(refused), itertools.count()), None)
+        return True
+
+    def _routed(
+        self, entries: Iterable[tuple[bytes | None, bytes]], round_robin: Iterator[int]
+    ) -> dict[int, list[Any]]:
+        """Flat arguments of each partition's entries (see ``lua/sink_write.lua``)."""
+        partitions = self.partitions
+        by_partition: dict[int, list[Any]] = {}
+        for key, value in entries:
+            if key is None:
+                flat = by_partition.setdefault(next(round_robin) % partitions, [])
+                flat += (2, VALUE, value)
+            else:
+                flat = by_partition.setdefault(keys.partition_for(key, partitions), [])
+                flat += (4, KEY, key, VALUE, value)
+        return by_partition
+
+    def _marker(self, partition: int, chunk_number: int | None) -> str | None:
+        """The chunk's marker in ``partition``; its name says the layout (but in layout "0").
+
+        A retry after a repartition then finds no marker of the old layout where a partition of
+        the same number holds other entries, and writes its chunks again rather than skip any.
+        """
+        if self.name is None or chunk_number is None:
+            return None
+        chunk = f"{self.name}:{chunk_number}" + ("" if self.layout == "0" else f":g{self.layout}")
+        return keys.sink_marker_key(self.options.topic, partition, chunk)
+
+    def _send(self, routed: dict[int, list[Any]], chunk_number: int | None) -> list[list[Any]]:
+        """Send one chunk per partition; the flat entries of the partitions that refused the layout.
+
+        The markers are named by ``chunk_number``; None sends none.
+        """
+        options = self.options
+        chunks = {
+            partition: (self._marker(partition, chunk_number), flat) for partition, flat in routed.items()
+        }
+        added = self.broker.add_chunks(
+            options.topic, self.layout, chunks, options.marker_ttl_s, options.maxlen, options.minid
+        )
+        refused = []
+        for partition, count in added.items():
+            if count is None:
+                refused.append(routed[partition])
+            else:
+                self.written += count
+                self.skipped += int(count == 0)
+        return refused
+
+
+def _unflattened(flats: list[list[Any]]) -> Iterator[tuple[bytes | None, bytes]]:
+    """(key or None, value) of each entry of flat arguments, in their order."""
+    for flat in flats:
+        i = 0
+        while i < len(flat):
+            if flat[i] == 4:
+                yield flat[i + 2], flat[i + 4]
+            else:
+                yield None, flat[i + 2]
+            i += 1 + flat[i]
+
+
+def _settled(
+    broker: Broker, topic: str, wait_s: float, deadline: float, stale: str | None = None
+) -> tuple[int, str]:
+    """The topic's partition count and layout once no repartition of it runs (and not ``stale``).
+
+    Waits until ``deadline`` (``time.monotonic()``) at most, then fails naming the topic.
+    """
+    while True:
+        partitions, layout, moving = broker.topic_layout(topic)
+        if not moving and layout != stale:
+            return partitions, layout
+        if time.monotonic() >= deadline:
+            if not moving:
+                raise BrokerError(
+                    f"topic {topic!r}: its partitions refuse layout {layout!r}, which its record "
+                    "gives, and no repartition of it runs"
+                )
+            raise BrokerError(
+                f"topic {topic!r} is being repartitioned and was not done within {wait_s:g}s "
+                "(the repartition_wait_s option): stop Spark writes to a topic before repartitioning it"
+            )
+        time.sleep(0.1)
 
 
 class PSPFBatchWriter(DataSourceArrowWriter):

@@ -93,12 +93,12 @@ class _Topics:
     def __init__(self, counts: dict[str, int]) -> None:
         self.counts = counts
 
-    def topic_partitions(self, topic: str) -> int:
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
         if topic not in self.counts:
             raise NotFound(
                 f"topic {topic!r} does not exist; declare it: TestApp(app, topics={{{topic!r}: 1}})"
             )
-        return self.counts[topic]
+        return self.counts[topic], "0", False
 
 
 class TestApp:
@@ -206,7 +206,7 @@ class TestApp:
             raise ConfigError(f"app {self.app.name!r} has no handler for topic {topic!r} (nor a table of it)")
         fields = dict(fields)
         raw_key = fields.get(codec.KEY)
-        count = self._topics.topic_partitions(topic)
+        count = self._topics.topic_layout(topic)[0]
         partition = next(self._round_robin) % count if raw_key is None else keys.partition_for(raw_key, count)
         entry_id = self._append(topic, partition, fields)
         self._drain()
@@ -265,7 +265,7 @@ class TestApp:
 
     def emitted_entries(self, topic: str) -> list[EmittedEntry]:
         """The entries emitted to ``topic`` so far, with their keys, partitions and headers."""
-        self._topics.topic_partitions(topic)
+        self._topics.topic_layout(topic)
         return list(self._emitted.get(topic, []))
 
     def dead_letters(self, topic: str | None = None) -> list[DeadLetter]:

@@ -55,6 +55,7 @@ from pspf.ownership import (
     check_partition_count,
 )
 from pspf.processor import BatchProcessor
+from pspf.repartition import settled_counts
 from pspf.settings import Settings
 from pspf.standby import Standby
 from pspf.tables import GlobalTables, check_table_partitions
@@ -274,7 +275,7 @@ class Worker:
             log.warning("weaker guarantee: %s", warning)
         # check_server warned already when CONFIG cannot be read
         self._policy_unchecked = not self.broker.check_eviction()
-        counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.topics}
+        counts = settled_counts(self.broker, self.app.topics)
         check_table_partitions(self.app.name, list(self.app.tables), counts)
         if len(set(counts.values())) > 1:
             raise ConfigError(

@@ -10,6 +10,7 @@ command mixins; importers use ``Broker`` and the records re-exported here, never
   memberships, the backup's reads and rewrites;
 - ``publishing``: producers' and the outbox's writes, sinks' chunks, the memory guard;
 - ``admin``: topics, apps, groups, stream positions, the DLQ and outbox-replay requests;
+- ``moving``: a repartition's copies into staged keys and the renames that swap them in;
 - ``records``: the entry shapes, records and limits they share.
 
 Replies stay bytes (never ``decode_responses``) so a binary value cannot poison a batch, the
@@ -24,7 +25,8 @@ from __future__ import annotations
 from pspf.broker.acknowledging import BACKUP_LOG_LENGTH, Acknowledging, AckRequest, BackupUpdate, log_data
 from pspf.broker.admin import Admin
 from pspf.broker.connection import Connection
-from pspf.broker.publishing import PublishCall, Publishing, SentCalls
+from pspf.broker.moving import Moving
+from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
 from pspf.broker.reading import ReadAhead, Reading
 from pspf.broker.records import (
     CLUSTER_POLL_MS,
@@ -61,8 +63,9 @@ __all__ = [
     "ServerInfo",
     "StreamInfo",
     "log_data",
+    "refused_layout",
 ]
 
 
-class Broker(Reading, Acknowledging, Publishing, Admin):
+class Broker(Reading, Acknowledging, Publishing, Admin, Moving):
     """A connection pool to one Redis or Valkey server and the commands PSPF sends it."""

@@ -185,6 +185,8 @@ class Connection:
     def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
         self.url = mask_url(settings.url)
         self.address = parse_broker_url(settings.url)
+        #: how long producers of this connection wait for a repartition to finish
+        self.repartition_wait_s = settings.repartition_wait_s
         #: a Redis Cluster: commands of several partitions go per slot, grouped per node
         self.cluster = self.address.topology == "cluster"
         try:  # a cluster client asks its seed nodes for the slot map at once
@@ -211,6 +213,7 @@ class Connection:
         self._lease_release = self.client.register_script(_script("lease_release"))
         self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
         self._publish = self.client.register_script(_script("publish"))
+        self._add = self.client.register_script(_script("add"))
         self._read = self.client.register_script(_script("read"))
         self._last_ids = self.client.register_script(_script("last_ids"))
         self._read_loaded = False

@@ -10,8 +10,9 @@ the server refused for a lost script cache, so nothing runs twice.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import redis
@@ -20,7 +21,7 @@ from redis.exceptions import NoScriptError
 from pspf import keys
 from pspf.broker.connection import Connection, packed
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
-from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
+from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,17 @@ class PublishCall(NamedTuple):
     head: bytes
     #: each row's values, one after another
     values: list[bytes]
+    #: the layout generation the rows were routed in (the target refuses another: a repartition)
+    layout: str = "0"
+
+
+def refused_layout(reply: object) -> str | None:
+    """The target's layout when ``reply`` is a refusal of the caller's (``LAYOUT <current>``)."""
+    if isinstance(reply, Exception):
+        found = re.search(r"\bLAYOUT (\S+)", str(reply))
+        if found is not None:
+            return found.group(1)
+    return None
 
 
 class Publishing(Connection):
@@ -101,6 +113,47 @@ class Publishing(Connection):
                 )
             return list(pipe.execute())
 
+    def add_in_layout(
+        self, topic: str, layout: str, entries: Mapping[int, Sequence[Fields]]
+    ) -> dict[int, list[bytes] | None]:
+        """Append each partition's entries unless its layout is not ``layout``; one round trip.
+
+        Per partition, the new ids, or None when its layout moved on (nothing of it was written:
+        the producer reads the topic's count again). Held back near the server's maxmemory.
+        """
+        self.guard_memory()
+        partitions = list(entries)
+        calls = []
+        for partition in partitions:
+            args: list[Any] = [layout]
+            for fields in entries[partition]:
+                args.append(2 * len(fields))
+                for name, value in fields.items():
+                    args += (name, value)
+            calls.append(([keys.stream_key(topic, partition), keys.layout_key(topic, partition)], args))
+        # EVALSHA straight into the pipeline (one per node): redis-py's script objects would send
+        # SCRIPT EXISTS, which an ACL user may lack, and a cluster pipeline refuses them.
+        replies = self._eval_pipelined(self._add, calls, raise_on_error=False)
+        found: dict[int, list[bytes] | None] = {}
+        for partition, reply in zip(partitions, replies, strict=True):
+            if refused_layout(reply) is not None:
+                found[partition] = None
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                found[partition] = list(reply)
+        return found
+
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
+        """A topic's partition count, layout generation and whether a repartition of it runs."""
+        with self.translate_errors():
+            raw = self.client.hmget(keys.topic_key(topic), ["partitions", "layout", "moving"])
+        if raw[0] is None:
+            raise NotFound(
+                f"topic {topic!r} does not exist; create it with `pspf topic create {topic} --partitions N`"
+            )
+        return int(raw[0]), (raw[1] or b"0").decode(), raw[2] is not None
+
     def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
         """Append a producer's rows to a topic partition, each at most once; how many were new.
 
@@ -125,10 +178,20 @@ class Publishing(Connection):
         """
         scripted = [
             (
-                [keys.stream_key(*call.target), keys.producers_key(*call.target)],
-                [producer, call.prev, call.seqs, len(call.names), *call.names, call.head, *call.values],
+                [keys.stream_key(*t), keys.producers_key(*t), keys.layout_key(*t)],
+                [
+                    call.layout,
+                    producer,
+                    call.prev,
+                    call.seqs,
+                    len(call.names),
+                    *call.names,
+                    call.head,
+                    *call.values,
+                ],
             )
             for call in calls
+            for t in (call.target,)
         ]
         if self.cluster:
             try:
@@ -142,7 +205,7 @@ class Publishing(Connection):
                 connection = pool.get_connection()
                 try:
                     connection.send_packed_command(
-                        packed([("EVALSHA", self._publish.sha, 2, *k, *a) for k, a in scripted])
+                        packed([("EVALSHA", self._publish.sha, 3, *k, *a) for k, a in scripted])
                     )
                 except BaseException:
                     connection.disconnect()
@@ -154,24 +217,41 @@ class Publishing(Connection):
 
     def add_chunks(
         self,
-        chunks: Sequence[tuple[str, str | None, list[Any]]],
+        topic: str,
+        layout: str,
+        chunks: Mapping[int, tuple[str | None, list[Any]]],
         marker_ttl_s: int,
         maxlen: str = "",
         minid: str = "",
-    ) -> list[int]:
-        """Add chunks of entries, one Lua call per chunk, all in one pipelined round trip.
+    ) -> dict[int, int | None]:
+        """Add chunks of entries to a topic's partitions, one Lua call each, in one pipelined round trip.
 
-        Each chunk is (stream, marker or None, flat entries): per entry the number of field and
-        value arguments, then those arguments. A chunk's marker counts its entries already added,
-        which are skipped. Returns how many entries each chunk added. Held back near the server's
-        maxmemory (``guard_memory``).
+        ``chunks`` maps a partition to (marker or None, flat entries): per entry the number of field
+        and value arguments, then those arguments. A chunk's marker counts its entries already
+        added, which are skipped. Per partition, how many entries its chunk added, or None when the
+        partition's layout is not ``layout`` (a repartition): then nothing of it was written, marker
+        included. Held back near the server's maxmemory (``guard_memory``).
         """
         self.guard_memory()
-        calls = [
-            ([stream] if marker is None else [stream, marker], [marker_ttl_s, maxlen, minid, *flat])
-            for stream, marker, flat in chunks
-        ]
-        return [int(added) for added in self._eval_pipelined(self._sink_write, calls)]
+        partitions = list(chunks)
+        calls = []
+        for partition in partitions:
+            marker, flat = chunks[partition]
+            names = [keys.stream_key(topic, partition), keys.layout_key(topic, partition)]
+            calls.append(
+                (names if marker is None else [*names, marker], [layout, marker_ttl_s, maxlen, minid, *flat])
+            )
+        replies = self._eval_pipelined(self._sink_write, calls, raise_on_error=False)
+        added: dict[int, int | None] = {}
+        for partition, reply in zip(partitions, replies, strict=True):
+            if isinstance(reply, redis.ResponseError):
+                if str(reply).startswith("LAYOUT"):
+                    added[partition] = None
+                    continue
+                with self.translate_errors():
+                    raise reply
+            added[partition] = int(reply)
+        return added
 
 
 class SentCalls:

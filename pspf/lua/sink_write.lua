@@ -1,9 +1,14 @@
 -- sink_write: add one chunk of a Spark task's entries to a partition, each entry at most once, then
 -- trim the stream, never past an entry one of its consumer groups has yet to acknowledge.
--- KEYS[1] stream   KEYS[2] marker of this chunk, optional (same {topic:partition} hash tag)
--- ARGV[1] marker time to live in seconds   ARGV[2] MAXLEN ("" for none)   ARGV[3] MINID ("" for none)
+-- KEYS[1] stream   KEYS[2] its layout key   KEYS[3] marker of this chunk, optional
+--         (all three share the {topic:partition} hash tag)
+-- ARGV[1] the layout generation the writer routed with ("0": never repartitioned; a missing
+--         layout key is generation "0")
+-- ARGV[2] marker time to live in seconds   ARGV[3] MAXLEN ("" for none)   ARGV[4] MINID ("" for none)
 -- then, per entry in the chunk's order: the number m of fields and values, and those m arguments.
--- Returns the number of entries added.
+-- Returns the number of entries added; an error reply "LAYOUT <current>" before any write (marker
+-- included) when the stream's layout is not the writer's (a repartition runs, "moving", or has
+-- switched to another count), as lua/add.lua does.
 -- Protects the sink's promise of no duplicates and no loss: the marker counts the chunk's entries
 -- already added, so a replay of the same rows adds nothing and a retry after an attempt whose
 -- input ended early adds exactly the entries that attempt did not reach. Without a marker every
@@ -88,13 +93,18 @@ local function trim(stream, maxlen, minid)
   redis.call('XTRIM', stream, 'MINID', '~', minid)
 end
 
-local marker = KEYS[2]
+local current = redis.call('GET', KEYS[2]) or '0'
+if current ~= ARGV[1] then
+  return redis.error_reply('LAYOUT ' .. current)
+end
+
+local marker = KEYS[3]
 local done = 0
 if marker then
   done = tonumber(redis.call('GET', marker) or '0')
 end
 local seen, added = 0, 0
-local i = 4
+local i = 5
 while i <= #ARGV do
   local m = tonumber(ARGV[i])
   seen = seen + 1
@@ -105,9 +115,9 @@ while i <= #ARGV do
   i = i + 1 + m
 end
 if marker and seen > done then
-  redis.call('SET', marker, seen, 'EX', ARGV[1])
+  redis.call('SET', marker, seen, 'EX', ARGV[2])
 end
-if added > 0 and (ARGV[2] ~= '' or ARGV[3] ~= '') then
-  trim(KEYS[1], ARGV[2], ARGV[3])
+if added > 0 and (ARGV[3] ~= '' or ARGV[4] ~= '') then
+  trim(KEYS[1], ARGV[3], ARGV[4])
 end
 return added

@@ -11,6 +11,7 @@ parsers re-exported here, never the families:
 - ``apps``: the apps that ran, their lag, owners and members;
 - ``replay``: delivering a stopped app's entries again, rewinding its state to match, and
   resetting an app to the start or the end of its topics;
+- ``repartition``: changing a topic's partition count, with every app's state;
 - ``retire``: deleting an app from the server (its groups, leases, backups, record), or a topic;
 - ``state``: an app's state: get, windows, keys, export, import, adopt;
 - ``tables``: a row of an app's table or global table;
@@ -41,6 +42,7 @@ from pspf.records import (
     OutboxRowInfo,
     PartitionInfo,
     PartitionLag,
+    RepartitionResult,
     ReplayResult,
     TopicDescription,
     TopicEntry,
@@ -52,6 +54,7 @@ from pspf.service.apps import Apps
 from pspf.service.base import ServiceBase, parse_duration_ms
 from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
 from pspf.service.outbox import OutboxRows, parse_row_id
+from pspf.service.repartition import Repartitioning
 from pspf.service.replay import Replaying, parse_position
 from pspf.service.retire import Retiring
 from pspf.service.state import State
@@ -81,6 +84,7 @@ __all__ = [
     "PartitionInfo",
     "PartitionLag",
     "Positions",
+    "RepartitionResult",
     "ReplayResult",
     "Service",
     "ServiceBase",
@@ -97,5 +101,7 @@ __all__ = [
 ]
 
 
-class Service(Topics, TopicReading, DeadLetters, Apps, Replaying, Retiring, State, Tables, OutboxRows):
+class Service(
+    Topics, TopicReading, DeadLetters, Apps, Replaying, Retiring, Repartitioning, State, Tables, OutboxRows
+):
     """Topic, produce and state operations over one broker and one state directory."""

@@ -179,13 +179,9 @@ def test_commands_of_rarer_paths_are_allowed(user: Callable[[str], AsUser]) -> N
     try:
         broker.create_topic(as_user.topic, 1)
         assert broker.topic_partitions(as_user.topic) == 1
-        chunk = (
-            keys.stream_key(as_user.topic, 0),
-            keys.sink_marker_key(as_user.topic, 0, "q-1"),
-            [2, "value", "{}"],
-        )
-        assert broker.add_chunks([chunk], 60, maxlen="100") == [1]
-        assert broker.add_chunks([chunk], 60, maxlen="100") == [0]  # the marker saw it
+        chunk = {0: (keys.sink_marker_key(as_user.topic, 0, "q-1"), [2, "value", "{}"])}
+        assert broker.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {0: 1}
+        assert broker.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {0: 0}  # the marker saw it
         # The outbox: publishing (TYPE, HGET, XADD, HSET in Lua) and replay requests (HMGET).
         assert broker.publish(as_user.topic, 0, "app/0", [(1, {b"value": b"{}"})]) == 1
         broker.request_outbox_replay(as_user.app, 0, [1])

@@ -225,6 +225,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("POST", "/apps/{app}/reset"),
         ("POST", "/apps/{app}/delete"),
         ("POST", "/topics/{topic}/delete"),
+        ("POST", "/topics/{topic}/repartition"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]
@@ -239,7 +240,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
     assert reset["security"] == [{"bearer": []}] and {"401", "403", "404", "409"} <= set(reset["responses"])
     # Every body refuses unknown fields, and says so.
     bodies = [name for name in schemas if name.endswith("Request")]
-    assert len(bodies) == 7 and all(schemas[name]["additionalProperties"] is False for name in bodies)
+    assert len(bodies) == 8 and all(schemas[name]["additionalProperties"] is False for name in bodies)
     entries = document["paths"]["/topics/{topic}/entries"]["get"]
     assert {p["name"] for p in entries["parameters"]} == {"topic", "partition", "from", "count"}
 

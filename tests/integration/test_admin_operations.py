@@ -291,3 +291,29 @@ def test_a_topic_is_deleted_through_the_api_only_once_no_app_reads_it(
     assert not any(rclient.exists(stream_key(topic, p)) for p in range(2))
     assert api.get(f"/topics/{topic}").status_code == 404
     assert api.post(path, json={}, headers=AUTH).status_code == 404
+
+
+def test_a_topic_is_repartitioned_through_the_api_after_a_dry_run(
+    api: TestClient[Any],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    topic, app = make_topic(2), names.app()
+    produce(topic, [(f"k{i % 9}", {"n": i}) for i in range(60)])
+    Worker(summing_app(app, topic), make_settings()).run(until_idle=True)
+    produce(topic, [(f"k{i % 9}", {"n": i}) for i in range(60, 80)])
+    path = f"/topics/{topic}/repartition"
+    dry = api.post(path, json={"partitions": 5, "dry_run": True}, headers=AUTH)
+    assert dry.status_code == 200, dry.text
+    assert dry.json()["to_handle"] == {app: 20} and dry.json()["entries"] == 80
+    assert rclient.hget(f"pspf:topic:{{{topic}}}", "partitions") == b"2", "a dry run changes nothing"
+    assert api.post(path, json={"partitions": 5}).status_code == 401
+    with WorkerThread(summing_app(app, topic), make_settings()):
+        wait_until(lambda: bool(rclient.exists(f"pspf:app:{{{app}}}:members")), 10, "the worker to join")
+        assert api.post(path, json={"partitions": 5}, headers=AUTH).status_code == 409
+    done = api.post(path, json={"partitions": 5}, headers=AUTH)
+    assert done.status_code == 200 and done.json()["partitions_after"] == 5
+    assert api.post(path, json={"resume": True}, headers=AUTH).status_code == 404  # nothing to resume

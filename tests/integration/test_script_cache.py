@@ -31,7 +31,7 @@ def test_pipelined_scripts_reload_after_a_script_flush_and_run_once(
 
         rclient.script_flush()
         flat = [4, b"key", b"k", b"value", b"1"] * 3
-        assert broker.add_chunks([(stream, None, flat)], 60) == [3]
+        assert broker.add_chunks(topic, "0", {0: (None, flat)}, 60) == {0: 3}
         assert rclient.xlen(stream) == 3
 
         rclient.script_flush()
@@ -46,7 +46,7 @@ def test_pipelined_scripts_reload_after_a_script_flush_and_run_once(
 
         # A read sent ahead that found no script delivered nothing: the caller reads again.
         assert broker.read_ahead("g", "c", [(stream, lease, value)], 10).drop() == {}  # loads the script
-        assert broker.add_chunks([(stream, None, flat)], 60) == [3]
+        assert broker.add_chunks(topic, "0", {0: (None, flat)}, 60) == {0: 3}
         rclient.script_flush()
         assert broker.read_ahead("g", "c", [(stream, lease, value)], 10).take() is None
         assert rclient.xpending(stream, "g")["pending"] == 0

@@ -49,9 +49,10 @@ def consume(client: redis.Redis, stream: str, group: str, read: int, acked: int)
             assert client.xack(stream, group, *ids[:acked]) == acked
 
 
-def add(broker: Broker, stream: str, count: int, maxlen: str = "", minid: str = "") -> None:
+def add(broker: Broker, topic: str, count: int, maxlen: str = "", minid: str = "") -> None:
+    """Add ``count`` entries to partition 0 of ``topic`` as the sink does."""
     flat = [2, "value", "new"] * count
-    assert broker.add_chunks([(stream, None, flat)], 60, maxlen, minid) == [count]
+    assert broker.add_chunks(topic, "0", {0: (None, flat)}, 60, maxlen, minid) == {0: count}
 
 
 def ids_of(client: redis.Redis, stream: str) -> list[bytes]:
@@ -67,12 +68,13 @@ def from_floor(ids: list[bytes], floor: bytes) -> list[bytes]:
 def test_a_group_with_nothing_pending_keeps_what_it_has_not_read(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     ids = seed(rclient, stream, 3_000)
     consume(rclient, stream, names.app(), read=500, acked=500)  # floor: its last-delivered id
     consume(rclient, stream, names.app(), read=2_000, acked=1_000)  # oldest pending is higher
 
-    add(broker, stream, 10, maxlen="10")
+    add(broker, topic, 10, maxlen="10")
 
     kept = ids_of(rclient, stream)
     assert from_floor(kept, ids[499])[:-10] == ids[499:]
@@ -80,12 +82,13 @@ def test_a_group_with_nothing_pending_keeps_what_it_has_not_read(
 
 
 def test_a_group_that_never_read_keeps_everything(broker: Broker, rclient: redis.Redis, names: Names) -> None:
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     ids = seed(rclient, stream, 1_000)
     consume(rclient, stream, names.app(), read=0, acked=0)
 
-    add(broker, stream, 10, maxlen="0")
-    add(broker, stream, 10, minid="99999999999999-0")
+    add(broker, topic, 10, maxlen="0")
+    add(broker, topic, 10, minid="99999999999999-0")
 
     assert ids_of(rclient, stream)[:-20] == ids
 
@@ -93,11 +96,12 @@ def test_a_group_that_never_read_keeps_everything(broker: Broker, rclient: redis
 def test_a_minid_below_the_floor_trims_to_the_minid(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     ids = seed(rclient, stream, 3_000)
     consume(rclient, stream, names.app(), read=3_000, acked=3_000)
 
-    add(broker, stream, 10, minid=ids[1_500].decode())
+    add(broker, topic, 10, minid=ids[1_500].decode())
 
     kept = ids_of(rclient, stream)
     assert kept[-1_510:-10] == ids[1_500:]
@@ -107,11 +111,12 @@ def test_a_minid_below_the_floor_trims_to_the_minid(
 def test_a_maxlen_above_the_floor_trims_to_about_maxlen(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     seed(rclient, stream, 3_000)
     consume(rclient, stream, names.app(), read=3_000, acked=3_000)
 
-    add(broker, stream, 10, maxlen="500")
+    add(broker, topic, 10, maxlen="500")
 
     assert 500 <= rclient.xlen(stream) < 500 + NODE
 
@@ -119,12 +124,13 @@ def test_a_maxlen_above_the_floor_trims_to_about_maxlen(
 def test_a_stream_that_grew_while_an_app_lagged_shrinks_back_once_it_caught_up(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     group = names.app()
     rclient.xadd(stream, {"value": "first"})
     consume(rclient, stream, group, read=0, acked=0)
     for _ in range(6):
-        add(broker, stream, 2_000, maxlen="100")
+        add(broker, topic, 2_000, maxlen="100")
     assert rclient.xlen(stream) == 12_001  # the app has read none of it
 
     def catch_up() -> None:
@@ -133,7 +139,7 @@ def test_a_stream_that_grew_while_an_app_lagged_shrinks_back_once_it_caught_up(
 
     catch_up()
     for _ in range(6):  # each call looks at a bounded number of entries: a few calls catch up
-        add(broker, stream, 10, maxlen="100")
+        add(broker, topic, 10, maxlen="100")
         catch_up()
 
     assert 100 <= rclient.xlen(stream) < 100 + NODE
@@ -143,13 +149,14 @@ def test_ids_beyond_what_a_lua_number_holds_compare_exactly(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
     """2**53 + 1 and 2**53 are the same Lua number: compared as numbers, the floor would lose."""
-    stream = keys.stream_key(names.topic(), 0)
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
     big = 2**53
     ids = [rclient.xadd(stream, {"value": str(seq)}, id=f"{big}-{seq}") for seq in range(1, 301)]
     group = names.app()
     rclient.xgroup_create(stream, group, id=f"{big}-150")  # has read up to seq 150
 
-    add(broker, stream, 1, minid=f"{big + 1}-0")
+    add(broker, topic, 1, minid=f"{big + 1}-0")
 
     kept = ids_of(rclient, stream)
     assert from_floor(kept, ids[149]) == [*ids[149:], f"{big}-301".encode()]  # the entry it added

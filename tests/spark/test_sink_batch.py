@@ -194,6 +194,12 @@ BAD_OPTIONS = [
     pytest.param("exists", {"keys": "user"}, "unknown pspf sink option(s) ['keys']", id="unknown-option"),
     pytest.param("exists", {"value": "note", "columns": "id"}, "not both", id="value-and-columns"),
     pytest.param("exists", {"maxlen": "10k"}, "maxlen must be a whole number", id="bad-maxlen"),
+    pytest.param(
+        "exists",
+        {"repartition_wait_s": "0"},
+        "repartition_wait_s must be a positive",
+        id="bad-repartition-wait",
+    ),
 ]
 
 

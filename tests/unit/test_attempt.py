@@ -27,8 +27,8 @@ class Source:
         self.timers: PartitionTimers | None = None
         self.state_decoder = StateDecoder()
 
-    def topic_partitions(self, topic: str) -> int:
-        return 1
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
+        return 1, "0", False
 
     def base(self, key: str) -> bytes | None:
         return self.stored.get(key)

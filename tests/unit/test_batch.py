@@ -30,8 +30,8 @@ TOPIC = "orders"
 class Topics:
     """Partition counts for the emitter: every topic has one partition."""
 
-    def topic_partitions(self, topic: str) -> int:
-        return 1
+    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
+        return 1, "0", False
 
 
 class Acks:

@@ -1,0 +1,88 @@
+"""The round trips of a repartition: entries copied with their ids, staged keys swapped in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis
+
+from pspf.broker.connection import Connection
+from pspf.broker.records import Fields
+
+#: Entries per pipelined round trip when copying.
+COPY_CHUNK = 1000
+
+
+class Moving(Connection):
+    """Copying streams and hashes into staged keys, and renaming them over the live ones."""
+
+    def add_with_ids(self, stream: str, entries: Sequence[tuple[str, Fields]]) -> None:
+        """XADD each entry under its given id (ascending, above the stream's last), pipelined."""
+        node = self._on(stream)
+        with self.translate_errors(stream):
+            for start in range(0, len(entries), COPY_CHUNK):
+                pipe = node.pipeline(transaction=False)
+                for entry_id, fields in entries[start : start + COPY_CHUNK]:
+                    pipe.xadd(stream, fields, id=entry_id)  # type: ignore[arg-type]
+                pipe.execute()
+
+    def replace_hash(self, key: str, mapping: Mapping[Any, Any]) -> None:
+        """The hash ``key`` holds exactly ``mapping`` (none: the key is deleted), in one MULTI."""
+        with self.translate_errors(key):
+            pipe = self._on(key).pipeline(transaction=True)
+            pipe.delete(key)
+            items = list(mapping.items())
+            for start in range(0, len(items), COPY_CHUNK):
+                pipe.hset(key, mapping=dict(items[start : start + COPY_CHUNK]))
+            pipe.execute()
+
+    def rename_over(self, source: str, target: str) -> bool:
+        """RENAME ``source`` over ``target`` (same slot); False when ``source`` is gone already."""
+        with self.translate_errors(source):
+            try:
+                self._on(source).rename(source, target)
+            except redis.ResponseError as exc:
+                if "no such key" in str(exc).lower():
+                    return False
+                raise
+        return True
+
+    def empty_stream(self, key: str) -> None:
+        """Make ``key`` an empty stream (a group made with MKSTREAM, then destroyed), in one MULTI."""
+        with self.translate_errors(key):
+            pipe = self._on(key).pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.xgroup_create(key, "pspf-empty", id="0", mkstream=True)
+            pipe.xgroup_destroy(key, "pspf-empty")
+            pipe.execute()
+
+    def set_value(self, key: str, value: str) -> None:
+        with self.translate_errors(key):
+            self.client.set(key, value)
+
+    def delete_keys(self, names: Sequence[str]) -> None:
+        """DEL each of ``names`` (one command a key: they may be in any slot)."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            pipe.execute()
+
+    def hash_fields(self, key: str) -> dict[str, str]:
+        with self.translate_errors(key):
+            raw = self.client.hgetall(key)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    def set_fields(self, key: str, mapping: Mapping[str, str]) -> None:
+        with self.translate_errors(key):
+            self.client.hset(key, mapping=dict(mapping))
+
+    def delete_fields(self, key: str, names: Sequence[str]) -> None:
+        if names:
+            with self.translate_errors(key):
+                self.client.hdel(key, *names)
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -125,6 +125,7 @@ class BatchProcessor:
     def add(self, owned: OwnedPartition) -> None:
         """Process a partition taken on (``ownership.Partitions.take``) from the next cycle on."""
         self.time.load(owned)
+        self.relay.follow_layouts(owned.outbox)  # rows from before a repartition of their target
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
             self._by_stream[cursor.stream] = cursor

@@ -112,7 +112,7 @@ class Relay:
         Settles the calls of the step before, then sends the next calls without waiting for them.
         """
         published, failed = self.settle(outbox)
-        self._follow_layouts(outbox)
+        self.follow_layouts(outbox)
         self._expire_claims(outbox)
         work = outbox.publishable(self.clock(), STEP_ROWS)
         if work:
@@ -124,8 +124,12 @@ class Relay:
         self._prune(outbox)
         return published, failed
 
-    def _follow_layouts(self, outbox: PartitionOutbox) -> None:
-        """Re-route the waiting rows of a target topic whose layout the emitter knows newer."""
+    def follow_layouts(self, outbox: PartitionOutbox) -> None:
+        """Re-route the waiting rows of a target topic whose layout the emitter knows newer.
+
+        Called at takeover too, before the partition's first batch: rows it emits are routed in
+        today's layout, and a key's rows from before must be routed again ahead of them.
+        """
         for topic in {target[0] for target in outbox.queues}:
             layout = self.emitter.layouts.get(topic)
             if layout is None:  # rows from the store (a takeover): check them in today's layout
@@ -135,6 +139,7 @@ class Relay:
                     continue  # the topic is gone: publishing says so
                 layout = self.emitter.layouts[topic]
             if outbox.layouts.get(topic) != layout:
+                self._published_before(outbox, topic)
                 moved = outbox.reroute(topic, self.emitter.partitions(topic))
                 outbox.layouts[topic] = layout
                 if moved:
@@ -144,6 +149,44 @@ class Relay:
                         moved,
                         topic,
                     )
+
+    def _published_before(self, outbox: PartitionOutbox, topic: str) -> None:
+        """Mark the waiting rows to ``topic`` that its partitions' records say were appended.
+
+        A kill between a publish and its mark leaves such rows; sent again they are skipped, but
+        routed again (a repartition) they would be appended twice. Rows to one target are
+        appended in sequence order, so every row at or below the record was.
+        """
+        targets = [target for target in outbox.queues if target[0] == topic]
+        records = self.broker.published_up_to(outbox.producer, targets) if targets else []
+        now = self.clock()
+        published: list[tuple[Target, list[Item]]] = []
+        claims: dict[int, int] = {}
+        reclaimed: list[tuple[RowState | None, OutboxRow]] = []
+        for target, record in zip(targets, records, strict=True):
+            items = [
+                item
+                for item in outbox.queues[target]
+                if item[0] <= record and outbox.row(item).state not in (RowState.PUBLISHED, RowState.DEAD)
+            ]
+            for item in items:
+                row = outbox.marked.get(item[1])
+                if row is None:
+                    continue  # claimed by this relay, as its page says
+                if not (row.state is RowState.CLAIMED and row.claimed_by == self.name):
+                    mine = msgspec.structs.replace(
+                        row, state=RowState.CLAIMED, claimed_ms=now, claimed_by=self.name
+                    )
+                    reclaimed.append((row.state, mine))
+                    row = mine
+                claims[item[1]] = row.claimed_ms or now
+            if items:
+                published.append((target, items))
+        if reclaimed:
+            outbox.update(reclaimed)
+        if published:
+            done, _ = self._mark(outbox, claims, published, [], published)
+            call_hook(self.hooks.on_outbox_settled, outbox.partition, done, [])
 
     def _claim(self, outbox: PartitionOutbox, work: list[tuple[Target, list[Item]]]) -> dict[int, int]:
         """Claim the due PENDING rows among ``work`` (one write); the claims of rows with a record."""
@@ -244,30 +287,31 @@ class Relay:
                 continue
             call_hook(self.hooks.on_outbox_sent, outbox.partition, stream, len(items), int(reply[0]))
             published.append((target, items))
-        done, dead_or_pending = self._mark(outbox, sending, published, failed)
+        done, dead_or_pending = self._mark(outbox, sending.claims, published, failed, sending.calls)
         if refused:
-            self._wait_for_layout(outbox, sending, refused)
+            self._wait_for_layout(outbox, sending.claims, refused)
         call_hook(self.hooks.on_outbox_settled, outbox.partition, done, dead_or_pending)
         return len(done), len(dead_or_pending)
 
     def _mark(
         self,
         outbox: PartitionOutbox,
-        sending: Sending,
+        claims: dict[int, int],
         published: list[tuple[Target, list[Item]]],
         failed: list[tuple[Item, str]],
+        calls: list[tuple[Target, list[Item]]],
     ) -> tuple[list[tuple[int, int]], list[OutboxRow]]:
-        """Mark what was published and what failed in ONE store write.
+        """Mark what was published and what failed in ONE store write (the rows under ``claims``).
 
         A watermark per target, the status records of rows that have one, a done mark per page
         published whole. Returns what ``on_outbox_settled`` gets.
         """
         now = self.clock()
-        records, marks, finished, done = self._published(outbox, sending, published, now)
+        records, marks, finished, done = self._published(outbox, claims, published, now)
         dead_or_pending: list[OutboxRow] = []
         for item, error in failed:
             row = outbox.row(item)
-            if self._still_claimed(outbox, sending, row):
+            if self._still_claimed(outbox, claims, row):
                 after = self._failed(row, error, now)
                 records.append((RowState.CLAIMED if item[1] in outbox.marked else None, after))
                 dead_or_pending.append(after)
@@ -283,12 +327,16 @@ class Relay:
             outbox.pages.pop(page.first_id, None)
             for row_id in page.marked:
                 outbox.marked.pop(row_id, None)
-        for target, _ in sending.calls:
+        for target, _ in calls:
             outbox.trim(target)
         return done, dead_or_pending
 
     def _published(
-        self, outbox: PartitionOutbox, sending: Sending, published: list[tuple[Target, list[Item]]], now: int
+        self,
+        outbox: PartitionOutbox,
+        claims: dict[int, int],
+        published: list[tuple[Target, list[Item]]],
+        now: int,
     ) -> tuple[list[tuple[RowState | None, OutboxRow]], dict[Target, int], list[Page], list[tuple[int, int]]]:
         """What marks the published rows that are still claimed by this relay.
 
@@ -310,7 +358,7 @@ class Relay:
                 continue
             for item in items:
                 row = outbox.row(item)
-                if self._still_claimed(outbox, sending, row):
+                if self._still_claimed(outbox, claims, row):
                     if item[1] in outbox.marked:
                         records.append((RowState.CLAIMED, move(row, RowState.PUBLISHED, now)))
                         per_page[item[2]] += 1
@@ -331,11 +379,11 @@ class Relay:
             done += [(page.created_ms, now)] * rows
         return records, marks, finished, done
 
-    def _wait_for_layout(self, outbox: PartitionOutbox, sending: Sending, refused: list[Item]) -> None:
+    def _wait_for_layout(self, outbox: PartitionOutbox, claims: dict[int, int], refused: list[Item]) -> None:
         """Rows a target refused for their layout wait, no attempt counted, for the switch.
 
         The emitter reads the topics' layouts again: after the switch the next step re-routes the
-        rows (``_follow_layouts``); while the repartition runs they wait ``LAYOUT_WAIT_MS``.
+        rows (``follow_layouts``); while the repartition runs they wait ``LAYOUT_WAIT_MS``.
         """
         topics = {outbox.row(item).topic for item in refused}
         moved = {topic for topic in topics if self.emitter.refresh(topic)}
@@ -343,7 +391,7 @@ class Relay:
         rows: list[tuple[RowState | None, OutboxRow]] = []
         for item in refused:
             row = outbox.row(item)
-            if self._still_claimed(outbox, sending, row):
+            if self._still_claimed(outbox, claims, row):
                 again = msgspec.structs.replace(
                     row, state=RowState.PENDING, available_ms=later, claimed_ms=None, claimed_by=None
                 )
@@ -355,10 +403,10 @@ class Relay:
                 "outbox partition=%s: rows to %s wait for a repartition", outbox.partition, sorted(topics)
             )
 
-    def _still_claimed(self, outbox: PartitionOutbox, sending: Sending, row: OutboxRow) -> bool:
+    def _still_claimed(self, outbox: PartitionOutbox, claims: dict[int, int], row: OutboxRow) -> bool:
         """Whether a row is still under the claim it was published under (by this relay)."""
         if row.id in outbox.marked:
-            mine = row.state is RowState.CLAIMED and row.claimed_ms == sending.claims.get(row.id)
+            mine = row.state is RowState.CLAIMED and row.claimed_ms == claims.get(row.id)
         else:
             mine = row.claimed_by == self.name
         if not mine:

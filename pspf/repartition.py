@@ -431,11 +431,13 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
         gone = [
             name
             for p in range(plan.new, plan.old)
-            for name in (keys.stream_key(topic, p), keys.dlq_key(topic, p), keys.producers_key(topic, p))
+            for name in (keys.stream_key(topic, p), keys.dlq_key(topic, p))
         ]
         broker.delete_keys(gone)
         # A retired partition keeps its guard at the new generation: a producer that still routes
         # with the old count is refused there too (an absent guard would read as generation "0").
+        # It keeps its producers' records too: a relay routing its rows again skips those they
+        # say were published (``Relay._published_before``).
         for p in range(plan.new, plan.old):
             broker.set_value(keys.layout_key(topic, p), plan.layouts[topic])
         guards = int(broker.hash_fields(keys.topic_key(topic)).get("guards", "0"))

@@ -170,6 +170,14 @@ class Publishing(Connection):
             raise reply
         return int(reply[0])
 
+    def published_up_to(self, producer: str, targets: Sequence[tuple[str, int]]) -> list[int]:
+        """The last sequence number each target partition recorded for a producer (0: none)."""
+        with self.translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for target in targets:
+                pipe.hget(keys.producers_key(*target), producer)
+            return [int(v or 0) for v in pipe.execute()]
+
     def send_publish(self, producer: str, calls: Sequence[PublishCall]) -> SentCalls:
         """Send publishing calls (``lua/publish.lua``) in one write; their replies are read later.
 

@@ -79,17 +79,19 @@ class Retiring(ServiceBase):
                 f"topic {topic!r} is read by app {', '.join(readers)}: retire it first "
                 f"(pspf app delete {readers[0]})"
             )
-        # a repartition leaves a layout guard on each partition the topic ever had ("guards")
+        # a repartition leaves a layout guard (and retired partitions' producer records) on each
+        # partition the topic ever had ("guards")
         guarded = max(partitions, int(self.broker.hash_fields(keys.topic_key(topic)).get("guards", "0")))
         names = [
             name
-            for partition in range(partitions)
+            for partition in range(guarded)
             for name in (
                 keys.stream_key(topic, partition),
                 keys.dlq_key(topic, partition),
                 keys.producers_key(topic, partition),
+                keys.layout_key(topic, partition),
             )
-        ] + [keys.layout_key(topic, partition) for partition in range(guarded)]
+        ]
         found = self.broker.existing_keys([*names, keys.topic_key(topic)])
         if not dry_run:
             self.broker.delete_topic(topic, found)

@@ -419,6 +419,16 @@ def seal(broker: Broker, plan: Plan) -> None:
             broker.set_value(keys.layout_key(topic, partition), "moving")
 
 
+def unseal(broker: Broker, plan: Plan) -> None:
+    """Undo ``seal`` before anything was copied, and forget the plan: the topics stay as they were."""
+    for topic in plan.topics:
+        layout = broker.topic_layout(topic)[1]
+        for partition in range(plan.old):
+            broker.set_value(keys.layout_key(topic, partition), layout)
+        broker.delete_fields(keys.topic_key(topic), ["moving"])
+    broker.delete_keys([plan_key(topic) for topic in plan.topics])
+
+
 def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda step: None) -> None:
     """Swap the staged keys in (idempotent: a resumed switch renames what is left)."""
     for topic in plan.topics:
@@ -492,6 +502,11 @@ class Repartition:
         if plan.step == "planned":
             self.record("planned")
             seal(self.broker, plan)
+            try:  # a worker that started after the plan's check, before the seal
+                check_stopped(self.broker, plan)
+            except AppRunning:
+                unseal(self.broker, plan)
+                raise
             self.crash_at("copy")
             self._stage()
             self.record("switching")

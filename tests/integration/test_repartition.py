@@ -16,12 +16,13 @@ import redis
 from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
-from pspf.errors import BrokerError, ConfigError, NotFound
+from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound
 from pspf.keys import partition_for, stream_key, topic_key
-from pspf.repartition import Repartition, make_plan
+from pspf.repartition import Repartition, make_plan, plan_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, summing_app
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -456,6 +457,33 @@ def test_state_of_keyless_entries_is_refused_before_anything_moves(
     with pytest.raises(ConfigError, match="keeps state for keyless entries"):
         make_plan(broker, topic, 1)
     assert rclient.hgetall(topic_key(topic)).get(b"moving") is None
+
+
+def test_a_worker_started_after_the_plan_is_found_after_the_seal_and_nothing_moves(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """The plan's check passed; a worker starts before the seal: the command refuses, unsealed."""
+    topic, app = make_topic(2), names.app()
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    Worker(summing_app(app, topic), settings).run(until_idle=True)
+    broker = Broker(make_settings().redis)
+    plan = make_plan(broker, topic, 4)
+    with WorkerThread(summing_app(app, topic), settings) as running:
+        wait_until(lambda: bool(rclient.keys(f"*{{{topic}:*}}:lease:{app}")), 15, "the worker's leases")
+        with pytest.raises(AppRunning, match="is running"):
+            Repartition(broker, plan).run()
+        assert rclient.hget(topic_key(topic), "moving") is None
+        assert not rclient.exists(plan_key(topic))
+        produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100, 200)])  # no wait: unsealed
+        wait_until(lambda: state_of(Service(make_settings()), app) == totals(0, 200), 20, "the rest handled")
+        running.check()
+    assert len(Service(make_settings()).describe_topic(topic).partitions) == 2
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

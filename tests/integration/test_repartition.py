@@ -17,7 +17,7 @@ from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
 from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound
-from pspf.keys import partition_for, stream_key, topic_key
+from pspf.keys import lease_key, partition_for, stream_key, topic_key
 from pspf.repartition import Repartition, make_plan, plan_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
@@ -475,7 +475,8 @@ def test_a_worker_started_after_the_plan_is_found_after_the_seal_and_nothing_mov
     broker = Broker(make_settings().redis)
     plan = make_plan(broker, topic, 4)
     with WorkerThread(summing_app(app, topic), settings) as running:
-        wait_until(lambda: bool(rclient.keys(f"*{{{topic}:*}}:lease:{app}")), 15, "the worker's leases")
+        leases = [lease_key(topic, p, app) for p in range(2)]
+        wait_until(lambda: any(broker.lease_holders(leases)), 30, "the worker's leases")
         with pytest.raises(AppRunning, match="is running"):
             Repartition(broker, plan).run()
         assert rclient.hget(topic_key(topic), "moving") is None

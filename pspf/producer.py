@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields
-from pspf.errors import BrokerError
 from pspf.settings import Settings
 
 
@@ -120,19 +118,11 @@ class Producer:
         if self._queued >= self.batch_size:
             self.flush()
 
-    def _learn(self, topic: str) -> None:
+    def _learn(self, topic: str, stale: str | None = None) -> None:
         """Read the topic's count and layout; wait while a repartition of it runs (bounded)."""
-        deadline = time.monotonic() + self.repartition_wait_s
-        while True:
-            partitions, layout, moving = self.broker.topic_layout(topic)
-            if not moving:
-                break
-            if time.monotonic() >= deadline:
-                raise BrokerError(
-                    f"topic {topic!r} is being repartitioned and was not done within "
-                    f"{self.repartition_wait_s:g}s; nothing queued was lost: flush again later"
-                )
-            time.sleep(0.1)
+        partitions, layout = self.broker.settled_layout(
+            topic, self.repartition_wait_s, "nothing queued was lost: flush again later", stale=stale
+        )
         self._layouts[topic] = (partitions, layout)
         self._round_robin[topic] = itertools.cycle(range(partitions))
 
@@ -165,8 +155,8 @@ class Producer:
                 self.sent += done
                 self._queued -= done
                 self._buffer[topic] = pending
-                if pending:
-                    self._learn(topic)
+                if pending:  # refused: its layout moved on
+                    self._learn(topic, stale=self._layouts[topic][1])
             del self._buffer[topic]
 
     def close(self) -> None:

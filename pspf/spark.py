@@ -57,7 +57,7 @@ import msgspec
 from pspf import keys
 from pspf.broker import Broker
 from pspf.codec import KEY, VALUE
-from pspf.errors import BrokerError, ConfigError
+from pspf.errors import ConfigError
 from pspf.settings import RedisSettings, check_broker_url, mask_url
 
 try:
@@ -172,7 +172,7 @@ def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
         raise ConfigError(f"marker_ttl_s must be a positive number of seconds, not {ttl!r}")
     wait_s = _positive_seconds(options.get("repartition_wait_s", str(_DEFAULT_REPARTITION_WAIT_S)))
     with connected(url) as broker:
-        partitions, layout = _settled(broker, topic, wait_s, time.monotonic() + wait_s)
+        partitions, layout = broker.settled_layout(topic, wait_s, _WAIT_HINT)
     return SinkOptions(
         url=url,
         topic=topic,
@@ -376,8 +376,8 @@ class _Chunks:
         wait_s = self.options.repartition_wait_s
         deadline = time.monotonic() + wait_s
         while refused:
-            self.partitions, self.layout = _settled(
-                self.broker, self.options.topic, wait_s, deadline, self.layout
+            self.partitions, self.layout = self.broker.settled_layout(
+                self.options.topic, wait_s, _WAIT_HINT, stale=self.layout, deadline=deadline
             )
             refused = self._send(self._routed(_unflattened(refused), itertools.count()), None)
         return True
@@ -442,28 +442,8 @@ def _unflattened(flats: list[list[Any]]) -> Iterator[tuple[bytes | None, bytes]]
             i += 1 + flat[i]
 
 
-def _settled(
-    broker: Broker, topic: str, wait_s: float, deadline: float, stale: str | None = None
-) -> tuple[int, str]:
-    """The topic's partition count and layout once no repartition of it runs (and not ``stale``).
-
-    Waits until ``deadline`` (``time.monotonic()``) at most, then fails naming the topic.
-    """
-    while True:
-        partitions, layout, moving = broker.topic_layout(topic)
-        if not moving and layout != stale:
-            return partitions, layout
-        if time.monotonic() >= deadline:
-            if not moving:
-                raise BrokerError(
-                    f"topic {topic!r}: its partitions refuse layout {layout!r}, which its record "
-                    "gives, and no repartition of it runs"
-                )
-            raise BrokerError(
-                f"topic {topic!r} is being repartitioned and was not done within {wait_s:g}s "
-                "(the repartition_wait_s option): stop Spark writes to a topic before repartitioning it"
-            )
-        time.sleep(0.1)
+#: what a Spark write that waited for a repartition in vain says to do
+_WAIT_HINT = "stop Spark writes to a topic before repartitioning it (or raise repartition_wait_s)"
 
 
 class PSPFBatchWriter(DataSourceArrowWriter):

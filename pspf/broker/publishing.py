@@ -170,6 +170,33 @@ class Publishing(Connection):
             raise reply
         return int(reply[0])
 
+    def settled_layout(
+        self, topic: str, wait_s: float, hint: str, stale: str | None = None, deadline: float | None = None
+    ) -> tuple[int, str]:
+        """A topic's partition count and layout once no repartition of it runs (and not ``stale``).
+
+        Producers call it to learn a topic and after a partition refused their layout: it waits
+        ``wait_s`` at most (or until ``deadline``, ``time.monotonic()``), then fails (BrokerError,
+        ending with ``hint``) naming the topic; so does a layout the partitions refuse although
+        the record gives it.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + wait_s
+        while True:
+            partitions, layout, moving = self.topic_layout(topic)
+            if not moving and layout != stale:
+                return partitions, layout
+            if time.monotonic() >= deadline:
+                if not moving:
+                    raise BrokerError(
+                        f"topic {topic!r}: its partitions refuse layout {layout!r}, which its record "
+                        f"gives, and no repartition of it runs; {hint}"
+                    )
+                raise BrokerError(
+                    f"topic {topic!r} is being repartitioned and was not done within {wait_s:g}s; {hint}"
+                )
+            time.sleep(0.1)
+
     def published_up_to(self, producer: str, targets: Sequence[tuple[str, int]]) -> list[int]:
         """The last sequence number each target partition recorded for a producer (0: none)."""
         with self.translate_errors():
@@ -252,10 +279,10 @@ class Publishing(Connection):
         replies = self._eval_pipelined(self._sink_write, calls, raise_on_error=False)
         added: dict[int, int | None] = {}
         for partition, reply in zip(partitions, replies, strict=True):
+            if refused_layout(reply) is not None:
+                added[partition] = None
+                continue
             if isinstance(reply, redis.ResponseError):
-                if str(reply).startswith("LAYOUT"):
-                    added[partition] = None
-                    continue
                 with self.translate_errors():
                     raise reply
             added[partition] = int(reply)

@@ -17,7 +17,7 @@ from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
 from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound
-from pspf.keys import lease_key, partition_for, stream_key, topic_key
+from pspf.keys import layout_key, lease_key, partition_for, stream_key, topic_key
 from pspf.repartition import Repartition, make_plan, plan_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
@@ -47,6 +47,15 @@ def every_entry_in_its_partition(rclient: redis.Redis, topic: str, count: int) -
             assert partition_for(fields[KEY], count) == partition
             seen += 1
     return seen
+
+
+def repartition_cli(
+    redis_url: str, topic: str, *args: str, crash_at: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``pspf topic repartition TOPIC ARGS --yes`` in a process of its own (killed at ``crash_at``)."""
+    env = subprocess_env() if crash_at is None else subprocess_env(PSPF_REPARTITION_CRASH_AT=crash_at)
+    command = pspf_command("topic", "repartition", topic, *args, "--yes", "--broker", redis_url)
+    return subprocess.run(command, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 8), (8, 3)])
@@ -112,18 +121,12 @@ def test_a_repartition_killed_at_any_step_is_resumed_to_the_same_exact_result(
     produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(500, 2000)])
     Worker(summing_app(ahead, topic), settings[ahead]).run(until_idle=True)
 
-    command = pspf_command("topic", "repartition", topic, "--partitions", "6", "--yes", "--broker", redis_url)
     where = crash_points(topic, ahead)[point]
-    killed = subprocess.run(command, env=subprocess_env(PSPF_REPARTITION_CRASH_AT=where), capture_output=True)
-    assert killed.returncode == -9, killed.stderr.decode()
-    again = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True)
+    killed = repartition_cli(redis_url, topic, "--partitions", "6", crash_at=where)
+    assert killed.returncode == -9, killed.stderr
+    again = repartition_cli(redis_url, topic, "--partitions", "6")
     assert again.returncode == 2 and "--resume" in again.stderr, again.stderr
-    resumed = subprocess.run(
-        pspf_command("topic", "repartition", topic, "--resume", "--yes", "--broker", redis_url),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-    )
+    resumed = repartition_cli(redis_url, topic, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed the repartition" in resumed.stdout
     assert len(service.describe_topic(topic).partitions) == 6
@@ -288,10 +291,7 @@ def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to
     stale.flush()  # it knows the topic as 4 partitions, layout 0
 
     # Killed after sealing: producers wait, bounded, and lose nothing.
-    command = pspf_command("topic", "repartition", topic, "--partitions", "6", "--yes", "--broker", redis_url)
-    killed = subprocess.run(
-        command, env=subprocess_env(PSPF_REPARTITION_CRASH_AT="copy"), capture_output=True
-    )
+    killed = repartition_cli(redis_url, topic, "--partitions", "6", crash_at="copy")
     assert killed.returncode == -9
     for n in range(100):
         stale.send(topic, {"n": n}, key=f"k{n}")
@@ -311,12 +311,7 @@ def test_producers_write_nothing_in_the_old_layout_and_wait_for_a_repartition_to
     waiting.start()
     time.sleep(0.3)
     assert waiting.is_alive(), "the flush waits for the repartition"
-    resumed = subprocess.run(
-        pspf_command("topic", "repartition", topic, "--resume", "--yes", "--broker", redis_url),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-    )
+    resumed = repartition_cli(redis_url, topic, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     waiting.join(30)
     assert not waiting.is_alive() and stale.sent == 101
@@ -390,11 +385,7 @@ def test_an_app_emitting_into_a_repartitioned_topic_routes_its_rows_again(
     produce(target, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
     Worker(summing_app(reader, target), reading).run(until_idle=True)
 
-    sealed = subprocess.run(
-        pspf_command("topic", "repartition", target, "--partitions", "6", "--yes", "--broker", redis_url),
-        env=subprocess_env(PSPF_REPARTITION_CRASH_AT="copy"),
-        capture_output=True,
-    )
+    sealed = repartition_cli(redis_url, target, "--partitions", "6", crash_at="copy")
     assert sealed.returncode == -9
     produce(source, [(f"k{n % KEYS}", {"n": n}) for n in range(100, 400)])
     first = make_settings(PSPF_STATE_DIR=str(tmp_path / "first"))
@@ -415,12 +406,7 @@ def test_an_app_emitting_into_a_repartitioned_topic_routes_its_rows_again(
         assert sum(rclient.xlen(stream_key(target, p)) for p in range(4)) == 100  # nothing written
         if across == "restarted":
             running.stop()
-        resumed = subprocess.run(
-            pspf_command("topic", "repartition", target, "--resume", "--yes", "--broker", redis_url),
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-        )
+        resumed = repartition_cli(redis_url, target, "--resume")
         assert resumed.returncode == 0, resumed.stderr
         if across == "running":
             running.thread.join(30)
@@ -485,6 +471,24 @@ def test_a_worker_started_after_the_plan_is_found_after_the_seal_and_nothing_mov
         wait_until(lambda: state_of(Service(make_settings()), app) == totals(0, 200), 20, "the rest handled")
         running.check()
     assert len(Service(make_settings()).describe_topic(topic).partitions) == 2
+
+
+def test_a_producer_refused_by_a_guard_its_topic_record_contradicts_fails_after_the_wait(
+    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], rclient: redis.Redis
+) -> None:
+    """Guards that disagree with the record, no repartition running: one clear error, no endless retry."""
+    topic = make_topic(2)
+    producer = Producer(settings=make_settings(PSPF_REPARTITION_WAIT_S="0.3"))
+    producer.send(topic, {"n": 0}, key="first")
+    rclient.set(layout_key(topic, 0), "9")
+    rclient.set(layout_key(topic, 1), "9")
+    for n in range(10):
+        producer.send(topic, {"n": n}, key=f"k{n}")
+    started = time.monotonic()
+    with pytest.raises(BrokerError, match="its partitions refuse layout '0'"):
+        producer.flush()
+    assert time.monotonic() - started < 10
+    assert sum(rclient.xlen(stream_key(topic, p)) for p in range(2)) == 0
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

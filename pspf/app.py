@@ -442,6 +442,14 @@ class App:
         """
         return sorted(self.handlers, key=lambda topic: topic in self.tables)
 
+    def functions(self) -> list[Callable[..., Any]]:
+        """The app's own functions that get a ``ctx``: handlers, timers and scheduled callbacks."""
+        return [
+            *(h.func for h in self._own.values()),
+            *(t.func for t in self.timers),
+            *(c.func for c in self.callbacks.values()),
+        ]
+
     def __repr__(self) -> str:
         return f"App({self.name!r}, topics={self.topics})"
 

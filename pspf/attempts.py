@@ -24,6 +24,7 @@ from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
+from pspf.tables import check_lookup_names
 from pspf.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,16 @@ class Attempted(NamedTuple):
         if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
             checkpoint = None
         handled = len(self.handled)
+        retry_id = None if self.retry_in_s is None else self.failed[-1][0]
         return StreamOutcome(
-            cursor, checkpoint, done + self.handled, dead + self.dead, self.retry_in_s, handled, skipped
+            cursor,
+            checkpoint,
+            done + self.handled,
+            dead + self.dead,
+            self.retry_in_s,
+            handled,
+            skipped,
+            retry_id,
         )
 
     def report(self, result: CycleResult, hooks: ProcessorHooks, topic: str, partition: int) -> None:
@@ -87,6 +96,7 @@ class Attempts:
         policies: dict[str, RetryPolicy],
         tracing: Tracing | None = None,
     ) -> None:
+        check_lookup_names(app.name, [*app.tables, *app.global_tables], app.functions())
         self.app = app
         self.consumer = consumer
         self.emitter = emitter

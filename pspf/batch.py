@@ -30,7 +30,16 @@ from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
 from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
-from pspf.tables import MISSING, Lookups, Table, TableError, TableWrites, check_lookup_key
+from pspf.tables import (
+    MISSING,
+    Lookups,
+    Table,
+    TableError,
+    TableWrites,
+    add_history,
+    check_lookup_key,
+    row_then,
+)
 from pspf.timers import PartitionTimers
 from pspf.tracing import Tracing
 from pspf.windows import PartitionWindows
@@ -58,6 +67,8 @@ class StreamOutcome(NamedTuple):
     retry_in_s: float | None
     handled: int
     skipped: int
+    #: the entry the stream stopped at, to retry after ``retry_in_s``
+    retry_id: bytes | None = None
 
     @property
     def finished(self) -> list[bytes]:
@@ -138,15 +149,64 @@ class PartitionBatch:
             table = self._checked_table(name, key, what, check)  # a global table takes any str key
         stored = f"{name}/{key}"  # keys.table_key
         if table.is_global:
+            if not check:
+                raise TableError(
+                    f"{what}({name!r}): {name!r} is a global table: give the row's key, "
+                    f"{what}({name!r}, key=...)"
+                )
             assert lookups is not None and lookups.global_tables is not None
             raw = lookups.global_tables.cache.get(stored, MISSING)
         else:
             raw = self.table_writes.find(stored, before) if self.table_writes.versions else MISSING
+            if raw is MISSING and before is not None and self.owned.history is not False:
+                raw = self._row_then(name, stored, before)
             if raw is MISSING:
                 raw = self.owned.table_cache.get(stored, MISSING)
         if raw is MISSING:
             raw = self._stored_row(stored, table.is_global)
         return None if raw is None else table.decode(raw)
+
+    def _row_then(self, name: str, stored: str, before: bytes) -> Any:
+        """The committed row as of the entry ``before``: a parked entry's lookup (``pspf.tables``).
+
+        MISSING when no committed update comes after the entry: the table's latest row is it.
+        """
+        owned = self.owned
+        cursor = owned.streams.get(keys.stream_key(name, owned.partition))
+        at = StreamId.parse(before)
+        if cursor is None or cursor.checkpoint is None or at >= cursor.checkpoint:
+            return MISSING  # no committed update comes after the entry
+        try:
+            if not owned.has_history():
+                return MISSING
+            return row_then(owned.store.get(keys.TABLE_HISTORY_NAMESPACE, stored), at)
+        except Exception as exc:
+            self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
+            raise self.broken from exc
+
+    def _table_history(self, rows: dict[str, bytes | None]) -> tuple[dict[str, bytes | None], bool | None]:
+        """The table history this commit writes, and whether the store holds any after it.
+
+        The rows it replaces with updates after a parked entry are kept for that entry's lookup;
+        all of it is deleted once nothing waits parked (``pspf.tables``). None: as before.
+        """
+        owned = self.owned
+        floor = owned.parked_floor(self.failures)
+        if floor is None:
+            if not owned.has_history():
+                return {}, None
+            return {key: None for key, _ in owned.store.items(keys.TABLE_HISTORY_NAMESPACE)}, False
+        out: dict[str, bytes | None] = {}
+        for stored in rows:
+            if self.table_writes.versions[stored][-1][0] <= floor:
+                continue  # every update comes before the parked entries: none looks it up
+            committed = owned.table_cache.get(stored, MISSING)
+            if committed is MISSING:
+                committed = owned.store.get(keys.TABLES_NAMESPACE, stored)
+            replaced = self.table_writes.replaced(stored, committed)
+            history = owned.store.get(keys.TABLE_HISTORY_NAMESPACE, stored) if owned.has_history() else None
+            out[stored] = add_history(history, replaced, floor)
+        return out, True if any(v is not None for v in out.values()) else None
 
     def _checked_table(self, name: str, key: str, what: str, check: bool) -> Table:
         """The table a lookup names, and its key checked when given (TableError otherwise)."""
@@ -200,6 +260,7 @@ class PartitionBatch:
         ]
         time_writes = self._time_writes()
         rows = self.table_writes.final()
+        history, history_left = self._table_history(rows) if self.lookups is not None else ({}, None)
         if not (
             checkpoints
             or self.overlay
@@ -209,6 +270,7 @@ class PartitionBatch:
             or self.emitted
             or time_writes
             or rows
+            or history
         ):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
@@ -223,6 +285,7 @@ class PartitionBatch:
         with owned.store.transaction() as tx:
             tx.put(keys.STATE_NAMESPACE, self.overlay)
             tx.put(keys.TABLES_NAMESPACE, rows)
+            tx.put(keys.TABLE_HISTORY_NAMESPACE, history)
             for (namespace, key), value in (*page_writes.items(), *time_writes.items()):
                 tx.put(namespace, {key: value})  # None deletes
             tx.put(keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
@@ -243,6 +306,8 @@ class PartitionBatch:
         for cursor in moved_passed:
             cursor.moved, cursor.moved_until = {}, None
         owned.adopt_rows(rows)
+        if history_left is not None:
+            owned.history = history_left
         return took
 
     def _time_writes(self) -> dict[tuple[str, str], bytes | None]:

@@ -76,6 +76,9 @@ EXPIRY_NAMESPACE = "__expiry"
 MOVED_NAMESPACE = "__moved"
 #: Rows of the app's co-partitioned tables (``App.table``), by "table/key" (``table_key``).
 TABLES_NAMESPACE = "__tables"
+#: Rows of the app's tables that updates replaced after an entry that waits parked, by
+#: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables``).
+TABLE_HISTORY_NAMESPACE = "__table_history"
 #: Rows of the app's global tables in a worker's own store (``pspf.tables.GlobalTables``).
 GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
@@ -95,6 +98,7 @@ STORE_NAMESPACES = (
     SCHEDULES_NAMESPACE,
     EXPIRY_NAMESPACE,
     TABLES_NAMESPACE,
+    TABLE_HISTORY_NAMESPACE,
     MOVED_NAMESPACE,
 )
 

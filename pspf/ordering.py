@@ -18,6 +18,12 @@ so after a read a stream may still hold entries below what another stream delive
 What is held is dropped with everything else read when a stream is rewound (a lost connection, a
 retry): it is still pending, and read again from the pending list. A read sent ahead that the
 next cycle does not take is held too (``Delivery._hold_ahead``), not given up.
+
+A table's entries of a batch are applied before the other topics' (each update kept with its id):
+when a stream then stops at an entry to retry (ordered mode), the table's entries after that entry
+are taken out of the batch and held (``stop_tables``), so the entries behind the retried one, run
+in a later batch, see no row added after them. While the stream waits out its backoff, it bounds
+the partition at its checkpoint, like any stream not read this cycle.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import TYPE_CHECKING
 from pspf.keys import ZERO_ID, StreamId
 
 if TYPE_CHECKING:
+    from pspf.batch import StreamOutcome
     from pspf.broker import Broker
     from pspf.delivery import Read
     from pspf.partition import OwnedPartition, StreamCursor
+    from pspf.tables import TableWrites
 
 
 #: (id, rank): entries up to it may be applied; rank 0 is a table's entry (first on equal ids)
@@ -169,6 +177,48 @@ class CrossTopicOrder:
         cut = next(i for i, (entry_id, _) in enumerate(entries) if (StreamId.parse(entry_id), rank) > bound)
         read.cursor.held = read._replace(entries=entries[cut:])
         return read._replace(entries=entries[:cut])
+
+    def stop_tables(
+        self, reads: list[Read], outcomes: list[StreamOutcome], writes: TableWrites
+    ) -> tuple[list[StreamOutcome], int]:
+        """A partition's outcomes once its tables stop where a stream stopped to retry an entry.
+
+        ``reads`` and ``outcomes`` are aligned. The tables' entries after the first entry to retry
+        leave the batch (their updates too) and are held, first in their streams' next reads.
+        Returns the outcomes and how many table entries left the batch.
+        """
+        retried = [
+            StreamId.parse(o.retry_id)
+            for o in outcomes
+            if o.retry_id is not None and o.cursor.topic not in self.tables
+        ]
+        if not retried:
+            return outcomes, 0
+        stop = min(retried)  # a table's entry with this very id comes before it: it stays
+        out: list[StreamOutcome] = []
+        taken = 0
+        for read, outcome in zip(reads, outcomes, strict=True):
+            cursor = read.cursor
+            if cursor.topic not in self.tables or read.due:
+                out.append(outcome)
+                continue
+            after = [e for e in read.entries if StreamId.parse(e[0]) > stop]
+            if not after:
+                out.append(outcome)
+                continue
+            held = read._replace(entries=after)
+            cursor.held = held if cursor.held is None else held._replace(entries=after + cursor.held.entries)
+            gone = {entry_id for entry_id, _ in after}
+            kept = [e for e in outcome.ack_ids if e not in gone]
+            checkpoint = max((StreamId.parse(e) for e in kept), default=None)
+            if checkpoint is not None and cursor.checkpoint is not None and checkpoint <= cursor.checkpoint:
+                checkpoint = None
+            dead = [d for d in outcome.dead if d[0] not in gone]
+            handled = outcome.handled - (len(outcome.ack_ids) - len(kept))
+            out.append(outcome._replace(checkpoint=checkpoint, ack_ids=kept, dead=dead, handled=handled))
+            taken += len(outcome.ack_ids) - len(kept)
+        writes.drop_after(stop)
+        return out, taken
 
     def after_cycle(self, cursor: StreamCursor) -> None:
         """A stream reading its pending list goes on after what it holds (not over it again)."""

@@ -137,6 +137,8 @@ class OwnedPartition:
     windows: PartitionWindows | None = None
     #: schedules, timer periods and state expiry (apps with any of them; else None)
     timers: PartitionTimers | None = None
+    #: whether the store holds rows parked entries may look up (``pspf.tables``); None: unknown
+    history: bool | None = None
 
     @property
     def keeps_time(self) -> bool:
@@ -147,6 +149,18 @@ class OwnedPartition:
     def has_parked(self) -> bool:
         """Whether an entry waits parked for its retry (deferred mode)."""
         return any(parked(f) for f in self.failures.values())
+
+    def has_history(self) -> bool:
+        """Whether the store holds table rows kept for parked entries (looked at once)."""
+        if self.history is None:
+            self.history = next(self.store.items(keys.TABLE_HISTORY_NAMESPACE), None) is not None
+        return self.history
+
+    def parked_floor(self, changes: dict[str, Failure | None]) -> StreamId | None:
+        """The first entry that waits parked once ``changes`` (a batch's failures) are made."""
+        names = [n for n, f in self.failures.items() if parked(f) and n not in changes]
+        names += [n for n, f in changes.items() if parked(f)]
+        return min((StreamId.parse(n.rpartition("/")[2]) for n in names), default=None)
 
     def due(self, topic: str, now_ms: int, limit: int) -> list[bytes]:
         """The ids of ``topic``'s parked entries whose retry is due at ``now_ms``, at most ``limit``."""

@@ -174,6 +174,11 @@ class BatchProcessor:
         for partition, partition_reads in by_partition.items():
             batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter, self.lookups)
             stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
+            if self.delivery.order is not None:
+                stream_outcomes, taken = self.delivery.order.stop_tables(
+                    partition_reads, stream_outcomes, batch.table_writes
+                )
+                result.handled -= taken
             if batch.owned.keeps_time:
                 self.time.advance(batch, result)
             try:

@@ -13,6 +13,13 @@ different streams may be equal: the update comes first), never a later one, so a
 crash sees the same rows (``pspf.ordering`` holds back the entries a later read could still
 precede).
 
+An entry parked for a deferred retry is tried again after later entries, table updates among
+them, were committed: its lookup must still see the rows as of its own id. So while an entry waits
+parked, a commit that replaces a row with an update after it keeps the replaced row with that
+update's id (``TABLE_HISTORY_NAMESPACE``, one value per row: ``add_history``), and a lookup whose
+entry comes before the table's checkpoint finds there the row its id saw (``row_then``). What no
+parked entry can look up any more is dropped; the whole history once nothing waits parked.
+
 A **global table** (``App.global_table``): any partition count; every worker holds all of it in
 a store of its own under the state dir, with its read position per stream
 (``GlobalTables``). A worker reads every global table to the end of its streams before it
@@ -22,16 +29,19 @@ position.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
+import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pspf import codec, keys
 from pspf.codec import ValueDecoder
-from pspf.errors import ConfigError, DecodeError
+from pspf.errors import ConfigError, DecodeError, NonRetryableError
 from pspf.keys import StreamId
 
 if TYPE_CHECKING:
@@ -49,10 +59,16 @@ GLOBAL_CACHE_LIMIT = 100_000
 GLOBAL_READ_COUNT = 5000
 
 _encode_row = msgspec.msgpack.Encoder().encode
+#: a row's history: (ms, seq) of each update after a parked entry, and the row it replaced
+_History = list[tuple[int, int, bytes | None]]
+_decode_history = msgspec.msgpack.Decoder(_History).decode
 
 
-class TableError(ConfigError):
-    """A lookup the app cannot make: an undeclared table, a key of another partition."""
+class TableError(ConfigError, NonRetryableError):
+    """A lookup the app cannot make: an undeclared table, another partition's key, no key.
+
+    A global table needs a key. Trying the entry again cannot help: it goes to the DLQ at once.
+    """
 
 
 class Table:
@@ -117,9 +133,50 @@ class TableWrites:
             found = row
         return found  # type: ignore[no-any-return]
 
+    def drop_after(self, at: StreamId) -> None:
+        """Forget the updates of entries after ``at``: they leave the batch (``pspf.ordering``)."""
+        for name in list(self.versions):
+            kept = [v for v in self.versions[name] if v[0] <= at]
+            if kept:
+                self.versions[name] = kept
+            else:
+                del self.versions[name]
+
+    def replaced(self, name: str, committed: bytes | None) -> list[tuple[StreamId, bytes | None]]:
+        """Each update of the batch to ``name`` with the row it replaced (first: ``committed``)."""
+        out = []
+        for at, row in self.versions[name]:
+            out.append((at, committed))
+            committed = row
+        return out
+
     def final(self) -> dict[str, bytes | None]:
         """What the batch commits: each row's last version."""
         return {name: versions[-1][1] for name, versions in self.versions.items()}
+
+
+def row_then(history: bytes | None, at: StreamId) -> Any:
+    """The row a lookup at ``at`` sees by a row's history (None: no row then).
+
+    That is the row the first update after ``at`` replaced; MISSING when none came after it.
+    """
+    if history is not None:
+        for ms, seq, row in _decode_history(history):
+            if (ms, seq) > at:
+                return row
+    return MISSING
+
+
+def add_history(
+    history: bytes | None, replaced: list[tuple[StreamId, bytes | None]], floor: StreamId
+) -> bytes | None:
+    """A row's history with ``replaced`` added (None: nothing is left to keep).
+
+    It keeps what an entry parked at or after ``floor`` may look up: the updates after it.
+    """
+    kept = [] if history is None else [h for h in _decode_history(history) if (h[0], h[1]) > floor]
+    kept += [(at.ms, at.seq, row) for at, row in replaced if at > floor]
+    return _encode_row(kept) if kept else None
 
 
 def check_lookup_key(table: Table, key: Any, partition: int, partitions: int, what: str) -> str:
@@ -155,6 +212,50 @@ class Lookups:
             declared = ", ".join(repr(n) for n in sorted(self.tables)) or "none"
             raise TableError(f"{what}({name!r}): the app has no table {name!r} (its tables: {declared})")
         return table
+
+
+def check_lookup_names(app: str, declared: Iterable[str], functions: Iterable[Callable[..., Any]]) -> None:
+    """Refuse, before any entry, a function that looks up a table the app does not declare.
+
+    Only literal names are seen (``ctx.table("name")`` on one of its parameters); other names are
+    checked when looked up, and functions whose source cannot be read are not checked.
+    """
+    names = set(declared)
+    for func in functions:
+        try:
+            lines, first = inspect.getsourcelines(func)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for name, line in _literal_lookups(tree):
+            if name not in names:
+                tables = ", ".join(repr(n) for n in sorted(names)) or "none"
+                where = f"{inspect.getsourcefile(func)}:{first + line - 1}"
+                raise ConfigError(
+                    f"{func.__qualname__} ({where}) looks up table {name!r}, which app {app!r} does "
+                    f"not declare (its tables: {tables}): declare it with app.table({name!r}) or "
+                    f"app.global_table({name!r})"
+                )
+
+
+def _literal_lookups(tree: ast.Module) -> Iterator[tuple[str, int]]:
+    """(name, line) of each ``PARAM.table("name", ...)`` in a function's source."""
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+        return
+    params = {a.arg for a in (*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs)}
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "table"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in params
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            yield node.args[0].value, node.lineno
 
 
 def check_table_partitions(app: str, tables: list[str], counts: dict[str, int]) -> None:

@@ -29,6 +29,7 @@ from pspf.keys import (
     SCHEDULES_NAMESPACE,
     STATE_NAMESPACE,
     SUPERSEDED_NAMESPACE,
+    TABLE_HISTORY_NAMESPACE,
     TABLES_NAMESPACE,
     TIME_NAMESPACE,
     WINDOWS_NAMESPACE,
@@ -49,6 +50,7 @@ APP_STATE = frozenset(
         SCHEDULES_NAMESPACE,
         EXPIRY_NAMESPACE,
         TABLES_NAMESPACE,
+        TABLE_HISTORY_NAMESPACE,
     }
 )
 #: a partition's topics and the checkpoint each is rewound to (None: from the first entry)

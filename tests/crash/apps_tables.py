@@ -77,3 +77,50 @@ def main() -> App:
         return (count or 0) + 1
 
     return app
+
+
+class Flaky(Exception):
+    """An order's planned failure."""
+
+
+def retrying() -> App:
+    """Orders looked up in a table while some of them fail (``pspf run tests.crash.apps_tables:retrying``).
+
+    Each order appends ``[n, tier]`` (the tier its lookup saw) to its customer's state. An order
+    whose value has ``fail: k`` fails its first ``k`` attempts, counted in Redis
+    (``PSPF_TEST_COUNTER_URL``, key ``PSPF_TEST_APP:attempts:n``) so that they add up across
+    processes. ``PSPF_TEST_RETRY_MODE``: ``ordered`` or ``deferred``.
+    """
+    import redis
+
+    from pspf import RetryPolicy
+
+    env = os.environ
+    app = App(env["PSPF_TEST_APP"])
+    customers = env["PSPF_TEST_CUSTOMERS"]
+    app.table(customers, value_type=Customer)
+    counter = redis.Redis.from_url(env["PSPF_TEST_COUNTER_URL"])
+    prefix = f"{env['PSPF_TEST_APP']}:attempts:"
+    work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
+    delay_ms = 40 if env["PSPF_TEST_RETRY_MODE"] == "ordered" else 400
+    policy = RetryPolicy(
+        mode=env["PSPF_TEST_RETRY_MODE"],  # type: ignore[arg-type]
+        max_retries=3,
+        base_delay_ms=delay_ms,
+        factor=1.0,
+        max_delay_ms=delay_ms,
+    )
+
+    @app.handler(env["PSPF_TEST_TOPIC"], retry=policy)
+    def enrich(order: dict[str, Any], ctx: Context) -> None:
+        if order.get("fail") and int(counter.incr(f"{prefix}{order['n']}")) <= order["fail"]:
+            raise Flaky(f"order {order['n']}")
+        customer: Customer | None = ctx.table(customers)
+        state: dict[str, Any] = ctx.state
+        state["seen"] = [*state.get("seen", []), [order["n"], None if customer is None else customer.tier]]
+        if work_s:
+            end = time.perf_counter() + work_s
+            while time.perf_counter() < end:
+                pass
+
+    return app

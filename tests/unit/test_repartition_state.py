@@ -25,6 +25,7 @@ def test_each_keyed_namespace_follows_its_key(count: int) -> None:
         keys.STATE_NAMESPACE: "user:7/x",
         keys.EXPIRY_NAMESPACE: "user:7/x",
         keys.TABLES_NAMESPACE: keys.table_key("customers", "user:7/x"),
+        keys.TABLE_HISTORY_NAMESPACE: keys.table_key("customers", "user:7/x"),
         keys.SCHEDULES_NAMESPACE: "remind/user:7/x",
         keys.WINDOWS_NAMESPACE: keys.window_key("orders", "per_minute", "w", "user:7/x", 0, 60000),
     }

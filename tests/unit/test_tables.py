@@ -147,3 +147,59 @@ def test_a_scheduled_callback_sees_the_latest_row() -> None:
         t.advance(timedelta(seconds=6))
         t.send("orders", {}, key="c2")  # moves stream time past the schedule
         assert t.state("c1") == {"reminded_tier": "gold"}
+
+
+def test_an_undeclared_table_and_a_global_table_without_a_key_fail_at_once_without_retries() -> None:
+    """A configuration mistake: trying the entry again cannot help, so its first failure is its last."""
+    app = App("shop")
+    app.global_table("products")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.table(value["table"])  # a name only known at run time: checked when looked up
+
+    with TestApp(app, partitions=1) as t:
+        t.send("orders", {"table": "nope"}, key="c1")
+        t.send("orders", {"table": "products"}, key="c1")
+        undeclared, keyless = t.dead_letters("orders")
+    assert (undeclared.error_type, undeclared.attempts) == ("TableError", 1)
+    assert "no table 'nope'" in undeclared.message
+    assert (keyless.error_type, keyless.attempts) == ("TableError", 1)
+    assert "'products' is a global table" in keyless.message and "key=" in keyless.message
+
+
+def test_a_handler_naming_an_undeclared_table_literally_is_refused_before_any_entry() -> None:
+    app = App("shop")
+    app.table("customers")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.state["tier"] = ctx.table("customer")  # a typo
+
+    with pytest.raises(ConfigError) as refused:
+        TestApp(app, partitions=1)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "looks up table 'customer', which app 'shop' does not declare" in message
+    assert "(its tables: 'customers')" in message
+    assert f"test_tables.py:{order.__code__.co_firstlineno + 2}" in message
+
+
+def test_literal_names_of_declared_tables_and_other_calls_named_table_pass() -> None:
+    app = App("shop")
+    app.table("customers")
+    app.global_table("products")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.table("customers")
+        ctx.table("products", key="p1")
+        value.get("table", "not a lookup")
+
+    @app.on_schedule("remind")
+    def remind(payload: Any, ctx: Context) -> None:
+        ctx.table("customers")
+
+    with TestApp(app, partitions=1) as t:
+        t.send("orders", {}, key="c1")
+        assert t.dead_letters("orders") == []

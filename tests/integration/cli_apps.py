@@ -188,3 +188,15 @@ def enrich() -> App:
         ctx.state["tier"] = None if row is None else row["tier"]
 
     return app
+
+
+def misspelled_table() -> App:
+    """Orders that look up ``custmers`` (a typo) while the app declares ``PSPF_TEST_TABLE``."""
+    app = App(os.environ["PSPF_TEST_APP"])
+    app.table(os.environ["PSPF_TEST_TABLE"])
+
+    @app.handler(os.environ["PSPF_TEST_TOPIC"])
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        ctx.state["tier"] = ctx.table("custmers")
+
+    return app

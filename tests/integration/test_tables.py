@@ -213,6 +213,28 @@ def test_pspf_run_refuses_a_table_of_another_partition_count_with_exit_2_and_one
     assert f"table {customers!r}" in errors[0] and "has 2 partitions" in errors[0] and "have 4" in errors[0]
 
 
+def test_pspf_run_refuses_a_literal_undeclared_table_before_any_entry_with_exit_2(
+    make_topic: Callable[[int], str], rclient: redis.Redis, redis_url: str, names: Any, tmp_path: Any
+) -> None:
+    orders, customers = make_topic(2), make_topic(2)
+    xadd(rclient, orders, 2, "c1", {"n": 1})
+    env = subprocess_env(PSPF_TEST_APP=names.app(), PSPF_TEST_TOPIC=orders, PSPF_TEST_TABLE=customers)
+    args = ["run", "tests.integration.cli_apps:misspelled_table", "--broker", redis_url, "--until-idle"]
+    done = subprocess.run(
+        pspf_command(*args, "--state-dir", str(tmp_path / "state")),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert "looks up table 'custmers'" in errors[0] and "cli_apps.py:" in errors[0]
+    assert not rclient.exists(dlq_key(orders, partition_for(b"c1", 2)))
+
+
 def test_table_updates_move_no_stream_time_when_the_app_has_scheduled_callbacks(
     make_topic: Callable[[int], str],
     rclient: redis.Redis,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from pspf.cli.supervisor import Supervisor
 from pspf.cli.targets import load_app
@@ -40,7 +41,28 @@ class CliState:
         self.options: dict[str, Any] = {}
 
     def settings(self, overrides: dict[str, Any]) -> Settings:
-        return Settings.load({**self.options, **overrides})
+        return Settings.load({**self.options, **overrides}, spelled=given_flags())
+
+
+def given_flags() -> dict[str, str]:
+    """The settings the running command was given as flags: variable name -> flag.
+
+    A setting's flag reads its variable too (click's ``envvar``), so only the parameter's
+    source tells whether a bad value is to be named by the flag or by the variable.
+    """
+    spelled: dict[str, str] = {}
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        for param in ctx.command.params:
+            if (
+                isinstance(param, click.Option)
+                and isinstance(param.envvar, str)
+                and param.name is not None
+                and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+            ):
+                spelled.setdefault(param.envvar, max(param.opts, key=len))
+        ctx = ctx.parent
+    return spelled
 
 
 #: Where ``ctx.meta`` holds the arguments the command was given (after the program name).

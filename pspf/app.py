@@ -442,6 +442,10 @@ class App:
         """
         return sorted(self.handlers, key=lambda topic: topic in self.tables)
 
+    def table_topics(self) -> tuple[list[str], list[str]]:
+        """The topics it reads as tables, and those it reads as global tables."""
+        return list(self.tables), list(self.global_tables)
+
     def __repr__(self) -> str:
         return f"App({self.name!r}, topics={self.topics})"
 

@@ -374,11 +374,11 @@ def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[
     "/apps/{app:str}/tables/{table:str}/{key:str}",
     sync_to_thread=True,
     responses=_errors(404),
-    summary="The row of one key in a table, from its state backup (a global table's is held by the "
-    "workers, not here: 404)",
+    summary="The row of one key in a table, from its state backup; a global table's from a worker's "
+    "store under the state dir the API was started with",
 )
 def table_row(state: State, app: FromPath[str], table: FromPath[str], key: FromPath[str]) -> Any:
-    return _service(state).table_row(app, table, key, read_global=False)
+    return _service(state).table_row(app, table, key)
 
 
 @get("/apps/{app:str}/outbox", sync_to_thread=True, responses=_errors(404), summary="An app's outbox rows")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import os
 import sys
@@ -13,9 +11,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
-from pspf.app import App
 from pspf.cli.supervisor import Supervisor
+from pspf.cli.targets import load_app
 from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
 from pspf.settings import Settings
@@ -42,7 +41,28 @@ class CliState:
         self.options: dict[str, Any] = {}
 
     def settings(self, overrides: dict[str, Any]) -> Settings:
-        return Settings.load({**self.options, **overrides})
+        return Settings.load({**self.options, **overrides}, spelled=given_flags())
+
+
+def given_flags() -> dict[str, str]:
+    """The settings the running command was given as flags: variable name -> flag.
+
+    A setting's flag reads its variable too (click's ``envvar``), so only the parameter's
+    source tells whether a bad value is to be named by the flag or by the variable.
+    """
+    spelled: dict[str, str] = {}
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        for param in ctx.command.params:
+            if (
+                isinstance(param, click.Option)
+                and isinstance(param.envvar, str)
+                and param.name is not None
+                and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+            ):
+                spelled.setdefault(param.envvar, max(param.opts, key=len))
+        ctx = ctx.parent
+    return spelled
 
 
 #: Where ``ctx.meta`` holds the arguments the command was given (after the program name).
@@ -403,55 +423,6 @@ def _at_least_one(workers: int) -> int:
     if workers < 1:
         raise click.BadParameter(f"{workers}: give 1 or more (1 runs a single worker, no supervisor)")
     return workers
-
-
-def load_app(target: str) -> App:
-    """Import ``module:attribute`` (from the current directory too) and return its App."""
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ConfigError(f"target {target!r} must look like MODULE:ATTRIBUTE, e.g. app:main")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigError(f"cannot import module {module_name!r}: no such module") from exc
-        raise ConfigError(f"importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise ConfigError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
-    try:
-        found = getattr(module, attribute)
-    except AttributeError:
-        raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}") from None
-    if not isinstance(found, App) and callable(found):
-        found = _call_factory(target, found)
-    if not isinstance(found, App):
-        raise ConfigError(
-            f"{target} is a {type(found).__name__}, not a pspf.App (or a function returning one)"
-        )
-    return found
-
-
-def _call_factory(target: str, factory: Callable[..., Any]) -> Any:
-    try:
-        required = [
-            p
-            for p in inspect.signature(factory).parameters.values()
-            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        required = []
-    if required:
-        raise ConfigError(
-            f"{target} takes arguments; point pspf run at an App or a function without arguments"
-        )
-    try:
-        return factory()
-    except PSPFError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"calling {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def service_for(

@@ -7,6 +7,7 @@ development on one machine, not for production.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -49,6 +50,7 @@ def server(port: int, directory: Path) -> None:
     binary = _server_binary()
     _check_port_free(port)
     where = directory.resolve()
+    _make_directory(where)
     log = where / "valkey.log"
     local = embedded.LocalRedis(
         where, aof=True, binary=binary, port=port, args=["--logfile", str(log)], own_session=True
@@ -56,7 +58,7 @@ def server(port: int, directory: Path) -> None:
     stop = threading.Event()
     with _stop_on_signals(stop):
         try:
-            local.start()
+            _start(local, log)
             click.echo(f"{_display(local)} listening on {local.url}, data in {where} (append-only file)")
             click.echo(f"Point PSPF at it:  export PSPF_BROKER={local.url}")
             click.echo("Stop it with Ctrl-C.")
@@ -85,6 +87,45 @@ def _check_port_free(port: int) -> None:
             raise ConfigError(
                 f"port {port} on 127.0.0.1 is in use ({exc.strerror}): choose another with --port"
             ) from None
+
+
+def _make_directory(where: Path) -> None:
+    """Create ``--dir`` (and its parents) or refuse in one line; the server could not write there."""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"cannot create the server's directory {where} ({reason}): choose another with --dir"
+        ) from exc
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot write in the server's directory {where} (Permission denied): choose another with --dir"
+        )
+
+
+def _start(local: embedded.LocalRedis, log: Path) -> None:
+    """Start the server; one that exits at start is refused with the last reason its log gives."""
+    try:
+        local.start()
+    except ConfigError as exc:
+        if local.process is None or local.process.poll() is None:
+            raise  # it did not run, or another server took the port: the error says so
+        raise ConfigError(
+            f"the server did not start on port {local.port}: {_last_reason(log)} (see {log})"
+        ) from exc
+
+
+def _last_reason(log: Path) -> str:
+    """The last line the server logged, without its pid and time stamp ("Invalid AOF ...")."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "it wrote no log"
+    if not lines:
+        return "it logged nothing"
+    # Valkey and Redis log "PID:ROLE DD Mon YYYY HH:MM:SS.mmm LEVEL message".
+    return lines[-1].split(" ", 6)[-1] if lines[-1][:1].isdigit() else lines[-1]
 
 
 def _display(local: embedded.LocalRedis) -> str:

@@ -450,6 +450,10 @@ class App:
             *(c.func for c in self.callbacks.values()),
         ]
 
+    def table_topics(self) -> tuple[list[str], list[str]]:
+        """The topics it reads as tables, and those it reads as global tables."""
+        return list(self.tables), list(self.global_tables)
+
     def __repr__(self) -> str:
         return f"App({self.name!r}, topics={self.topics})"
 

@@ -180,12 +180,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def load(
-        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+        cls,
+        overrides: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        spelled: Mapping[str, str] | None = None,
     ) -> Settings:
         """Build settings from defaults, then ``PSPF_*`` variables, then ``overrides``.
 
         ``overrides`` maps environment variable names (``PSPF_BATCH_SIZE``) to values; a value of
-        None means "not given" and leaves the lower layer in place.
+        None means "not given" and leaves the lower layer in place. ``spelled`` names how the
+        user gave an override (``--batch-size``, a CLI flag), so that an error names that.
         """
         environ = os.environ if environ is None else environ
         layered: dict[str, Any] = {name: environ[name] for name in ENV_VARS if name in environ}
@@ -201,7 +205,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         try:
             settings = msgspec.convert(tree, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid setting: {_name_error(str(exc))}") from None
+            raise ConfigError(_invalid(str(exc), layered, spelled or {})) from None
         check_broker_url(settings.redis.url)
         settings.redis.check_tls()
         return settings
@@ -248,11 +252,27 @@ ENV_VARS: dict[str, tuple[str, str]] = {
 }
 
 
-def _name_error(message: str) -> str:
-    """Replace msgspec's ``$.consumer.batch_size`` path by the variable a user can set."""
-    for name, (group, field) in ENV_VARS.items():
-        message = message.replace(f"`$.{group}.{field}`", f"{name} ({field.replace('_', '-')})")
-    return message
+_SETTING_OF = {where: name for name, where in ENV_VARS.items()}
+
+
+def _invalid(message: str, given: Mapping[str, Any], spelled: Mapping[str, str]) -> str:
+    """The validation error named as the user gave the value: ``invalid --batch-size 0: expected ...``.
+
+    msgspec says ``Expected `int` >= 1 - at `$.consumer.batch_size```; the path becomes the flag
+    the value came from (``spelled``), else the variable (``PSPF_BATCH_SIZE=0``).
+    """
+    what, _, path = message.rpartition(" - at ")
+    group, _, field = path.strip("`").removeprefix("$.").partition(".")
+    name = _SETTING_OF.get((group, field))
+    if not what or name is None:
+        return f"invalid setting: {message}"
+    what = what[:1].lower() + what[1:]
+    if name not in given:
+        return f"invalid {name}: {what}"
+    value = given[name]
+    if name in spelled:
+        return f"invalid {spelled[name]} {value}: {what}"
+    return f"invalid {name}={value}: {what}"
 
 
 _ENCODE_HINT = "percent-encode / ? # @ [ ] in a password"

@@ -301,7 +301,7 @@ class Worker:
                     stream = keys.stream_key(topic, partition)
                     self.broker.ensure_group(stream, self.app.name, start_id)
                     self.broker.record_group_start(self.app.name, topic, partition, stream)
-        self.broker.register_app(self.app.name, self.app.topics, self._partitions, list(self.app.tables))
+        self.broker.register_app(self.app.name, self.app.topics, self._partitions, *self.app.table_topics())
         self.processor.start_tables(self._partitions, self._global_tables())
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",

@@ -108,15 +108,23 @@ class Admin(Connection):
             return int(self.client.xtrim(stream, minid=before, approximate=False))
 
     def register_app(
-        self, app: str, topics: list[str], partitions: int, tables: list[str] | None = None
+        self,
+        app: str,
+        topics: list[str],
+        partitions: int,
+        tables: list[str] | None = None,
+        global_tables: list[str] | None = None,
     ) -> None:
         """Record what an app reads, so operators can find its state by app name alone.
 
-        ``tables``: those of ``topics`` the app reads as tables (None leaves the record's as is).
+        ``tables``: those of ``topics`` the app reads as tables; ``global_tables``: the topics it
+        reads whole into each worker's own store (None leaves the record's as is).
         """
         mapping: dict[str, str | int] = {"topics": ",".join(topics), "partitions": partitions}
         if tables is not None:
             mapping["tables"] = ",".join(tables)
+        if global_tables is not None:
+            mapping["global_tables"] = ",".join(global_tables)
         with self.translate_errors():
             self.client.hset(keys.app_key(app), mapping=mapping)
             self.client.sadd(keys.APPS_KEY, app)
@@ -126,6 +134,12 @@ class Admin(Connection):
         with self.translate_errors():
             raw = self.client.hget(keys.app_key(app), "tables")
         return [t for t in _text(raw).split(",") if t] if raw else []
+
+    def app_global_tables(self, app: str) -> list[str] | None:
+        """The app's global tables, as its workers last recorded; None when none recorded them."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), "global_tables")
+        return None if raw is None else [t for t in _text(raw).split(",") if t]
 
     def app_topics(self, app: str) -> set[str]:
         """The topics an app read when it last ran here (empty if it never ran)."""

@@ -3,10 +3,11 @@
 A table (``App.table``) lives in the partitions' stores beside the state and is backed up with
 it, so its row is read as ``state_get`` reads state: from the key's partition's backup in Redis,
 or from its store here. A global table (``App.global_table``) is in no backup: each worker holds
-it whole in a store of its own under its state dir, read here without its lock. The service does
-not import the app, so it knows a table only by what Redis and the stores hold: a topic the app
-reads (a table's rows are simply under "table/key"), a worker's store of a global table here, or a
-live worker saying it follows one (``Member.global_lag``).
+it whole in a store of its own under its state dir, read here without its lock (by the CLI and
+the admin API alike, under the state dir each was given). The service does not import the app,
+so it knows a table only by what Redis and the stores hold: a topic the app reads (a table's rows
+are simply under "table/key"), a worker's store of a global table here, the global tables the
+app's record names, or a live worker saying it follows one (``Member.global_lag``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from pspf.state_stores import open_globals_readonly, stored_globals
 class Tables(ServiceBase):
     """Table rows."""
 
-    def table_row(self, app: str, table: str, key: str, read_global: bool = True) -> Any:
+    def table_row(self, app: str, table: str, key: str) -> Any:
         """The row of ``key`` in ``table`` of ``app``, as JSON shows it.
 
         A table's from its backup in Redis, or without one from its store here (as
-        ``state_get``). A global table's from the store of a worker under the state dir here,
-        when ``read_global`` (the CLI; the admin API does not, and says where it is held).
+        ``state_get``). A global table's from the store of a worker under the state dir here:
+        the CLI's ``--state-dir``, or the one ``pspf admin serve`` was started with.
         """
         keys.check_name("app", app)
         keys.check_name("table", table)
@@ -42,9 +43,9 @@ class Tables(ServiceBase):
             if raw is None:
                 raise NotFound(f"table {table!r} of app {app!r} has no row for key {key!r}")
             return _shown_row(table, key, raw)
-        copy = self._global_copy(app, table, stored) if read_global else None
+        copy = self._global_copy(app, table, stored)
         if copy is None:
-            raise NotFound(self._no_global(app, table, key, read_global))
+            raise NotFound(self._no_global(app, table))
         raw, where = copy
         if raw is None:
             raise NotFound(f"global table {table!r} of app {app!r} has no row for key {key!r} (in {where})")
@@ -69,27 +70,27 @@ class Tables(ServiceBase):
                     best = max(read), store.get(keys.GLOBAL_TABLES_NAMESPACE, stored), str(path)
         return None if best is None else best[1:]
 
-    def _no_global(self, app: str, table: str, key: str, read_global: bool) -> str:
-        """Why no row of ``table`` was read here: where a global table is held, or that it is none."""
-        state = self.settings.state
-        followed = any(table in member.global_lag for member in live_members(self.broker, app))
-        if followed:
-            if read_global:
-                return (
-                    f"global table {table!r} of app {app!r} is held by each worker in its state dir, "
-                    f"and no worker's store of it is under {state.dir}: pass a worker's --state-dir"
-                )
-            return (
-                f"global table {table!r} of app {app!r} is held by each worker in its state dir, not "
-                f"in Redis: read it where a worker runs, with `pspf state get {app} {key} --table "
-                f"{table} --state-dir DIR`"
+    def _no_global(self, app: str, table: str) -> str:
+        """Why no row of ``table`` was read here: no worker's store of the global table, or no table.
+
+        The app's record names its global tables (its workers write it at start); a live worker
+        following the table says so too, for a record written before global tables were recorded.
+        """
+        recorded = self.broker.app_global_tables(app)
+        live = any(table in member.global_lag for member in live_members(self.broker, app))
+        if live or table in (recorded or []):
+            text = (
+                f"{table!r} is a global table of app {app!r}: its rows are read from a worker's store "
+                f"of it, and none is under {self.settings.state.dir}: pass a worker's --state-dir"
             )
+            return text if live else text + " (or run a worker with this one)"
         topics = ", ".join(self.broker.app_topic_list(app))
-        text = (
-            f"app {app!r} has no table {table!r} known here: it is none of the app's topics ({topics}), "
-            f"no live worker follows a global table {table!r}"
-        )
-        return text + (f", and no worker's store under {state.dir} holds one" if read_global else "")
+        text = f"app {app!r} has no table {table!r}: it is none of the app's topics ({topics})"
+        if recorded is None:
+            return text + f", and no live worker follows a global table {table!r}"
+        if not recorded:
+            return text + " (and it has no global table)"
+        return text + f" nor of its global tables ({', '.join(recorded)})"
 
 
 def _shown_row(table: str, key: str, raw: bytes) -> Any:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import msgspec
 
 from pspf import keys, retention
-from pspf.errors import ConfigError
+from pspf.errors import ConfigError, ParameterError
 from pspf.producer import Producer
 from pspf.records import Health, PartitionInfo, TopicDescription, TopicInfo, TopicTrim
 from pspf.retention import Retention
@@ -28,7 +28,9 @@ class Topics(ServiceBase):
         """Create a topic; also returns False when it already existed with that partition count."""
         keys.check_name("topic", name)
         if not 1 <= partitions <= keys.MAX_PARTITIONS:
-            raise ConfigError(f"partitions must be between 1 and {keys.MAX_PARTITIONS}")
+            raise ParameterError(
+                "invalid {partitions} {count}: give 1 to {most}", count=partitions, most=keys.MAX_PARTITIONS
+            )
         created = self.broker.create_topic(name, partitions)
         return TopicInfo(name=name, partitions=partitions), created
 

@@ -292,7 +292,8 @@ def test_an_unknown_app_module_fails_once_with_exit_2(tmp_path: Path, redis_url:
     done = subprocess.run(command, capture_output=True, env=subprocess_env(), cwd=tmp_path, timeout=30)
     assert done.returncode == 2
     assert done.stderr.decode().splitlines() == [
-        "Error: cannot import module 'no_such_module': no such module"
+        f"Error: cannot import module 'no_such_module': no module 'no_such_module' in the current "
+        f"directory {tmp_path} (which is on the path) or elsewhere on the path"
     ]
     assert done.stdout == b""
 

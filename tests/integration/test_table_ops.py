@@ -153,7 +153,17 @@ def test_a_global_table_row_is_read_from_a_workers_store_under_the_state_dir(
     assert json.loads(got.output) == {"price": 3}
     gone = error_line(row("p2", state_dir), 4)
     assert f"global table {products!r} of app {app.name!r} has no row for key 'p2'" in gone
-    assert f"no worker's store under {elsewhere} holds one" in error_line(row("p1", elsewhere), 4)
+    # No worker runs: the app's record says it has this global table, which a typo is not.
+    assert error_line(row("p1", elsewhere), 4) == (
+        f"Error: {products!r} is a global table of app {app.name!r}: its rows are read from a worker's "
+        f"store of it, and none is under {elsewhere}: pass a worker's --state-dir "
+        "(or run a worker with this one)"
+    )
+    typo = invoke("state", "get", app.name, "p1", "--table", "nope", "--state-dir", state_dir)
+    assert error_line(typo, 4) == (
+        f"Error: app {app.name!r} has no table 'nope': it is none of the app's topics ({orders}) "
+        f"nor of its global tables ({products})"
+    )
 
     # Workers sharing the state dir hold a copy each: the one that read furthest answers.
     with (
@@ -222,15 +232,14 @@ def test_lag_shows_each_workers_global_tables_behind_and_its_metric(
     wait_until(lambda: behind() == {products: 0}, 10, "nothing behind")
     assert total(scrape(address), "pspf_global_table_lag_entries", table=products) == 0
 
-    # A running worker follows it: the admin API says it is held by the workers, not in Redis.
+    # A running worker follows it: the admin API, started with its state dir, reads its store.
     held = api.get(f"/apps/{app.name}/tables/{products}/p1")
-    assert held.status_code == 404
-    assert f"global table {products!r} of app {app.name!r} is held by each worker" in held.json()["error"]
-    assert "--state-dir" in held.json()["error"]
+    assert held.status_code == 200 and held.json() == {"price": 1}
     elsewhere = str(tmp_path / "elsewhere")
     here = error_line(
         invoke("state", "get", app.name, "p1", "--table", products, "--state-dir", elsewhere), 4
     )
-    assert (
-        f"is held by each worker in its state dir, and no worker's store of it is under {elsewhere}" in here
+    assert here == (
+        f"Error: {products!r} is a global table of app {app.name!r}: its rows are read from a worker's "
+        f"store of it, and none is under {elsewhere}: pass a worker's --state-dir"
     )

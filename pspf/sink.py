@@ -110,6 +110,10 @@ class Sink(ABC):
     def partition(self, partition: int) -> SinkPartition:
         """Connect one topic partition."""
 
+    def describe(self) -> str:
+        """What the sink delivers into, for operators (``pspf topic repartition`` names it)."""
+        return type(self).__name__
+
     def record(self, value: Any, ctx: Context) -> SinkRecord:
         """The record of one entry; raise ``SinkRefused`` for an entry the store cannot take."""
         return SinkRecord(
@@ -129,12 +133,15 @@ class Sink(ABC):
         does for Redis.
         """
         stores: dict[int, SinkStore] = {}
-        prepared = threading.Event()
+        prepared, marked = threading.Event(), threading.Event()
 
         def open_store(group: str, partition: int) -> SinkStore:
             if not prepared.is_set():
                 self.prepare()
                 prepared.set()
+            if not marked.is_set():  # the app is recorded by now: say it is a sink
+                worker.broker.mark_sink(self.name, self.describe())
+                marked.set()
             stores[partition] = SinkStore(self.partition(partition))
             return stores[partition]
 

@@ -288,6 +288,9 @@ class PostgresSink(Sink):
     def partition(self, partition: int) -> SinkPartition:
         return PostgresPartition(self, partition)
 
+    def describe(self) -> str:
+        return f"PostgreSQL table {self.table}"
+
 
 class PostgresPartition(SinkPartition):
     """One partition's connection: claims the partition, then commits batches under its generation."""

@@ -214,3 +214,50 @@ def test_a_rewritten_table_is_refused_and_keep_checkpoints_accepts_it(
     assert again.exit_code == 0, again.output
     assert "processed 50 entries" in again.output  # the checkpoints were kept
     assert delivered(pg_query) == list(range(150))
+
+
+def repartition(redis_url: str, topic: str, partitions: int) -> Result:
+    args = ["topic", "repartition", topic, "--partitions", str(partitions), "--yes", "--broker", redis_url]
+    return CliRunner().invoke(cli, args)
+
+
+def test_a_topic_a_sink_delivers_is_refused_by_repartition_with_the_steps_that_work(
+    make_topic: Callable[[int], str],
+    rclient: redis.Redis,
+    redis_url: str,
+    pg_dsn: str,
+    pg_query: Query,
+) -> None:
+    """The refusal's steps, followed: every entry once in the table, before and after the switch."""
+    topic = make_topic(2)
+    produce(rclient, topic, 0, 300)
+    assert run_sink(redis_url, topic, pg_dsn, "rows").exit_code == 0
+    refused = repartition(redis_url, topic, 3)
+    assert refused.exit_code == 5, refused.output
+    line = one_line(refused)
+    assert "sink" in line and "state backup on" not in line
+    for step in ("pspf app delete ev-sink", "pspf sink reset ev-sink", "--start-from latest"):
+        assert step in line, line
+    # The steps: the sink delivered everything and stopped (above), the producers wait.
+    assert (
+        CliRunner().invoke(cli, ["app", "delete", "ev-sink", "--yes", "--broker", redis_url]).exit_code == 0
+    )
+    moved = repartition(redis_url, topic, 3)
+    assert moved.exit_code == 0, moved.output
+    reset = ["sink", "reset", "ev-sink", "--dsn", pg_dsn, "--broker", redis_url, "--yes"]
+    assert CliRunner().invoke(cli, reset).exit_code == 0
+    started = CliRunner().invoke(
+        cli,
+        [
+            "sink", "postgres", topic, "--dsn", pg_dsn, "--table", "ev", "--name", "ev-sink",
+            "--broker", redis_url, "--start-from", "latest", "--until-idle",
+        ],
+    )  # fmt: skip
+    assert started.exit_code == 0 and "processed 0 entries" in started.output, started.output
+    for n in range(300, 400):
+        add(rclient, topic, 3, f"k{n % 40}", {"n": n})
+    again = run_sink(redis_url, topic, pg_dsn, "rows")
+    assert again.exit_code == 0, again.output
+    assert delivered(pg_query) == list(range(400))  # each once
+    partitions = {p for (p,) in pg_query("SELECT DISTINCT partition FROM ev WHERE (value->>'n')::int >= 300")}
+    assert partitions <= {0, 1, 2} and 2 in partitions

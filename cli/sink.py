@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import click
 
-from pspf.cli.main import CliState, broker_option, cli, run_settings, run_summary, worker_options
+from pspf.cli.main import (
+    CliState,
+    broker_option,
+    cli,
+    confirm,
+    run_settings,
+    run_summary,
+    service_for,
+    worker_options,
+)
 from pspf.errors import ConfigError
+
+
+def _postgres() -> ModuleType:
+    """``pspf.sink_postgres``, or the extra to install."""
+    try:
+        import pspf.sink_postgres
+    except ImportError as exc:
+        raise ConfigError(
+            f"the PostgreSQL sink needs psycopg 3: pip install 'pspf[postgres]' ({exc})"
+        ) from None
+    return pspf.sink_postgres
 
 
 @cli.group()
@@ -52,16 +73,52 @@ def postgres(
     a retry or a takeover never writes a row twice; start several to share the partitions. A row
     the database refuses sends its entry to the DLQ with the database's error.
     """
-    try:
-        from pspf.sink_postgres import PostgresSink
-    except ImportError as exc:
-        raise ConfigError(
-            f"the PostgreSQL sink needs psycopg 3: pip install 'pspf[postgres]' ({exc})"
-        ) from None
     settings = run_settings(obj, options)
-    target = PostgresSink(dsn, table, mode="upsert" if mode == "upsert" else "rows", name=name)
+    target = _postgres().PostgresSink(dsn, table, mode="upsert" if mode == "upsert" else "rows", name=name)
     worker = target.worker(topic, settings)
     click.echo(f"sink {target.name}: {topic} into {table} ({mode})", err=True)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(run_summary(summary), err=True)
+
+
+@sink.command(
+    "reset",
+    epilog="\b\nExamples:\n  pspf sink reset sink-postgres-orders --dsn postgresql://app@db/shop\n"
+    "  pspf sink reset sink-postgres-orders --dsn $DSN --keep-checkpoints --yes",
+)
+@click.argument("name")
+@click.option("--dsn", envvar="PSPF_SINK_DSN", show_envvar=True, required=True, help="PostgreSQL DSN or URL.")
+@click.option(
+    "--keep-checkpoints",
+    is_flag=True,
+    help="Only accept the table as it is now (after a VACUUM FULL or a CLUSTER, which keep the rows).",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@broker_option
+@click.pass_obj
+def reset(
+    obj: CliState, /, name: str, dsn: str, keep_checkpoints: bool, yes: bool, broker: str | None
+) -> None:
+    """Deliver the topic of the stopped sink NAME again from its first entry.
+
+    For a table that was dropped, truncated or replaced, which the sink refuses: its consumer
+    groups move to the first entry of each partition, then its checkpoints, bookkeeping and the
+    record of its table are deleted from the database. The next start creates the table when
+    missing and writes every row again (rows already there are skipped, or never made older).
+    Running it again after a failure completes it.
+    """
+    forget = _postgres().forget
+    if keep_checkpoints:
+        forget(dsn, name, keep_checkpoints=True)
+        click.echo(f"sink {name}: its table is accepted as it is at its next start; checkpoints kept")
+        return
+    if not yes:
+        confirm(f"Deliver every entry to sink {name} again, from the first?")
+    topics = service_for(obj, broker).restart_groups(name)
+    partitions = forget(dsn, name)
+    where = ", ".join(topics) or "(it never ran on this server)"
+    click.echo(
+        f"sink {name} reset: its groups start at the first entry of {where}; checkpoints of "
+        f"{partitions} partitions deleted. Start it to deliver everything again"
+    )

@@ -71,6 +71,13 @@ class SinkUnavailable(BrokerUnavailable):
     what = "sink database"
 
 
+class SinkDatabaseRefused(BrokerError):
+    """A sink's database refused the connection for good: a login, a database that does not exist.
+
+    Not retried, as ``AuthenticationFailed``: the server answered, and will answer the same.
+    """
+
+
 class BrokerOutOfMemory(BrokerUnavailable):
     """The server refused a write because it reached its maxmemory (policy ``noeviction``).
 
@@ -151,6 +158,13 @@ class StoreLocked(StateError):
 
 class StateOutOfReach(StateError):
     """A partition's state is in no state backup and not in this state directory: out of reach."""
+
+
+class SinkTargetChanged(StateError):
+    """A sink's table is not the one its checkpoints describe: dropped, truncated or replaced.
+
+    Going on would skip every entry the checkpoints cover, which the table no longer holds.
+    """
 
 
 class CheckpointRegression(StateError):

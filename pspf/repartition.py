@@ -121,6 +121,14 @@ def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> 
 def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
     """Refuse an app whose state is not all in its backups, or still moving from the last time."""
     first = broker.app_topic_list(app)[0]
+    sink = broker.app_sink(app)
+    if sink is not None:
+        raise StateOutOfReach(
+            f"app {app!r} is a sink into {sink}: its checkpoints are there, where a repartition cannot "
+            f"move them. Stop the topics' producers; let the sink deliver everything (pspf lag {app}: "
+            f"0) and stop it; pspf app delete {app} --yes; repartition; pspf sink reset {app} --dsn DSN "
+            "--yes; start the sink with --start-from latest, then the producers"
+        )
     for partition in range(old):
         backup = keys.backup_keys(first, partition, app)
         if not broker.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):

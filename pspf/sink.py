@@ -18,11 +18,15 @@ Failures: a commit that cannot reach the database raises ``SinkUnavailable``; th
 off and reads the batch again (nothing was acknowledged). A commit whose rows the database
 refuses (a constraint, a value it cannot take) writes nothing either: the partition finds the
 rows it refuses (``RowsRefused``), the batch is read again, and those entries fail with the
-database's error (``SinkRefused``, not retried) and go to the DLQ; the others are written.
+database's error (``SinkRefused``, not retried) and go to the DLQ; the others are written. A store
+that no longer holds what the checkpoints say was delivered (``SinkTargetChanged``: a table
+dropped or truncated) stops the worker: ``pspf sink reset`` delivers the topic again.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -36,6 +40,8 @@ from pspf.keys import StreamId
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.worker import RunSummary, Worker
+
+log = logging.getLogger(__name__)
 
 #: (namespace, key) -> value, None deleting: what the processor commits besides the records
 Updates = Mapping[tuple[str, str], bytes | None]
@@ -104,6 +110,10 @@ class Sink(ABC):
     def partition(self, partition: int) -> SinkPartition:
         """Connect one topic partition."""
 
+    def describe(self) -> str:
+        """What the sink delivers into, for operators (``pspf topic repartition`` names it)."""
+        return type(self).__name__
+
     def record(self, value: Any, ctx: Context) -> SinkRecord:
         """The record of one entry; raise ``SinkRefused`` for an entry the store cannot take."""
         return SinkRecord(
@@ -116,10 +126,22 @@ class Sink(ABC):
         )
 
     def worker(self, topic: str, settings: Settings) -> Worker:
-        """A worker delivering ``topic``: the state backup and standby off, the stores the sink's."""
+        """A worker delivering ``topic``: the state backup and standby off, the stores the sink's.
+
+        A missing topic is refused before the store is touched. A store that cannot be reached
+        yet is waited for: the worker prepares it before its first partition, backing off as it
+        does for Redis.
+        """
         stores: dict[int, SinkStore] = {}
+        prepared, marked = threading.Event(), threading.Event()
 
         def open_store(group: str, partition: int) -> SinkStore:
+            if not prepared.is_set():
+                self.prepare()
+                prepared.set()
+            if not marked.is_set():  # the app is recorded by now: say it is a sink
+                worker.broker.mark_sink(self.name, self.describe())
+                marked.set()
             stores[partition] = SinkStore(self.partition(partition))
             return stores[partition]
 
@@ -129,9 +151,18 @@ class Sink(ABC):
         def deliver(value: Any, ctx: Context) -> None:
             stores[ctx.partition].stage(self.record(value, ctx))
 
-        self.prepare()
         state = msgspec.structs.replace(settings.state, backup="off", standby=False)
-        return Worker(app, msgspec.structs.replace(settings, state=state), store_factory=open_store)
+        worker = Worker(app, msgspec.structs.replace(settings, state=state), store_factory=open_store)
+        try:
+            worker.broker.topic_partitions(topic)
+            self.prepare()
+            prepared.set()
+        except SinkUnavailable as exc:
+            log.warning("sink %s: %s; waiting for it (retrying with backoff)", self.name, exc)
+        except BaseException:
+            worker.broker.close()
+            raise
+        return worker
 
     def run(self, topic: str, settings: Settings, until_idle: bool = False) -> RunSummary:
         """Deliver ``topic`` until stopped (or, with ``until_idle``, until nothing is left)."""

@@ -129,6 +129,17 @@ class Admin(Connection):
             self.client.hset(keys.app_key(app), mapping=mapping)
             self.client.sadd(keys.APPS_KEY, app)
 
+    def mark_sink(self, app: str, target: str) -> None:
+        """Record that ``app`` is a sink delivering into ``target``: its checkpoints live there."""
+        with self.translate_errors():
+            self.client.hset(keys.app_key(app), "sink", target)
+
+    def app_sink(self, app: str) -> str | None:
+        """What the sink ``app`` delivers into (``mark_sink``); None for an app that is no sink."""
+        with self.translate_errors():
+            raw = self.client.hget(keys.app_key(app), "sink")
+        return _text(raw) if raw else None
+
     def app_tables(self, app: str) -> list[str]:
         """The topics an app reads as tables (co-partitioned), as its workers last recorded."""
         with self.translate_errors():

@@ -160,6 +160,28 @@ class Replaying(ServiceBase):
             dry_run=dry_run,
         )
 
+    def restart_groups(self, app: str) -> list[str]:
+        """Re-create a stopped app's groups at the first entry of its topics; its state untouched.
+
+        For a sink (``pspf sink reset``), whose checkpoints live in its database and are deleted
+        there after this: until then they skip what the groups deliver again, so a crash in
+        between applies nothing twice. The topics (none when the app never ran).
+
+        Raises:
+            AppRunning: a worker of the app holds a lease.
+        """
+        keys.check_name("app", app)
+        try:
+            partitions = self.broker.app_partitions(app)
+        except NotFound:
+            return []
+        topics = self.broker.app_topic_list(app)
+        self._refuse_if_running(app, topics, partitions)
+        for topic in topics:
+            for partition in range(partitions):
+                self.broker.reset_group(keys.stream_key(topic, partition), app, str(keys.ZERO_ID))
+        return topics
+
     def _reset_positions(
         self, topics: list[str], from_start: list[str], partitions: int
     ) -> dict[tuple[str, int], StreamId]:

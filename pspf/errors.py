@@ -153,6 +153,13 @@ class StateOutOfReach(StateError):
     """A partition's state is in no state backup and not in this state directory: out of reach."""
 
 
+class LaterStore(StateError):
+    """A store holds entries the state adopted after Redis lost the app's data lacks.
+
+    It is never restored over; the operator adopts it (``pspf state adopt``) or deletes it.
+    """
+
+
 class CheckpointRegression(StateError):
     """A checkpoint would move backwards: a bug guard, never expected in operation."""
 

@@ -10,6 +10,7 @@ stale store must never replace the later one.
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pspf.keys import lease_key
 from pspf.records import AdoptResult
 from pspf.service import Service
 from pspf.state_stores import stored_partitions
-from tests.conftest import Names, RedisServer
+from tests.conftest import Names, RedisServer, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, read_state, summing_app
 from tests.integration.test_backup_faults import acknowledged as _acknowledged
 from tests.integration.test_backup_faults import run, send
@@ -153,3 +154,46 @@ def test_two_machines_sharing_partitions_keep_each_partitions_later_store(
 
     assert _backup_total(hosts["A"], name) == 440
     assert _total(hosts["A"], name, 4) == 440
+
+
+def test_the_cli_refuses_a_later_store_over_worked_on_state_in_one_line_until_told_to_replace(
+    own_server: RedisServer, make_settings: Callable[..., Settings], tmp_path: Path, names: Names
+) -> None:
+    """A adopted its stale store and ran on it (10 new entries applied on top); adopting B's later
+    store then refuses (exit 5, one line naming --replace) and changes nothing; with --replace
+    it is the state, and the 10 entries are applied again on top of it: 160 on both machines."""
+    name, topic = names.app(), "ledger"
+    a, b = (
+        make_settings(PSPF_BROKER=own_server.url, PSPF_STATE_DIR=str(tmp_path / h), PSPF_LEASE_TTL_MS=1000)
+        for h in ("A", "B")
+    )
+    Service(a).create_topic(topic, 1)
+    send(a, topic, 100)
+    run(summing_app(name, topic), a)
+    send(a, topic, 50, start=100)
+    run(summing_app(name, topic), b)
+    own_server.client().flushall()
+    Service(a).create_topic(topic, 1)
+    send(a, topic, 10, start=150)
+    adopt(a, name)
+    run(summing_app(name, topic), a)
+    assert _backup_total(a, name) == 110
+
+    command = pspf_command(
+        "state", "adopt", name, "--broker", own_server.url, "--state-dir", str(b.state.dir)
+    )
+    refused = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 5, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"pspf state adopt {name} --replace" in refused.stderr
+    assert _backup_total(a, name) == 110, "the refused adopt changed the state"
+
+    done = subprocess.run(
+        [*command, "--replace"], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("partition 0: adopted"), done.stdout
+    run(summing_app(name, topic), b)
+    run(summing_app(name, topic), a)
+    assert _backup_total(a, name) == 160
+    assert (_total(a, name, 1), _total(b, name, 1)) == (160, 160)

@@ -176,12 +176,16 @@ class Adopter:
         Then the adopt may have stopped before its record or its groups: both are done again.
         """
         identity = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
-        mark = stamp_of(store)
+        mark, mine = stamp_of(store), store.checkpoints()
         if not (
-            self.backup and mark and identity is not None and identity.decode() == meta.get(BACKUP_IDENTITY)
+            self.backup
+            and mark
+            and identity is not None
+            and identity.decode() == meta.get(BACKUP_IDENTITY)
+            and meta_checkpoints(meta) == mine
         ):
             return False
-        return adoption is None or adoption.id != mark or adoption.positions() == store.checkpoints()
+        return adoption is None or adoption.id != mark or adoption.positions() == mine
 
     def _lost(self, partition: int, meta: dict[str, str]) -> bool:
         """Whether the server has neither the partition's groups nor its state backup."""

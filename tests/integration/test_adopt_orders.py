@@ -18,7 +18,7 @@ import pytest
 
 from pspf import Settings
 from pspf.errors import PSPFError
-from pspf.keys import lease_key
+from pspf.keys import backup_keys, lease_key, stream_key
 from pspf.records import AdoptResult
 from pspf.service import Service
 from pspf.state_stores import stored_partitions
@@ -195,5 +195,39 @@ def test_the_cli_refuses_a_later_store_over_worked_on_state_in_one_line_until_to
     assert done.stdout.startswith("partition 0: adopted"), done.stdout
     run(summing_app(name, topic), b)
     run(summing_app(name, topic), a)
+    assert _backup_total(a, name) == 160
+    assert (_total(a, name, 1), _total(b, name, 1)) == (160, 160)
+
+
+def test_an_adopt_cut_short_after_its_upload_is_finished_by_the_next_one(
+    own_server: RedisServer, make_settings: Callable[..., Settings], tmp_path: Path, names: Names
+) -> None:
+    """Adopt on A stopped after uploading A's store, before its record and the groups (played by
+    deleting them): adopting on A again finishes it, so B's later store is still recognised as
+    later and taken by its adopt: 160."""
+    name, topic = names.app(), "ledger"
+    a, b = (
+        make_settings(PSPF_BROKER=own_server.url, PSPF_STATE_DIR=str(tmp_path / h), PSPF_LEASE_TTL_MS=1000)
+        for h in ("A", "B")
+    )
+    Service(a).create_topic(topic, 1)
+    send(a, topic, 100)
+    run(summing_app(name, topic), a)
+    send(a, topic, 50, start=100)
+    run(summing_app(name, topic), b)
+    client = own_server.client()
+    client.flushall()
+    Service(a).create_topic(topic, 1)
+    send(a, topic, 10, start=150)
+    adopt(a, name)
+    client.hdel(backup_keys(topic, 0, name).meta, "adopted")
+    client.xgroup_destroy(stream_key(topic, 0), name)
+
+    again = adopt(a, name)
+    assert list(again.adopted) == [0], again
+    assert client.hget(backup_keys(topic, 0, name).meta, "adopted") is not None
+    assert list(adopt(b, name).adopted) == [0], "B's later store was not taken"
+    run(summing_app(name, topic), a)
+    run(summing_app(name, topic), b)
     assert _backup_total(a, name) == 160
     assert (_total(a, name, 1), _total(b, name, 1)) == (160, 160)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 
 from pspf.cli.main import (
     CliState,
@@ -490,57 +489,6 @@ def state_import(
             result = service.state_import(app, lines)
     values, partitions = counted(result.values, "value"), counted(result.partitions, "partition")
     click.echo(f"imported {values} into {partitions}", err=True)
-
-
-@state.command(
-    "adopt",
-    epilog="\b\nExample, after Redis restarted without its data:\n"
-    "  pspf topic create orders --partitions 4\n"
-    "  pspf state adopt order-totals     # on every machine with stores of the app\n"
-    "  pspf run examples.order_totals:main",
-)
-@click.argument("app")
-@click.option(
-    "--partition",
-    "partitions",
-    multiple=True,
-    type=click.IntRange(min=0),
-    help="Also adopt this partition without a store here: it starts anew (repeatable).",
-)
-@click.option("--topic", "topics", multiple=True, help="A topic of the app (when no store here names it).")
-@broker_option
-@state_dir_option
-@store_option
-@json_option
-@click.pass_obj
-def state_adopt(
-    obj: CliState,
-    app: str,
-    partitions: tuple[int, ...],
-    topics: tuple[str, ...],
-    broker: str | None,
-    state_dir: Path | None,
-    store: str | None,
-    as_json: bool,
-) -> None:
-    """Keep APP's stores here as its state on a server that lost the app's data.
-
-    When Redis lost an app's consumer groups and state backups (a restart without persistence,
-    a flush, eviction), workers refuse to run. This creates the groups of each partition with a
-    store here at the store's checkpoint, so the next worker uploads the store as the backup and
-    goes on with the entries the server holds after it. Partitions whose group or backup the
-    server still has are left alone. The app must be stopped.
-    """
-    result = service_for(obj, broker, state_dir, store).state_adopt(app, partitions, topics)
-    if as_json:
-        print_json(msgspec.to_builtins(result))
-        return
-    for partition, starts in sorted(result.adopted.items()):
-        at = ", ".join(f"{topic} after {start}" for topic, start in sorted(starts.items()))
-        click.echo(f"partition {partition}: adopted, its group starts {at}")
-    if result.kept:
-        click.echo(f"left alone (the server still has their state): partitions {result.kept}")
-    click.echo(f"adopted {counted(len(result.adopted), 'partition')} of app {app}", err=True)
 
 
 # -- DLQ ------------------------------------------------------------------------------------------

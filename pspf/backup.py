@@ -47,9 +47,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from pspf import keys
+from pspf.adoption import adoption_of, refuse_later, trusted_identity
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
 from pspf.errors import BackupDamaged, BrokerError, LeaseLost, StateError
 from pspf.keys import (
+    BACKUP_ADOPTED,
     BACKUP_IDENTITY,
     BACKUP_MARK,
     BACKUP_MARKED,
@@ -159,7 +161,7 @@ class LogReader:
         return done
 
 
-def _meta_checkpoints(meta: dict[str, str]) -> dict[str, StreamId]:
+def meta_checkpoints(meta: dict[str, str]) -> dict[str, StreamId]:
     """The checkpoints a backup's meta holds (``cp:TOPIC``)."""
     return {k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")}
 
@@ -218,20 +220,28 @@ def restore(
     store: StateStore,
     topics: Iterable[str],
     go_on: Callable[[], bool] = lambda: True,
+    *,
+    owner: tuple[str, int] | None = None,
 ) -> tuple[int, LogReader] | None:
     """Rebuild the store from the whole backup: the values copied and a reader of the log after.
 
     ``go_on`` is called between pages (a long restore renews the leases there). None when there
     is no backup, or when ``go_on`` said to stop (the store then has no identity: it is restored
     again next time). When the owner wrote meanwhile, the store equals the backup once the
-    reader's updates are applied.
+    reader's updates are applied. A store later than the state adopted after a loss is refused
+    (``adoption.refuse_later``; ``owner``, the app and partition, names them in the message).
     """
     meta, last = broker.backup_head(backup)
     identity = meta.get(BACKUP_IDENTITY, "")
     if not identity:
         return None
+    adoption = adoption_of(meta)
+    if owner is None:
+        refuse_later(store, adoption, f"the state backup {backup.values}")
+    else:
+        refuse_later(store, adoption, f"app {owner[0]!r} partition {owner[1]}", owner[0])
     checkpoints: dict[str, StreamId | None] = {t: None for t in [*topics, *store.checkpoints()]}
-    checkpoints.update(_meta_checkpoints(meta))
+    checkpoints.update(meta_checkpoints(meta))
     values = 0
     stopped = False
 
@@ -250,7 +260,10 @@ def restore(
     store.load(keys.STORE_NAMESPACES, checkpoints, pages())
     if stopped:
         return None
-    store.write({(BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}, {})
+    done: Updates = {(BACKUP_NAMESPACE, BACKUP_IDENTITY): identity.encode()}
+    if adoption is not None:  # the store follows the adopted history from now on
+        done[(BACKUP_NAMESPACE, BACKUP_ADOPTED)] = adoption.id.encode()
+    store.write(done, {})
     return values, LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
 
 
@@ -263,7 +276,7 @@ def snapshot(
         identity = meta.get(BACKUP_IDENTITY, "")
         if not identity:
             return None
-        checkpoints = _meta_checkpoints(meta)
+        checkpoints = meta_checkpoints(meta)
         values: Updates = {
             split_field(raw): value
             for page in broker.backup_values(backup.values, CHUNK)
@@ -409,8 +422,7 @@ class PartitionBackup:
         self.store = store
         meta = self.broker.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
-        local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
-        local_identity = "" if local is None else local.decode()
+        local_identity = trusted_identity(store, adoption_of(meta))
         if not backup_identity:
             return Restored("missing", 0, time.perf_counter() - started)
         # Identities stay unique even when the fencing token was reset by hand.
@@ -439,7 +451,7 @@ class PartitionBackup:
             keep_alive()
             return True
 
-        restored = restore(self.broker, self.keys, store, topics, go_on)
+        restored = restore(self.broker, self.keys, store, topics, go_on, owner=(self.group, self.partition))
         if restored is None:  # the backup went while we looked: only a stopped app's is deleted
             raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
         return Restored("restored", restored[0], time.perf_counter() - started)
@@ -481,7 +493,11 @@ class PartitionBackup:
         return reply
 
     def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
-        """Copy a whole store into an empty backup under a new identity (the store's first)."""
+        """Copy a whole store into an empty backup under a new identity (the store's first).
+
+        The backup's adoption record (``pspf.adoption``) stays: the owner's store follows it.
+        """
+        adopted = self.broker.backup_meta(self.keys.meta).get(BACKUP_ADOPTED)
         stamped: Updates = {}
         self.journal.stamp(stamped)
         identity = stamped[(BACKUP_NAMESPACE, BACKUP_IDENTITY)]
@@ -511,6 +527,8 @@ class PartitionBackup:
         self.held = {identity.decode()}
         if self.partitions is not None:  # the first page emptied the meta
             self.broker.set_backup_field(self.keys.meta, BACKUP_PARTITIONS, str(self.partitions))
+        if adopted is not None:
+            self.broker.set_backup_field(self.keys.meta, BACKUP_ADOPTED, adopted)
         return sum(len(page) for page in pages) // 2
 
     def _send(self, request: AckRequest) -> None:

@@ -167,6 +167,13 @@ class SinkTargetChanged(StateError):
     """
 
 
+class LaterStore(StateError):
+    """A store holds entries the state adopted after Redis lost the app's data lacks.
+
+    It is never restored over; the operator adopts it (``pspf state adopt``) or deletes it.
+    """
+
+
 class CheckpointRegression(StateError):
     """A checkpoint would move backwards: a bug guard, never expected in operation."""
 

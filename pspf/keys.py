@@ -45,6 +45,9 @@ BACKUP_MARKED = "marked"
 #: Meta field, and store key under ``BACKUP_NAMESPACE``: the partition count the state was built
 #: for (a key's partition depends on it).
 BACKUP_PARTITIONS = "partitions"
+#: Meta field: the adoption record (``pspf.adoption``) of a backup that `pspf state adopt`
+#: uploaded; store key under ``BACKUP_NAMESPACE``: the adoption a store follows.
+BACKUP_ADOPTED = "adopted"
 #: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
 #: the copy's id). A replay that delivers both marks them: they are done without a handler, so
 #: each is applied once, through its last copy, as in the first run. Forgotten in the commit that

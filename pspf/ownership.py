@@ -140,7 +140,8 @@ def adopt_remedy(app: str) -> str:
     """What an operator does when Redis lost an app's data (``BrokerDataLost``)."""
     return (
         "Nothing was processed. To keep the stores' state and go on with what the server holds "
-        f"now, run `pspf state adopt {app}` on every machine that holds stores of the app, then "
+        f"now, run `pspf state adopt {app}` on every machine that holds stores of the app (in any "
+        "order: each partition keeps its latest store), then "
         "start the workers"
     )
 

@@ -19,10 +19,10 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from pspf import keys
+from pspf.adoption import adoption_of, trusted_identity
 from pspf.backup import LogGap, LogReader, catch_up, locate, restore
 from pspf.broker import Broker
-from pspf.errors import BrokerUnavailable, StoreLocked
-from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE
+from pspf.errors import BrokerUnavailable, LaterStore, StoreLocked
 
 if TYPE_CHECKING:
     from pspf.ownership import StoreFactory
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1
 #: How long a partition whose store could not be opened waits before the next try.
 RETRY_S = 2.0
+#: How long a partition whose store is later than its adopted backup waits before the next look.
+LATER_RETRY_S = 60.0
 
 
 class _Follower:
@@ -122,6 +124,11 @@ class Standby:
                 self._followers[partition].reader = None
             except BrokerUnavailable:
                 raise
+            except LaterStore as exc:  # kept as it is until the operator adopts or deletes it
+                log.error("standby app=%s partition=%s: %s", self.group, partition, exc)
+                with self._changed:
+                    self._close(partition)
+                self._retry_at[partition] = _now() + LATER_RETRY_S
             except Exception:
                 log.exception("standby app=%s partition=%s failed; trying again later", self.group, partition)
                 with self._changed:
@@ -133,8 +140,8 @@ class Standby:
         store = follower.store
         if follower.reader is None:
             backup = keys.backup_keys(self.topics[0], partition, self.group)
-            local = store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY)
-            follower.reader = locate(self.broker, backup, "" if local is None else local.decode())
+            adoption = adoption_of(self.broker.backup_meta(backup.meta))
+            follower.reader = locate(self.broker, backup, trusted_identity(store, adoption))
             if follower.reader is None:
                 restored = restore(
                     self.broker,
@@ -142,6 +149,7 @@ class Standby:
                     store,
                     self.topics,
                     go_on=lambda: self._still_wanted(partition),
+                    owner=(self.group, partition),
                 )
                 if restored is None:
                     return False  # no backup yet, or taken meanwhile

@@ -20,6 +20,7 @@ from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
 from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership import check_partition_count
 from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
+from pspf.service.adopting import Adopter
 from pspf.service.base import ServiceBase
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 
@@ -151,15 +152,16 @@ class State(ServiceBase):
                     _close(rows)
 
     def state_adopt(
-        self, app: str, partitions: Sequence[int] = (), topics: Sequence[str] = ()
+        self, app: str, partitions: Sequence[int] = (), topics: Sequence[str] = (), replace: bool = False
     ) -> AdoptResult:
         """Take the stores here as an app's state on a server that lost its groups and backups.
 
         For each partition with a store here (and each of ``partitions`` without one, which
-        starts anew): its consumer groups are created at the store's checkpoints, past which the
-        streams' last ids are moved, and the app is recorded with its partition count. The next
-        worker uploads each store as the backup. Partitions whose group or backup the server
-        still has are left alone: their state is there. The app must be stopped.
+        starts anew) whose state the server lost: the store is uploaded as its backup, and its
+        consumer groups are created at the store's checkpoints, past which the streams' last ids
+        are moved. On a second machine, a store later than the one adopted replaces it
+        (``pspf.service.adopting``; once workers applied entries on top, only with ``replace``);
+        other partitions are left alone: the server holds their state. The app must be stopped.
         """
         keys.check_name("app", app)
         state = self.settings.state
@@ -169,8 +171,8 @@ class State(ServiceBase):
             with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
                 built = store.get(keys.BACKUP_NAMESPACE, keys.BACKUP_PARTITIONS)
                 stores[partition] = store.checkpoints(), None if built is None else int(built)
-        read = sorted(
-            {*topics, *self.broker.app_topics(app), *(t for cps, _ in stores.values() for t in cps)}
+        read = _app_order(
+            app, self.broker.app_topic_list(app), topics, {t for cps, _ in stores.values() for t in cps}
         )
         if not read:
             raise ParameterError(
@@ -185,6 +187,7 @@ class State(ServiceBase):
         for partition, (_, recorded) in stores.items():
             check_partition_count(app, read, recorded, count, f"the store of partition {partition}")
         self._refuse_if_running(app, read, count)
+        adopter = Adopter(self.broker, self.settings, app, read, count, replace)
         adopted: dict[int, dict[str, str]] = {}
         kept: list[int] = []
         for partition in sorted({*local, *partitions}):
@@ -192,27 +195,13 @@ class State(ServiceBase):
                 raise ParameterError.invalid(
                     "partitions", f"{partition} is not one of the {count} partitions"
                 )
-            if not self._lost(app, read, partition):
+            starts = adopter.adopt(partition, partition in stores)
+            if starts is None:
                 kept.append(partition)
-                continue
-            checkpoints = stores.get(partition, ({}, None))[0]
-            adopted[partition] = {}
-            for topic in read:
-                stream, start = keys.stream_key(topic, partition), checkpoints.get(topic)
-                self.broker.ensure_group(stream, app, str(start or "0"))  # creates the stream
-                last = self.broker.last_id(stream)
-                if start is not None and (last is None or StreamId.parse(last) < start):
-                    self.broker.move_last_id(stream, str(start))
-                self.broker.record_group_start(app, topic, partition, stream)
-                adopted[partition][topic] = str(start or "0")
+            else:
+                adopted[partition] = starts
         self.broker.register_app(app, read, count)
         return AdoptResult(app=app, adopted=adopted, kept=kept)
-
-    def _lost(self, app: str, topics: list[str], partition: int) -> bool:
-        """Whether the server has neither the partition's groups nor its state backup."""
-        if self._backup_keys(app, partition) is not None:
-            return False
-        return all(app not in self.broker.stream_info(keys.stream_key(t, partition)).groups for t in topics)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
         """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
@@ -258,6 +247,25 @@ class State(ServiceBase):
             for partition in range(self.broker.app_partitions(app)):
                 self.broker.delete_backup(keys.backup_keys(topic, partition, app))
         return ImportResult(partitions=partitions, values=values)
+
+
+def _app_order(app: str, recorded: list[str], named: Sequence[str], stored: set[str]) -> list[str]:
+    """An app's topics in its order (its state backup is on the first one's partitions).
+
+    The server's record keeps the order; after it was lost, the topics named come first, in the
+    order given. Where neither fixes the first of several topics, ConfigError.
+    """
+    order = list(dict.fromkeys([*recorded, *named]))
+    order += sorted(stored - set(order))
+    if len(order) > 1 and not recorded and not named:
+        raise ParameterError(
+            "app {app} reads several topics ({found}) and the server no longer records their "
+            "order: name them with {topics}, the app's first topic first (its state backup is kept "
+            "there)",
+            app=repr(app),
+            found=", ".join(order),
+        )
+    return order
 
 
 def _glob_escape(text: str) -> str:

@@ -52,8 +52,12 @@ def every_entry_in_its_partition(rclient: redis.Redis, topic: str, count: int) -
 def repartition_cli(
     redis_url: str, topic: str, *args: str, crash_at: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``pspf topic repartition TOPIC ARGS --yes`` in a process of its own (killed at ``crash_at``)."""
-    env = subprocess_env() if crash_at is None else subprocess_env(PSPF_REPARTITION_CRASH_AT=crash_at)
+    """``pspf topic repartition TOPIC ARGS --yes`` in a process of its own (killed at ``crash_at``).
+
+    Its claim's lease lives 1 s: a ``--resume`` after a kill waits that long for it to lapse.
+    """
+    crash = {} if crash_at is None else {"PSPF_REPARTITION_CRASH_AT": crash_at}
+    env = subprocess_env(PSPF_LEASE_TTL_MS="1000", **crash)
     command = pspf_command("topic", "repartition", topic, *args, "--yes", "--broker", redis_url)
     return subprocess.run(command, env=env, capture_output=True, text=True)
 
@@ -125,7 +129,8 @@ def test_a_repartition_killed_at_any_step_is_resumed_to_the_same_exact_result(
     killed = repartition_cli(redis_url, topic, "--partitions", "6", crash_at=where)
     assert killed.returncode == -9, killed.stderr
     again = repartition_cli(redis_url, topic, "--partitions", "6")
-    assert again.returncode == 2 and "--resume" in again.stderr, again.stderr
+    # the killed command's claim has not lapsed yet: refused as under way (exit 6), naming --resume
+    assert again.returncode == 6 and "--resume" in again.stderr, again.stderr
     resumed = repartition_cli(redis_url, topic, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed the repartition" in resumed.stdout

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from pspf import repartition, repartition_claim
-from pspf.errors import BrokerOutOfMemory, ConfigError, NotFound
+from pspf.errors import BrokerOutOfMemory, ConfigError, NotFound, ParameterError
 from pspf.records import RepartitionResult
 from pspf.service.outbox import OutboxRows
 
@@ -45,7 +45,7 @@ class Repartitioning(OutboxRows):
         ttl_ms = self.settings.consumer.lease_ttl_ms
         if abort:
             if resume:
-                raise ConfigError("give either --resume or --abort, not both")
+                raise ParameterError("give {resume} or {abort}, not both")
             plan = (
                 self._to_abort(topic, ttl_ms)
                 if dry_run

@@ -16,7 +16,7 @@ import redis
 from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
-from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound
+from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound, StateError
 from pspf.keys import layout_key, lease_key, partition_for, stream_key, topic_key
 from pspf.repartition import Repartition, make_plan, plan_key
 from pspf.service import Service
@@ -494,6 +494,41 @@ def test_a_producer_refused_by_a_guard_its_topic_record_contradicts_fails_after_
         producer.flush()
     assert time.monotonic() - started < 10
     assert sum(rclient.xlen(stream_key(topic, p)) for p in range(2)) == 0
+
+
+def test_a_producer_refuses_a_partition_count_changed_behind_pspfs_back_as_the_worker_does(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The topic record edited from 4 to 8 partitions: the worker and the Producer refuse (exit 5)."""
+    topic, app = make_topic(4), names.app()
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    Worker(summing_app(app, topic), settings).run(until_idle=True)
+    rclient.hset(topic_key(topic), "partitions", "8")
+    with pytest.raises(StateError, match="was built for 4 partitions") as refused:
+        Worker(summing_app(app, topic), settings).run(until_idle=True)
+    assert refused.value.exit_code == 5
+    producer = Producer(settings=make_settings())
+    with pytest.raises(StateError, match=f"app {app!r} was built for 4 partitions") as refused:
+        for n in range(100, 2100):
+            producer.send(topic, {"n": n}, key=f"k{n % KEYS}")
+        producer.flush()
+    assert refused.value.exit_code == 5
+    cli = subprocess.run(
+        pspf_command("produce", topic, "--key", "k1", '{"n": 1}', "--broker", redis_url),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 5 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert [rclient.xlen(stream_key(topic, p)) for p in range(4, 8)] == [0, 0, 0, 0]
+    assert sum(rclient.xlen(stream_key(topic, p)) for p in range(4)) == 100
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

@@ -15,10 +15,8 @@ the mark is there, and an interrupted abort is taken up again by the next ``--ab
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,9 +28,8 @@ import msgspec
 from pspf import keys
 from pspf.broker import Broker
 from pspf.errors import BrokerError, ConfigError, NotFound, UnderWay
+from pspf.operation_lease import Renewal
 from pspf.repartition import STAGED, Plan, make_plan, plan_key, recorded, unseal
-
-log = logging.getLogger(__name__)
 
 
 def runner_key(topic: str) -> str:
@@ -105,13 +102,11 @@ class Claim:
         self.runner = runner
         self.ttl_ms = ttl_ms
         self.new = new
-        self._stop = threading.Event()
-        self._lost = False
-        self._thread = threading.Thread(target=self._renew, name="repartition-claim", daemon=True)
+        self._renewal = Renewal(broker, [(runner_key(t), runner) for t in plan.topics], ttl_ms)
 
     def check(self) -> None:
         """Raise when the claim lapsed: another command may run the plan now."""
-        if self._lost:
+        if self._renewal.lost:
             raise BrokerError(
                 f"the claim on the repartition of {self.plan.topic!r} lapsed (this process did not "
                 f"renew it within {self.ttl_ms / 1000:g}s): stopped before its next step; another "
@@ -127,20 +122,8 @@ class Claim:
 
         return at
 
-    def _renew(self) -> None:
-        leases = [(runner_key(t), self.runner) for t in self.plan.topics]
-        while not self._stop.wait(self.ttl_ms / 3000):
-            try:
-                renewed = self.broker.renew_leases(leases, self.ttl_ms)
-            except BrokerError as exc:
-                log.warning("renewing the repartition claim of %s failed: %s", self.plan.topic, exc)
-                continue
-            if not all(renewed):
-                self._lost = True
-                return
-
     def __enter__(self) -> Claim:
-        self._thread.start()
+        self._renewal.start()
         return self
 
     def __exit__(
@@ -150,9 +133,7 @@ class Claim:
 
     def give_up(self, failed: bool) -> None:
         """Stop renewing and give the leases up; a new plan that failed before its seal is forgotten."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._renewal.stop()
         sealed = any(self.broker.topic_layout(t)[2] for t in self.plan.topics)
         release(self.broker, self.plan.topics, self.runner, forget=failed and self.new and not sealed)
 

@@ -76,6 +76,11 @@ class Moving(Connection):
             pipe.xgroup_destroy(key, "pspf-empty")
             pipe.execute()
 
+    def set_if_absent(self, key: str, value: str, ttl_ms: int) -> bool:
+        """SET ``key`` NX PX: an operation's lease; False when another holds it."""
+        with self.translate_errors(key):
+            return bool(self.client.set(key, value, nx=True, px=ttl_ms))
+
     def set_value(self, key: str, value: str) -> None:
         with self.translate_errors(key):
             self.client.set(key, value)

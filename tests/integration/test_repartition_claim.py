@@ -214,3 +214,30 @@ def test_an_interrupted_repartition_is_aborted_through_the_admin_api(
     produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(3000, 3100)])
     assert Worker(summing_app(app, topic), settings).run(until_idle=True).handled == 100
     assert state_of(Service(make_settings()), app) == totals(3100)
+
+
+def test_a_resume_while_the_command_runs_never_runs_it_a_second_time(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """``--resume`` 0.8 s into a live run: refused (its runner renews the claim) or nothing left."""
+    topic, app = make_topic(4), names.app()
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(20_000)])
+    Worker(summing_app(app, topic), settings).run(until_idle=True)
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(20_000, 120_000)])
+    first = start_repartition(redis_url, topic, "--partitions", "6", PSPF_LEASE_TTL_MS="1000")
+    time.sleep(0.8)
+    resumed = run_cli(redis_url, topic, "--resume")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, (out, err)
+    assert resumed.returncode in (4, 6), resumed
+    assert len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+    assert sorted(entries_by_partition(rclient, topic, 6)) == list(range(120_000))
+    assert Worker(summing_app(app, topic), settings).run(until_idle=True).handled == 100_000
+    assert state_of(Service(make_settings()), app) == totals(120_000)

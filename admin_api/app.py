@@ -160,6 +160,7 @@ class RepartitionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         None
     )
     resume: Annotated[bool, msgspec.Meta(description="finish a repartition a crash interrupted")] = False
+    abort: Annotated[bool, msgspec.Meta(description="undo a repartition that has not switched")] = False
     dry_run: Annotated[bool, msgspec.Meta(description="say what would move; change nothing")] = False
 
 
@@ -198,7 +199,7 @@ _DESCRIPTIONS = {
     401: "no or malformed Authorization header",
     403: "wrong token, or the API is read-only",
     404: "unknown topic, app, DLQ id, key, table or row",
-    409: "the app is running, its state store is in use, or its state is out of reach here",
+    409: "the app is running or the operation under way, its store is in use, or its state is out of reach",
     422: "invalid request: parameters, body or a selection the operation refuses",
     502: "Redis refused a command",
     503: "Redis is unreachable, or refuses the broker URL's login",
@@ -554,9 +555,7 @@ def topic_repartition(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[RepartitionRequest]
 ) -> RepartitionResult:
     remember_params(request, data)
-    result = _service(state).repartition_topic(
-        topic, data.partitions, dry_run=data.dry_run, resume=data.resume
-    )
+    result = _service(state).repartition_topic(topic, **msgspec.structs.asdict(data))
     audit(request, 200, "ok", result)
     return result
 

@@ -14,11 +14,13 @@ from pspf.wording import counted
 @topic.command(
     "repartition",
     epilog="\b\nExamples:\n  pspf topic repartition orders --partitions 8 --dry-run\n"
-    "  pspf topic repartition orders --partitions 8 --yes\n  pspf topic repartition orders --resume",
+    "  pspf topic repartition orders --partitions 8 --yes\n  pspf topic repartition orders --resume\n"
+    "  pspf topic repartition orders --abort",
 )
 @click.argument("name")
 @click.option("--partitions", type=click.IntRange(1, 1024), help="The new partition count.")
 @click.option("--resume", is_flag=True, help="Finish a repartition a crash interrupted.")
+@click.option("--abort", is_flag=True, help="Undo a repartition that has not switched (frees its copies).")
 @click.option("--dry-run", is_flag=True, help="Say what would move; change nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @broker_option
@@ -29,6 +31,7 @@ def topic_repartition(
     name: str,
     partitions: int | None,
     resume: bool,
+    abort: bool,
     dry_run: bool,
     yes: bool,
     broker: str | None,
@@ -42,14 +45,15 @@ def topic_repartition(
     """
     service = service_for(obj, broker)
     if not dry_run and not yes:
-        preview = service.repartition_topic(name, partitions, dry_run=True, resume=resume)
+        preview = service.repartition_topic(name, partitions, dry_run=True, resume=resume, abort=abort)
         what = "Finish the repartition of" if preview.resumed else "Repartition"
-        moving = "" if preview.resumed else f", moving {counted(preview.entries, 'entry')}"
+        what = "Undo the repartition of" if abort else what
+        moving = "" if preview.resumed or abort else f", moving {counted(preview.entries, 'entry')}"
         confirm(
             f"{what} {', '.join(preview.topics)} from {preview.partitions_before} to "
             f"{preview.partitions_after} partitions{moving}?"
         )
-    result = service.repartition_topic(name, partitions, dry_run=dry_run, resume=resume)
+    result = service.repartition_topic(name, partitions, dry_run=dry_run, resume=resume, abort=abort)
     if as_json:
         print_json(result)
     else:
@@ -57,6 +61,13 @@ def topic_repartition(
 
 
 def _say(result: RepartitionResult) -> None:
+    if result.aborted:
+        verb = "would undo" if result.dry_run else "undid"
+        click.echo(
+            f"{verb} the repartition of {', '.join(result.topics)} from {result.partitions_before} to "
+            f"{result.partitions_after} partitions: they keep {result.partitions_before}"
+        )
+        return
     if result.resumed:
         resumes = "would resume" if result.dry_run else "resumed"
         click.echo(f"{resumes} the repartition of {result.topic} at its {result.resumed} step")

@@ -184,6 +184,10 @@ class AppRunning(PSPFError):
     exit_code = 6
 
 
+class UnderWay(AppRunning):
+    """The same operation is under way on the same thing (a repartition of the topic): it must end first."""
+
+
 class DecodeError(PSPFError):
     """An entry cannot become the value type its handler declares."""
 

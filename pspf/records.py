@@ -553,3 +553,5 @@ class RepartitionResult(msgspec.Struct, frozen=True, kw_only=True):
     resumed: str | None = None
     dry_run: bool
     seconds: float
+    #: the repartition under way was undone (``--abort``): the topics are as they were
+    aborted: bool = False

@@ -216,6 +216,8 @@ class Connection:
         self._add = self.client.register_script(_script("add"))
         self._read = self.client.register_script(_script("read"))
         self._last_ids = self.client.register_script(_script("last_ids"))
+        self._repartition_claim = self.client.register_script(_script("repartition_claim"))
+        self._repartition_abort = self.client.register_script(_script("repartition_abort"))
         self._read_loaded = False
 
     def close(self) -> None:

@@ -15,7 +15,26 @@ COPY_CHUNK = 1000
 
 
 class Moving(Connection):
-    """Copying streams and hashes into staged keys, and renaming them over the live ones."""
+    """Copying streams and hashes into staged keys, and renaming them over the live ones.
+
+    A repartition is claimed per topic (``lua/repartition_claim.lua``, ``lua/repartition_abort.lua``)
+    with three keys under the topic's hash tag: its plan, its runner's lease and an abort's mark.
+    """
+
+    def claim_repartition(self, claim_keys: Sequence[str], plan: str, runner: str, ttl_ms: int) -> list[str]:
+        """Record ``plan`` ("": take up the recorded one) with ``runner`` holding its lease, atomically.
+
+        The script's reply: ``taken``, ``held``, ``aborting`` or ``none``, then plan and runner.
+        """
+        with self.translate_errors(claim_keys[0]):
+            reply = self._repartition_claim(keys=claim_keys, args=[plan, runner, ttl_ms])
+        return [_text(part) for part in reply]
+
+    def claim_abort(self, claim_keys: Sequence[str]) -> list[str]:
+        """Turn a topic's plan into its abort mark unless a runner holds it or it began to switch."""
+        with self.translate_errors(claim_keys[0]):
+            reply = self._repartition_abort(keys=claim_keys)
+        return [_text(part) for part in reply]
 
     def add_with_ids(self, stream: str, entries: Sequence[tuple[str, Fields]]) -> None:
         """XADD each entry under its given id (ascending, above the stream's last), pipelined."""
@@ -56,6 +75,11 @@ class Moving(Connection):
             pipe.xgroup_create(key, "pspf-empty", id="0", mkstream=True)
             pipe.xgroup_destroy(key, "pspf-empty")
             pipe.execute()
+
+    def set_if_absent(self, key: str, value: str, ttl_ms: int) -> bool:
+        """SET ``key`` NX PX: an operation's lease; False when another holds it."""
+        with self.translate_errors(key):
+            return bool(self.client.set(key, value, nx=True, px=ttl_ms))
 
     def set_value(self, key: str, value: str) -> None:
         with self.translate_errors(key):

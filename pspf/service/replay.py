@@ -35,6 +35,7 @@ from pspf.keys import (
     WINDOWS_NAMESPACE,
     StreamId,
 )
+from pspf.operation_lease import one_at_a_time
 from pspf.records import AppReset, ReplayResult
 from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
 from pspf.state_stores import StateStore, open_store, stored_partitions
@@ -60,6 +61,7 @@ Checkpoints = dict[str, StreamId | None]
 class Replaying(ServiceBase):
     """Replay and its steps."""
 
+    @one_at_a_time("replay")
     def replay(
         self,
         app: str,
@@ -112,6 +114,7 @@ class Replaying(ServiceBase):
             dry_run=dry_run,
         )
 
+    @one_at_a_time("app reset")
     def reset_app(
         self, app: str, to_end: bool = False, keep_state: bool = False, dry_run: bool = False
     ) -> AppReset:

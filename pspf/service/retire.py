@@ -12,6 +12,7 @@ from __future__ import annotations
 from pspf import keys
 from pspf.errors import AppRunning
 from pspf.membership import live_members
+from pspf.operation_lease import one_at_a_time
 from pspf.records import AppRemoval, TopicRemoval
 from pspf.service.base import ServiceBase
 
@@ -19,6 +20,7 @@ from pspf.service.base import ServiceBase
 class Retiring(ServiceBase):
     """Delete an app, or a topic."""
 
+    @one_at_a_time("app delete")
     def delete_app(self, app: str, force: bool = False, dry_run: bool = False) -> AppRemoval:
         """Remove ``app`` from the server: refused while a worker of it is alive, unless ``force``.
 

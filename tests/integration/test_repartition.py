@@ -16,7 +16,7 @@ import redis
 from pspf import App, Context, Producer, Settings, Worker, windows
 from pspf.broker import Broker
 from pspf.codec import KEY
-from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound
+from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound, StateError
 from pspf.keys import layout_key, lease_key, partition_for, stream_key, topic_key
 from pspf.repartition import Repartition, make_plan, plan_key
 from pspf.service import Service
@@ -52,8 +52,12 @@ def every_entry_in_its_partition(rclient: redis.Redis, topic: str, count: int) -
 def repartition_cli(
     redis_url: str, topic: str, *args: str, crash_at: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``pspf topic repartition TOPIC ARGS --yes`` in a process of its own (killed at ``crash_at``)."""
-    env = subprocess_env() if crash_at is None else subprocess_env(PSPF_REPARTITION_CRASH_AT=crash_at)
+    """``pspf topic repartition TOPIC ARGS --yes`` in a process of its own (killed at ``crash_at``).
+
+    Its claim's lease lives 1 s: a ``--resume`` after a kill waits that long for it to lapse.
+    """
+    crash = {} if crash_at is None else {"PSPF_REPARTITION_CRASH_AT": crash_at}
+    env = subprocess_env(PSPF_LEASE_TTL_MS="1000", **crash)
     command = pspf_command("topic", "repartition", topic, *args, "--yes", "--broker", redis_url)
     return subprocess.run(command, env=env, capture_output=True, text=True)
 
@@ -125,7 +129,8 @@ def test_a_repartition_killed_at_any_step_is_resumed_to_the_same_exact_result(
     killed = repartition_cli(redis_url, topic, "--partitions", "6", crash_at=where)
     assert killed.returncode == -9, killed.stderr
     again = repartition_cli(redis_url, topic, "--partitions", "6")
-    assert again.returncode == 2 and "--resume" in again.stderr, again.stderr
+    # the killed command's claim has not lapsed yet: refused as under way (exit 6), naming --resume
+    assert again.returncode == 6 and "--resume" in again.stderr, again.stderr
     resumed = repartition_cli(redis_url, topic, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed the repartition" in resumed.stdout
@@ -489,6 +494,41 @@ def test_a_producer_refused_by_a_guard_its_topic_record_contradicts_fails_after_
         producer.flush()
     assert time.monotonic() - started < 10
     assert sum(rclient.xlen(stream_key(topic, p)) for p in range(2)) == 0
+
+
+def test_a_producer_refuses_a_partition_count_changed_behind_pspfs_back_as_the_worker_does(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The topic record edited from 4 to 8 partitions: the worker and the Producer refuse (exit 5)."""
+    topic, app = make_topic(4), names.app()
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    Worker(summing_app(app, topic), settings).run(until_idle=True)
+    rclient.hset(topic_key(topic), "partitions", "8")
+    with pytest.raises(StateError, match="was built for 4 partitions") as refused:
+        Worker(summing_app(app, topic), settings).run(until_idle=True)
+    assert refused.value.exit_code == 5
+    producer = Producer(settings=make_settings())
+    with pytest.raises(StateError, match=f"app {app!r} was built for 4 partitions") as refused:
+        for n in range(100, 2100):
+            producer.send(topic, {"n": n}, key=f"k{n % KEYS}")
+        producer.flush()
+    assert refused.value.exit_code == 5
+    cli = subprocess.run(
+        pspf_command("produce", topic, "--key", "k1", '{"n": 1}', "--broker", redis_url),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 5 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert [rclient.xlen(stream_key(topic, p)) for p in range(4, 8)] == [0, 0, 0, 0]
+    assert sum(rclient.xlen(stream_key(topic, p)) for p in range(4)) == 100
 
 
 def test_a_dead_letter_is_redriven_into_its_keys_new_partition(

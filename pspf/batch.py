@@ -261,17 +261,8 @@ class PartitionBatch:
         time_writes = self._time_writes()
         rows = self.table_writes.final()
         history, history_left = self._table_history(rows) if self.lookups is not None else ({}, None)
-        if not (
-            checkpoints
-            or self.overlay
-            or self.failures
-            or self.dead
-            or foreign_done
-            or self.emitted
-            or time_writes
-            or rows
-            or history
-        ):
+        writes = (self.overlay, self.failures, self.dead, self.emitted, time_writes, rows, history)
+        if not (checkpoints or foreign_done or any(writes)):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
         superseded_passed = {
@@ -305,9 +296,7 @@ class PartitionBatch:
         self._adopt(outcomes, superseded_passed)
         for cursor in moved_passed:
             cursor.moved, cursor.moved_until = {}, None
-        owned.adopt_rows(rows)
-        if history_left is not None:
-            owned.history = history_left
+        owned.adopt_rows(rows, history_left)
         return took
 
     def _time_writes(self) -> dict[tuple[str, str], bytes | None]:

@@ -202,8 +202,13 @@ class OwnedPartition:
                 self.failures[name] = failure
         self.dead.update((name, fields) for name, fields in dead.items() if fields is not None)
 
-    def adopt_rows(self, rows: dict[str, bytes | None]) -> None:
-        """After a commit: its table rows are the partition's (cached)."""
+    def adopt_rows(self, rows: dict[str, bytes | None], history: bool | None = None) -> None:
+        """After a commit: its table rows are the partition's (cached).
+
+        ``history``: whether the store now holds rows kept for parked entries (None: as before).
+        """
+        if history is not None:
+            self.history = history
         if not rows:
             return
         if len(self.table_cache) + len(rows) > CACHE_LIMIT:

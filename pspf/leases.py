@@ -25,7 +25,7 @@ from typing import NamedTuple
 import msgspec
 
 from pspf.broker import Broker
-from pspf.errors import BrokerError, BrokerUnavailable
+from pspf.errors import BrokerError, BrokerOutOfMemory, BrokerUnavailable
 from pspf.keys import lease_key
 from pspf.membership import VANISHED_WITHIN, Membership
 from pspf.ownership import Leases, PartitionLeases
@@ -180,6 +180,10 @@ class LeaseKeeper:
         self._stalled = False
         try:
             self.renew()
+        except BrokerOutOfMemory:
+            # The leases are renewed (a renewal adds nothing); the membership's write is refused
+            # until memory is freed, as the worker's loop says once for the whole episode.
+            return now + self.ttl_s * RENEW_EVERY
         except BrokerError as exc:
             if self._failing_since is None:
                 self._failing_since = now

@@ -111,7 +111,7 @@ def _processor(
         broker,
         consumer,
         batch_size=settings.consumer.batch_size,
-        # Leases are renewed between reads: a read must never outlast a third of their TTL.
+        # Lease rounds (taking, giving up) run between reads: a read never outlasts a third of the TTL.
         block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
         policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
         hooks=hooks,

@@ -373,9 +373,16 @@ class PartitionBackup:
             self._pending = ""
 
     def went_back(self) -> bool:
-        """Whether the backup no longer holds what this owner sent it (a fail-over lost writes)."""
+        """Whether the backup no longer holds what this owner sent it (a fail-over lost writes).
+
+        A backup at a later owner's identity (a larger token: the lease expired and moved while
+        this worker was cut off) went on, not back: the worker lost the partition, Redis nothing.
+        """
         identity = self.broker.backup_meta(self.keys.meta).get(BACKUP_IDENTITY, "")
-        return bool(self.held) and identity not in self.held
+        if not self.held or identity in self.held:
+            return False
+        order, token = _order(identity), self.journal.token
+        return order is None or not token.isdigit() or order[0] <= int(token)
 
     def request(
         self, ids: Iterable[bytes] = (), dlq: str = "", dead: Iterable[tuple[bytes, Fields]] = ()

@@ -2,7 +2,8 @@
 
 The contract:
 
-- Membership: every worker renews its membership at each lease round (a third of the lease TTL),
+- Membership: every worker renews its membership with its leases (``pspf.leases``: a quarter of
+  the lease TTL, on a connection of their own) and at each lease round (a third of the TTL),
   with the lease TTL as its time to live, in three keys on the app's hash tag (``keys.members_key``
   and the two beside it). The server's clock decides expiry and join times. A worker that stops
   leaves at once; a dead one expires after the TTL.
@@ -35,6 +36,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -138,9 +140,15 @@ class Membership:
         self._renewed_at: float | None = None
         #: when its reply came (monotonic): the server's ``_now`` was at or before it
         self._replied_at = 0.0
+        #: the lease keeper's thread renews too: its replies and the lease round's are applied
+        #: under this lock, the latest asked last
+        self._lock = threading.Lock()
+        self._asked = 0.0
+        #: earlier runs of this worker already named (``earlier_runs``)
+        self._named: set[str] = set()
 
-    def heartbeat(self) -> list[Member]:
-        """Renew this worker's membership; the live members.
+    def heartbeat(self, broker: Broker | None = None) -> list[Member]:
+        """Renew this worker's membership (through ``broker``, else the worker's); the live members.
 
         A membership gone before its TTL could run out since the last renewal was evicted or
         deleted under the worker: that is an error. One that expired because the worker did not
@@ -148,26 +156,48 @@ class Membership:
         joins again.
         """
         asked = time.monotonic()
-        now, present, found = self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info)
-        if not present and self._renewed_at is not None:
-            since = time.monotonic() - self._renewed_at
-            if since < self.ttl_ms / 1000 * VANISHED_WITHIN:
-                log.error(
-                    "PSPF keys vanished under the running worker (evicted or deleted): its membership "
-                    "of app %s was gone %.1fs after its last renewal, before its TTL of %.1fs; joining again",
-                    self.app,
-                    since,
-                    self.ttl_ms / 1000,
-                )
-            else:
-                log.warning(
-                    "membership of app %s expired (not renewed for %.1fs): joining again", self.app, since
-                )
-        self._renewed_at = asked
-        self._replied_at = time.monotonic()
-        self.members = [_member(*row) for row in found]
-        self._now = now
-        return self.members
+        now, present, found = (broker or self.broker).member_heartbeat(
+            self.app, self.member, self.ttl_ms, self._info
+        )
+        replied = time.monotonic()
+        members = [_member(*row) for row in found]
+        with self._lock:
+            if not present and self._renewed_at is not None and asked > self._renewed_at:
+                self._say_gone(time.monotonic() - self._renewed_at)
+            if asked >= self._asked:  # an older reply (the other thread's) changes nothing
+                self._asked = self._renewed_at = asked
+                self._replied_at, self.members, self._now = replied, members, now
+            return self.members
+
+    def _say_gone(self, since: float) -> None:
+        if since < self.ttl_ms / 1000 * VANISHED_WITHIN:
+            log.error(
+                "PSPF keys vanished under the running worker (evicted or deleted): its membership "
+                "of app %s was gone %.1fs after its last renewal, before its TTL of %.1fs; joining again",
+                self.app,
+                since,
+                self.ttl_ms / 1000,
+            )
+        else:
+            log.warning(
+                "membership of app %s expired (not renewed for %.1fs): joining again", self.app, since
+            )
+
+    def earlier_runs(self) -> list[tuple[Member, float]]:
+        """Earlier runs of this worker, each named once, with the seconds until they run out.
+
+        They are members with this worker's consumer name but another id: a restart on the same
+        host keeps the name, and a worker that stops leaves at once, so such a member is an
+        earlier run of this worker that was killed (kill -9).
+        """
+        with self._lock:
+            found = [
+                (m, (m.expiry_ms - self._now) / 1000 - (time.monotonic() - self._replied_at))
+                for m in self.members
+                if m.consumer == self._about.consumer and m.id != self.member and m.id not in self._named
+            ]
+        self._named.update(m.id for m, _ in found)
+        return found
 
     def count_global_lag(self, lookups: Lookups | None) -> dict[str, int] | None:
         """Count the global tables' lag for the next heartbeats, when due; the counts, else None.
@@ -191,18 +221,20 @@ class Membership:
         and its partitions move: a worker looks again at that moment, not at its next round.
         Measured from the heartbeat's reply, so never early by the server's clock.
         """
-        others = [m.expiry_ms for m in self.members if m.id != self.member]
-        if not others:
-            return None
-        return self._replied_at + (min(others) - self._now) / 1000
+        with self._lock:
+            others = [m.expiry_ms for m in self.members if m.id != self.member]
+            if not others:
+                return None
+            return self._replied_at + (min(others) - self._now) / 1000
 
     def leave(self) -> None:
         self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info, stay=False)
 
     def target(self, partitions: int) -> set[int]:
         """The partitions this worker should own now (after a ``heartbeat``)."""
-        old_enough = self._now - JOIN_DELAY * self.ttl_ms // 3
-        counted = [m for m in self.members if m.joined_ms <= old_enough] or self.members
+        with self._lock:
+            members, old_enough = self.members, self._now - JOIN_DELAY * self.ttl_ms // 3
+        counted = [m for m in members if m.joined_ms <= old_enough] or members
         in_order = sorted(counted, key=lambda m: (m.joined_ms, m.id))
         owners = assign([(m.id, m.consumer) for m in in_order], partitions)
         mine = {p for p, member in owners.items() if member == self.member}
@@ -211,7 +243,7 @@ class Membership:
             log.info(
                 "rebalance app=%s members=%s counted=%s partitions of this worker: %s",
                 self.app,
-                len(self.members),
+                len(members),
                 len(counted),
                 sorted(mine),
             )

@@ -101,17 +101,25 @@ class PartitionLeases:
         return Takeable([p for p in partitions if p not in busy], holders)
 
     def renew(self, held: dict[int, Leases]) -> list[int]:
-        """Extend every held lease; the partitions whose lease was lost."""
+        """Extend every held lease; the partitions whose lease was lost (the caller says so)."""
         pairs = [
             (partition, keys.lease_key(topic, partition, self.group), value)
             for partition, leases in held.items()
             for topic, value in leases.items()
         ]
         renewed = self.broker.renew_leases([(key, value) for _, key, value in pairs], self.ttl_ms)
-        lost = sorted({partition for (partition, _, _), ok in zip(pairs, renewed, strict=True) if not ok})
-        for partition in lost:
-            log.warning("lease expired or taken over group=%s partition=%s", self.group, partition)
-        return lost
+        return sorted({partition for (partition, _, _), ok in zip(pairs, renewed, strict=True) if not ok})
+
+    def holders(self, partition: int) -> set[str]:
+        """The owner ids holding the partition's leases now (empty when they are all free)."""
+        found = self.broker.lease_holders([keys.lease_key(t, partition, self.group) for t in self.topics])
+        return {holder for holder in found if holder}
+
+    def held_by(self, holder: str, partitions: int) -> list[int]:
+        """The partitions (of ``partitions``) of which ``holder`` holds a lease."""
+        pairs = [(p, keys.lease_key(t, p, self.group)) for p in range(partitions) for t in self.topics]
+        found = self.broker.lease_holders([key for _, key in pairs])
+        return sorted({p for (p, _), h in zip(pairs, found, strict=True) if h == holder})
 
     def release(self, partition: int, leases: Leases) -> None:
         if leases:

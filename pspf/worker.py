@@ -44,7 +44,8 @@ from pspf.errors import (
 )
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
-from pspf.membership import VANISHED_WITHIN, Membership
+from pspf.leases import LeaseKeeper, Lost, say_gone, say_waiting
+from pspf.membership import Membership
 from pspf.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
 from pspf.ownership import (
     Leases,
@@ -110,7 +111,7 @@ def _processor(
         broker,
         consumer,
         batch_size=settings.consumer.batch_size,
-        # Leases are renewed between reads: a read must never outlast a third of their TTL.
+        # Lease rounds (taking, giving up) run between reads: a read never outlasts a third of the TTL.
         block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
         policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
         hooks=hooks,
@@ -143,6 +144,9 @@ class Worker:
         self.membership = Membership(
             self.broker, app.name, owner, self.consumer, settings.consumer.lease_ttl_ms
         )
+        # A loop may wait out a data call caught by a cut (its socket timeout) besides its work.
+        stall_s = settings.consumer.lease_ttl_ms / 1000 + socket_timeout_s
+        self.keeper = LeaseKeeper(settings.redis, self.leases, self.membership, stall_s)
         hooks = hooks if hooks is not None else app.hooks
         #: Counters and health, when the settings ask for a metrics port.
         self.metrics = _worker_metrics(app, settings)
@@ -166,8 +170,8 @@ class Worker:
         self._stopping = threading.Event()
         self._next_idle_claim = 0.0
         self._next_trim = 0.0
-        #: when the held leases were last renewed (monotonic): every renewal of a round counts
-        self._renewed_at = 0.0
+        #: when (monotonic) the last lease round started
+        self._round_at = 0.0
         #: when (monotonic) to look again at the leases of partitions this worker should own
         #: that a worker which is no member any more holds; None when there are none
         self._look_again_at: float | None = None
@@ -175,9 +179,6 @@ class Worker:
         #: Set by a lost connection: the next lease round checks the owned streams again.
         self._recheck_streams = False
         self._memory_episode = MemoryEpisode(self.metrics)
-        #: held partition -> when its lease's last renewal (or its acquisition) that went through
-        #: was sent (monotonic): a lease gone sooner than its TTL after that vanished
-        self._confirmed: dict[int, float] = {}
         #: the server's maxmemory-policy cannot be read (said once)
         self._policy_unchecked = False
         self._signals = 0
@@ -202,7 +203,9 @@ class Worker:
                 self._start()
             except BaseException:
                 self.broker.close()  # nothing else is running yet
+                self.keeper.close()
                 raise
+            self.keeper.start()
             # What exists now (modules, the app) lives as long as the worker: keep it out of the
             # collector's scans, which otherwise revisit it for every batch's garbage.
             gc.collect()
@@ -368,6 +371,7 @@ class Worker:
         next_lease_round = 0.0
         failures = 0
         while not self._stopping.is_set():
+            self.keeper.beat()
             try:
                 if time.monotonic() >= next_lease_round:
                     self._lease_round()
@@ -426,9 +430,11 @@ class Worker:
                 self.metrics.broker_lost(True)
             log.warning("%s unavailable, retrying in %.1fs: %s", exc.what, delay, exc)
             self._recheck_streams = True
+        self.keeper.beat(delay)
         self._stopping.wait(delay)
 
     def _shutdown(self) -> None:
+        self.keeper.close()  # first: nothing renews what is released or left to run out below
         if self.standby is not None:
             self.standby.close()
         with suppress(BrokerError):
@@ -444,24 +450,26 @@ class Worker:
     # -- ownership ------------------------------------------------------------------------------
 
     def _lease_round(self) -> None:
-        """Renew held leases, give up lost partitions, take free ones, claim idle entries.
+        """Give up lost partitions (``LeaseKeeper`` renews), take free ones, claim idle entries.
 
         Also checks the server's eviction policy (every round, so after a reconnect too), that the
         owned stores are still in place (a worker with nothing to commit notices a deleted state
         dir too) and, after a lost connection, the owned streams.
         """
+        self._round_at = time.monotonic()
         self._check_policy()  # first: after a reconnect too, before anything is written
         for owned in self.processor.owned.values():
             owned.store.check_in_place()
+        self._drop_lost(self.keeper.take_lost())
         if self._recheck_streams:
             self._recheck_after_reconnect()
             self._recheck_streams = False
-        self._renew(self._held)
         behind = self.membership.count_global_lag(self.processor.lookups)  # sent with the heartbeat
         if behind is not None and self.metrics is not None:
             self.metrics.global_tables_lag(behind)
         members = self.membership.heartbeat()
         target = self.membership.target(self._partitions)
+        say_waiting(self.membership, self.leases, self._partitions)
         if self.metrics is not None:
             self.metrics.members_seen(len(members), self.membership.changed)
         for partition in [p for p in self._held if p not in target]:
@@ -487,12 +495,17 @@ class Worker:
 
     def _recheck_after_reconnect(self) -> None:
         """Check the owned partitions before anything is read again after a lost connection."""
-        # Redis may be back with less than it had (a restart without its data, a fail-over to
-        # a replica behind): check before anything is read again. A partition whose backup
-        # went back is taken again, which rebuilds its store from the backup: then the store
-        # matches the streams the server holds now.
+        # The lease first: one that expired meanwhile moved on (Redis lost nothing). Else Redis
+        # may be back with less than it had (a restart without its data, a fail-over to a
+        # replica behind): a partition whose backup went back is taken again, which rebuilds its
+        # store from the backup: then the store matches the streams the server holds now.
         for partition, owned in list(self.processor.owned.items()):
-            if owned.backup is not None and owned.backup.went_back():
+            cursors = list(owned.streams.values())
+            values = self.broker.lease_values([c.lease_key for c in cursors])
+            if any(v != c.lease_value for v, c in zip(values, cursors, strict=True)):
+                say_gone(self.leases, partition, "expired while Redis was unreachable")
+                self._drop(partition, release=False)
+            elif owned.backup is not None and owned.backup.went_back():
                 log.warning(
                     "the state backup of partition %s went back (the server lost writes): "
                     "taking the partition again to restore its store from the backup",
@@ -524,7 +537,7 @@ class Worker:
         """Take the partitions of ``target`` whose leases are free (or ours without our knowing it).
 
         A lease whose holder is no member any more (dead, or stalled past its TTL) runs out
-        with that membership or moments after (``_renew_if_due``): it is looked at again soon
+        with that membership or moments after (``LeaseKeeper.renew``): it is looked at again soon
         (``_next_round_at``), not a round later.
         """
         found = self.leases.takeable(sorted(target - set(self._held)))
@@ -534,23 +547,25 @@ class Worker:
         else:
             self._look_again_at, self._look_again_s = None, _GONE_HOLDER_LOOK_S
         for partition in found.free:
-            self._renew_if_due()  # the partitions taken before may have taken long to restore
             asked = time.monotonic()
             leases = self.leases.acquire(partition)
             if leases is None:
                 continue
+            self.keeper.hold(partition, leases, asked)  # renewed during a long restore too
             try:
                 if self.standby is not None:
                     self.standby.release(partition)
                 self._take(partition, leases)
-                self._confirmed[partition] = asked
             except StoreLocked as exc:
                 log.info("partition %s: store still in use, retrying later: %s", partition, exc)
+                self.keeper.forget(partition)
                 self.leases.release(partition, leases)
             except LeaseLost as exc:
                 log.warning("partition %s: %s while taking it, giving it up: %s", partition, exc.what, exc)
+                self.keeper.forget(partition)
             except BaseException:
                 # The worker stops: give the partition up now, not when the lease expires.
+                self.keeper.forget(partition)
                 with suppress(BrokerError):
                     self.leases.release(partition, leases)
                 raise
@@ -562,7 +577,7 @@ class Worker:
         own may become free: another member's membership runs out (a dead worker's partitions
         then move to the live ones), or a lease whose holder is gone is looked at again.
         """
-        due = [self._renewed_at + self.settings.consumer.lease_ttl_ms / 3000]
+        due = [self._round_at + self.settings.consumer.lease_ttl_ms / 3000]
         for sooner in (self._look_again_at, self.membership.first_expiry_at()):
             if sooner is not None:
                 due.append(sooner)
@@ -590,77 +605,45 @@ class Worker:
             self.metrics.partition_taken(partition)
 
     def _keep_alive(self, partition: int, leases: Leases) -> Callable[[], None]:
-        """Renews the leases (held and new) and the membership during a long takeover restore.
+        """Keeps the leases renewed during a long takeover restore (the loop is alive).
 
         Raises LeaseLost when the new partition's lease is gone: the takeover stops there.
         """
 
         def renew() -> None:
-            if partition in self._renew_if_due({partition: leases}):
+            self.keeper.beat()
+            if self.keeper.lost(partition, leases):
                 raise LeaseLost(f"the lease of partition {partition} expired while it was being taken")
 
         return renew
 
-    def _renew_if_due(self, taking: dict[int, Leases] | None = None) -> list[int]:
-        """Renew the held leases (and those being taken) when a third of their TTL has passed.
+    def _drop_lost(self, lost: list[Lost]) -> None:
+        """Give up the held partitions whose lease the keeper found gone, saying what happened."""
+        for gone in lost:
+            if self._held.get(gone.partition) != gone.leases:
+                continue  # given up meanwhile
+            if not self._vanished([gone.partition]):
+                say_gone(self.leases, gone.partition, gone.why)
+            self._drop(gone.partition, release=False)
 
-        One clock for a whole lease round: restores that each stay short can add up to more than
-        the TTL. Held partitions whose lease is gone are dropped; returns the lost partitions.
-        """
-        if time.monotonic() - self._renewed_at < self.settings.consumer.lease_ttl_ms / 3000:
-            return []
-        lost = self._renew({**self._held, **(taking or {})})
-        # After the leases, as in a lease round: a dead worker's leases run out no later than
-        # its membership (same TTL), so its partitions are free when the others see it gone.
-        self.membership.heartbeat()
-        return lost
-
-    def _renew(self, leases: dict[int, Leases]) -> list[int]:
-        """Renew ``leases``; drop the held partitions whose lease is gone and return them all."""
-        self._renewed_at = asked = time.monotonic()
-        lost = self.leases.renew(leases)
-        self._confirmed.update((p, asked) for p in leases if p in self._held and p not in lost)
-        self._vanished(lost)
-        for partition in lost:
-            if partition in self._held:
-                self._drop(partition, release=False)
-        return lost
-
-    def _vanished(self, partitions: list[int], look: bool = False) -> None:
+    def _vanished(self, partitions: list[int], look: bool = False) -> list[int]:
         """Say loudly when held leases are gone before their TTL could run out since their renewal.
 
         Such a lease did not expire (a stalled worker's does, and that stays a warning): its key
         was evicted or deleted under the running worker. An evicting server stops the worker here.
-        With ``look`` the leases are read first: an acknowledgement refused for another reason (a
-        backup that went back) leaves the lease in place.
+        With ``look`` the leases are read first (``LeaseKeeper.vanished``). Returns those partitions.
         """
-        ttl_s = self.settings.consumer.lease_ttl_ms / 1000
-        now = time.monotonic()
-        recent = [
-            p
-            for p in partitions
-            if p in self._held and now - self._confirmed.get(p, -ttl_s) < ttl_s * VANISHED_WITHIN
-        ]
-        if look and recent:
-            held = [
-                (p, keys.lease_key(topic, p, self.app.name), v)
-                for p in recent
-                for topic, v in self._held[p].items()
-            ]
-            try:
-                values = self.broker.lease_values([key for _, key, _ in held])
-            except BrokerUnavailable:
-                return  # cannot tell now: the next lease round renews (or misses) the others
-            recent = sorted({p for (p, _, v), now_v in zip(held, values, strict=True) if now_v != v})
+        recent = self.keeper.vanished({p: self._held[p] for p in partitions if p in self._held}, look)
         if not recent:
-            return
+            return recent
         self._check_policy()
         log.error(
             "PSPF keys vanished under the running worker (evicted or deleted): the leases of partitions "
             "%s were gone before their TTL of %.1fs ran out since their last renewal; taking them again",
             recent,
-            ttl_s,
+            self.settings.consumer.lease_ttl_ms / 1000,
         )
+        return recent
 
     def _check_policy(self) -> None:
         """Stop (EvictingPolicy, exit 3) on a server that may evict keys; warn once where unchecked."""
@@ -670,7 +653,7 @@ class Worker:
 
     def _drop(self, partition: int, release: bool) -> None:
         leases = self._held.pop(partition, None)
-        self._confirmed.pop(partition, None)
+        self.keeper.forget(partition)
         if self.metrics is not None:
             self.metrics.partition_released(partition)
         if partition in self.processor.owned:

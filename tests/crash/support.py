@@ -78,13 +78,15 @@ class WorkerProcess:
         cwd: Path,
         target: str = APP_TARGET,
         command: tuple[str, ...] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
-        """``command``: another ``pspf`` command than ``run target`` (``args`` follow it)."""
+        """``command``: another ``pspf`` command than ``run target`` (``args`` follow it);
+        ``prefix`` runs it through another command (``ip netns exec NS``)."""
         self.log = log
         self.started = time.monotonic()
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                pspf_command(*(command or ("run", target)), *args),
+                [*prefix, *pspf_command(*(command or ("run", target)), *args)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,3 +72,39 @@ def test_idle_owner_keeps_its_leases_with_a_short_ttl(
         f"the idle owner lost its leases {expired} times in 4 s; leases taken since: {moved[:6]}"
     )
     assert_exact(rclient, state_dir, topic, app, PARTITIONS, records)
+
+
+def test_a_restarted_worker_says_once_which_partitions_it_waits_for_and_until_when(
+    spawn: Spawner,
+    make_topic: Callable[[int], str],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    """After a kill -9 the restarted worker (same consumer name) waits up to the TTL for the dead
+    run's membership and leases to run out: it says so once, naming the partitions and when."""
+    topic, app = make_topic(PARTITIONS), names.app()
+    options = ["--lease-ttl-ms", "4000", "--consumer", "one"]
+    dead = spawn("dead", topic, app, *options)
+    wait_until(lambda: held_by(rclient, topic, app, PARTITIONS, dead.pid), 15, "the first run to start")
+    dead.kill9()
+    killed = time.time()
+    restarted = spawn("restarted", topic, app, *options)
+    wait_until(
+        lambda: held_by(rclient, topic, app, PARTITIONS, restarted.pid), 20, "the restart to take over"
+    )
+
+    lines = restarted.log.read_text().splitlines()
+    said = [line for line in lines if "waiting for partitions" in line]
+    assert len(said) == 1, "\n".join(lines)
+    assert " INFO " in said[0] and "[0, 1]" in said[0], said[0]
+    until = re.search(r"until about (\d\d:\d\d:\d\d)", said[0])
+    assert until is not None, said[0]
+    # The dead run's membership and leases ran out at most a TTL after it was killed.
+    expected = time.strftime("%H:%M:%S", time.localtime(killed + 4))
+    assert abs(_seconds(until.group(1)) - _seconds(expected)) <= 2, (said[0], expected)
+    assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if "partition assigned" in line)
+
+
+def _seconds(clock: str) -> int:
+    h, m, s = (int(part) for part in clock.split(":"))
+    return h * 3600 + m * 60 + s

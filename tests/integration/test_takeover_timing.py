@@ -62,7 +62,7 @@ def server_ms(client: redis.Redis) -> int:
 
 
 def regular_round(worker: Worker) -> float:
-    return worker._renewed_at + TTL_MS / 3000
+    return worker._round_at + TTL_MS / 3000
 
 
 def test_a_dead_members_partitions_are_looked_at_when_its_membership_runs_out(
@@ -158,10 +158,15 @@ def test_a_live_members_lease_and_membership_set_no_earlier_round(
 def test_a_worker_renews_its_leases_before_its_membership(
     make_topic: Callable[[int], str], make_worker: MakeWorker
 ) -> None:
-    """So when its membership runs out, so have they: a dead worker's partitions are free then."""
+    """So when its membership runs out, so have they: a dead worker's partitions are free then.
+
+    The lease keeper renews both, on its own connection (``pspf.leases``).
+    """
     topic = make_topic(2)
     worker = make_worker(topic, "owner")
     worker._start()
+    worker._lease_round()
+    assert sorted(worker.processor.owned) == [0, 1]
     calls: list[str] = []
 
     def recorded(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,15 +176,10 @@ def test_a_worker_renews_its_leases_before_its_membership(
 
         return wrapper
 
-    worker.broker.renew_leases = recorded("leases", worker.broker.renew_leases)  # type: ignore[method-assign]
-    worker.broker.member_heartbeat = recorded("membership", worker.broker.member_heartbeat)  # type: ignore[method-assign]
-    worker._lease_round()
-    assert sorted(worker.processor.owned) == [0, 1]
-    assert calls[:2] == ["leases", "membership"]
-
-    calls.clear()
-    worker._renewed_at = 0.0  # a takeover's renewal is due (``_keep_alive``)
-    assert worker._renew_if_due() == []
+    keeper = worker.keeper
+    keeper.broker.renew_leases = recorded("leases", keeper.broker.renew_leases)  # type: ignore[method-assign]
+    keeper.broker.member_heartbeat = recorded("membership", keeper.broker.member_heartbeat)  # type: ignore[method-assign]
+    assert keeper.renew() == []
     assert calls == ["leases", "membership"]
 
 

@@ -1,8 +1,8 @@
-"""The ACL the README documents is enough for every CLI command, checked as that user on a real server.
+"""The ACL the docs give is enough for every CLI command, checked as that user on a real server.
 
-The rules are the README's own line (the test fails when they drift apart). They use only syntax
-Redis 6.2 knows too (``resetchannels``, ``+command|info`` subcommand rules), and CI runs this
-against 6.2 as well as 7.
+The rules are the line of docs/how-to/redis-topologies.md (the test fails when they drift apart).
+They use only syntax Redis 6.2 knows too (``resetchannels``, ``+command|info`` subcommand rules),
+and CI runs this against 6.2 as well as 7.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def user(
     return lambda rules: AsUser(own_server, rules, tmp_path / "state", names)
 
 
-def test_the_readme_documents_these_rules() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert f"ACL SETUSER pspf on '>PASSWORD' {ACL_RULES} {OPTIONAL_RULES}" in readme
+def test_the_docs_give_these_rules() -> None:
+    page = (ROOT / "docs" / "how-to" / "redis-topologies.md").read_text()
+    assert f"ACL SETUSER pspf on '>PASSWORD' {ACL_RULES} {OPTIONAL_RULES}" in page
 
 
 def test_the_user_cannot_reach_keys_outside_pspf(

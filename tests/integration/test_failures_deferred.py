@@ -184,7 +184,7 @@ def test_until_idle_does_not_stop_while_entries_are_parked(
     rclient: redis.Redis,
 ) -> None:
     """``--until-idle`` promises to stop once "everything read is committed and acknowledged"
-    (README): a parked entry is read and not acknowledged, so the run must wait until it is
+    (docs/reference/cli.md): a parked entry is read and not acknowledged, so the run must wait until it is
     retried (and applied or dead-lettered)."""
     topic, app_name = make_topic(PARTITIONS), names.app()
     produce(topic, records())

@@ -142,7 +142,7 @@ def test_the_tls_files_from_the_environment_reach_the_sentinels_and_the_master(
 
 @pytest.fixture(scope="module")
 def acl_user(secured_sentinel: LocalSentinel) -> str:
-    """A user limited to the README's rules on both data nodes (ACLs are not replicated)."""
+    """A user limited to the documented rules on both data nodes (ACLs are not replicated)."""
     for node in (secured_sentinel.master, secured_sentinel.replica):
         with node.client() as admin:
             rules = [*ACL_RULES.split(), OPTIONAL_RULES]

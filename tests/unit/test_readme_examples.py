@@ -3,7 +3,8 @@
 An example command (``python examples/...``, run as written: it starts its own server)
 is the first line of a code fence that follows a marker comment ``<!-- NAME -->``; ``.ci/run``
 runs the commands of the markers in its ``examples=(...)`` list. ``pspf run examples...`` lines
-need a server of the user's, so CI cannot run them; their MODULE:ATTRIBUTE must still load.
+need a server of the user's, so CI cannot run them; their MODULE:ATTRIBUTE must still load, in the
+README and in the documentation pages it sends readers to.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
 CI = (ROOT / ".ci" / "run").read_text()
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
 
 
-def shell_lines() -> list[tuple[int, str]]:
-    """(line index, text) of every line inside the README's ``sh`` code fences."""
-    lines = README.splitlines()
+def shell_lines(text: str = README) -> list[tuple[int, str]]:
+    """(line index, text) of every line inside the ``sh`` code fences of a Markdown text."""
+    lines = text.splitlines()
     found, inside = [], False
     for index, line in enumerate(lines):
         if line.startswith("```"):
@@ -59,8 +61,20 @@ def test_every_marker_ci_runs_is_in_the_readme() -> None:
         assert f"<!-- {name} -->" in README, name
 
 
+def run_targets(text: str) -> set[str]:
+    """The MODULE:ATTRIBUTE of every ``pspf run examples...`` line in a text's shell fences."""
+    return {m for _, line in shell_lines(text) for m in re.findall(r"pspf run (examples\.\S+)", line)}
+
+
 def test_every_app_the_readme_runs_with_pspf_run_loads() -> None:
-    targets = {m for _, line in shell_lines() for m in re.findall(r"pspf run (examples\.\S+)", line)}
+    targets = run_targets(README)
     assert targets, "the README runs no example app"
     for target in targets:
         assert isinstance(load_app(target), App), target
+
+
+def test_every_app_the_docs_run_with_pspf_run_loads() -> None:
+    targets = {target: page for page in DOCS for target in run_targets(page.read_text())}
+    assert targets, "no documentation page runs an example app"
+    for target, page in targets.items():
+        assert isinstance(load_app(target), App), f"{target} in {page.relative_to(ROOT)}"

@@ -398,7 +398,7 @@ class Partitions:
                 f"the server no longer has app {self.group!r}'s consumer group on {stream} nor the "
                 f"partition's state backup ({held}): Redis lost its data (a restart without "
                 f"persistence, a flush, eviction) or they were deleted. {adopt_remedy(self.group)} "
-                "(see the README's guarantee section)"
+                "(see docs/concepts/guarantee.md, When Redis loses data)"
             )
         if self.group not in info.groups:
             start = str(checkpoint or "0")

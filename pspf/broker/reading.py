@@ -105,25 +105,26 @@ class Reading(Connection):
             self.translate_errors(", ".join(s for s, _, _ in streams)),
             self.client.pipeline(transaction=True) as pipe,
         ):
-            pipe.watch(*lease_keys)
-            held_values = pipe.mget(lease_keys)
-            held = [
-                stream
-                for (stream, _, value), current in zip(streams, held_values, strict=True)
-                if current is not None and _text(current) == value
-            ]
-            lost = [stream for stream, _, _ in streams if stream not in held]
-            if not held:
-                pipe.unwatch()
-                return lost, [], {}
-            pipe.multi()
-            pipe.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", *held, *[">"] * len(held)
-            )
-            try:
-                (reply,) = pipe.execute()
-            except redis.WatchError:
-                return lost, [], {}  # a lease moved just now: the next cycle sees which
+            while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
+                pipe.watch(*lease_keys)
+                held_values = pipe.mget(lease_keys)
+                held = [
+                    stream
+                    for (stream, _, value), current in zip(streams, held_values, strict=True)
+                    if current is not None and _text(current) == value
+                ]
+                lost = [stream for stream, _, _ in streams if stream not in held]
+                if not held:
+                    pipe.unwatch()
+                    return lost, [], {}
+                pipe.multi()
+                ends = [">"] * len(held)
+                pipe.execute_command("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", *held, *ends)
+                try:
+                    (reply,) = pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue  # the leases are read again: a moved one is lost then
         if reply:
             return lost, [(stream, _entries(raw)) for stream, raw in reply], {}
         (last,) = self._eval_pipelined(self._last_ids, [(held, [])])
@@ -325,16 +326,18 @@ class Reading(Connection):
         """
         lease_key, lease_value = lease
         with self.translate_errors(stream), self._on(stream).pipeline(transaction=True) as pipe:
-            pipe.watch(lease_key)  # type: ignore[no-untyped-call]
-            if _text(pipe.get(lease_key)) != lease_value:
-                pipe.unwatch()
-                return None
-            pipe.multi()
-            pipe.execute_command("XCLAIM", stream, group, consumer, 0, *ids)  # type: ignore[no-untyped-call]
-            try:
-                (reply,) = pipe.execute()
-            except redis.WatchError:
-                return None
+            while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
+                pipe.watch(lease_key)  # type: ignore[no-untyped-call]
+                if _text(pipe.get(lease_key)) != lease_value:
+                    pipe.unwatch()
+                    return None
+                pipe.multi()
+                pipe.execute_command("XCLAIM", stream, group, consumer, 0, *ids)  # type: ignore[no-untyped-call]
+                try:
+                    (reply,) = pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
         return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
 
 

@@ -118,8 +118,8 @@ class Reading(Connection):
                     pipe.unwatch()
                     return lost, [], {}
                 pipe.multi()
-                ends = [">"] * len(held)
-                pipe.execute_command("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", *held, *ends)
+                read = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS")
+                pipe.execute_command(*read, *held, *[">"] * len(held))
                 try:
                     (reply,) = pipe.execute()
                     break

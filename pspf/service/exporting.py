@@ -116,7 +116,8 @@ def kept_bookkeeping(
     if backup is None:
         if known:
             raise ConfigError(
-                f"{head}, but it has none (the backup is off): import an export made with --all"
+                f"{head}, but it has none (the backup is off, or an import dropped it): import an export "
+                "made with --all"
             )
         return []
     checkpoints, values = backup

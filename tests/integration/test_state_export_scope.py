@@ -190,6 +190,12 @@ def test_both_exports_import_again_and_the_default_one_keeps_the_bookkeeping_of_
         got = pspf("state", "get", app, k, "--json", "--state-dir", str(tmp_path / "c"))
         assert json.loads(got.output) == value
 
+    # That import dropped the backups: the same export a second time has no bookkeeping to keep.
+    again = pspf(
+        "state", "import", app, "--file", str(tmp_path / "app.ndjson"), "--state-dir", str(tmp_path / "d")
+    )
+    assert again.exit_code == 2 and "an import dropped it" in again.output, again.output
+
     # The imported state is live: the app goes on from it, its emits numbered after the old ones.
     produce(topics.orders, [("k1", {"n": 1000})])
     Worker(make_app(app, topics), make_settings(PSPF_STATE_DIR=str(tmp_path / "c"))).run(until_idle=True)

@@ -1,6 +1,6 @@
 """The ``pspf`` command line; importing this package registers every subcommand."""
 
-from pspf.cli import adopt, commands, operations, repartition, server, sink
+from pspf.cli import adopt, commands, operations, repartition, server, sink, state_transfer
 from pspf.cli.main import cli
 
-__all__ = ["adopt", "cli", "commands", "operations", "repartition", "server", "sink"]
+__all__ = ["adopt", "cli", "commands", "operations", "repartition", "server", "sink", "state_transfer"]

@@ -434,63 +434,6 @@ def state_list(
             click.echo(key)
 
 
-@state.command("export", epilog="\b\nExample:\n  pspf state export order-totals > state.ndjson")
-@click.argument("app")
-@click.option("--partition", type=click.IntRange(min=0), help="Only this partition.")
-@broker_option
-@state_dir_option
-@store_option
-@click.pass_obj
-def state_export(
-    obj: CliState,
-    app: str,
-    partition: int | None,
-    broker: str | None,
-    state_dir: Path | None,
-    store: str | None,
-) -> None:
-    """Write APP's state and checkpoints as NDJSON to stdout (a snapshot, also while it runs).
-
-    From the state backups in Redis, or from the stores under --state-dir when it is given.
-    """
-    out = sys.stdout.buffer
-
-    def warn(text: str) -> None:
-        click.echo(f"Warning: {text}", err=True)
-
-    for line in service_for(obj, broker, state_dir, store).state_export(app, partition, warn):
-        out.write(line + b"\n")
-    out.flush()
-
-
-@state.command(
-    "import",
-    epilog="\b\nExample:\n  pspf state import order-totals --store rocksdb < state.ndjson",
-)
-@click.argument("app")
-@click.option(
-    "--file",
-    "path",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="Read from this file instead of stdin.",
-)
-@state_dir_option
-@store_option
-@click.pass_obj
-def state_import(
-    obj: CliState, app: str, path: Path | None, state_dir: Path | None, store: str | None
-) -> None:
-    """Load `pspf state export` output into APP's (empty) stores; the app must be stopped."""
-    service = service_for(obj, None, state_dir, store)
-    if path is None:
-        result = service.state_import(app, sys.stdin.buffer)
-    else:
-        with path.open("rb") as lines:
-            result = service.state_import(app, lines)
-    values, partitions = counted(result.values, "value"), counted(result.partitions, "partition")
-    click.echo(f"imported {values} into {partitions}", err=True)
-
-
 # -- DLQ ------------------------------------------------------------------------------------------
 
 

@@ -455,6 +455,9 @@ class ExportCheckpoints(msgspec.Struct, frozen=True, kw_only=True, tag="checkpoi
 
     partition: int
     checkpoints: dict[str, str]
+    #: whether the partition's bookkeeping follows (``--all``), else its app state only; true in
+    #: exports made before the field, which held everything
+    internal: bool = True
 
 
 class ExportValue(msgspec.Struct, frozen=True, kw_only=True, tag="value", tag_field="kind"):
@@ -475,6 +478,8 @@ class ExportValue(msgspec.Struct, frozen=True, kw_only=True, tag="value", tag_fi
 class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
     partitions: int
     values: int
+    #: bookkeeping values kept from the partitions' backups (an export without ``--all``)
+    kept: int = 0
 
 
 class OpenWindow(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,9 +2,9 @@
 
 Reads come from the partitions' state backups in Redis (any machine), unless the service reads
 local state or a partition has no backup (it is off): then from its store here, read without
-locking it. Export lines are NDJSON (``ExportCheckpoints`` then ``ExportValue`` per partition);
-import loads them into empty stores and drops the backups; adopt takes the stores here as the
-state on a server that lost its groups and backups.
+locking it. Export lines are NDJSON (``ExportCheckpoints`` then ``ExportValue`` per partition;
+which values: ``pspf.service.exporting``); import loads them into empty stores and drops the
+backups; adopt takes the stores here as the state on a server that lost its groups and backups.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.backup import field, snapshot, split_field
-from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
+from pspf.errors import ConfigError, NotFound, ParameterError
 from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership import check_partition_count
-from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
+from pspf.records import AdoptResult, ExportCheckpoints, ImportResult, OpenWindow
 from pspf.service.adopting import Adopter
 from pspf.service.base import ServiceBase
+from pspf.service.exporting import export_lines, kept_bookkeeping, parse_export_line
+from pspf.service.exporting import shown_state as shown_state  # pspf.spark_source reads it here
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
-
-_export_encoder = msgspec.json.Encoder()
-_export_decoder: msgspec.json.Decoder[ExportCheckpoints | ExportValue] = msgspec.json.Decoder(
-    ExportCheckpoints | ExportValue
-)
 
 
 class State(ServiceBase):
@@ -113,9 +110,16 @@ class State(ServiceBase):
         return found if limit is None else found[:limit]
 
     def state_export(
-        self, app: str, partition: int | None = None, warn: Callable[[str], None] | None = None
+        self,
+        app: str,
+        partition: int | None = None,
+        warn: Callable[[str], None] | None = None,
+        internal: bool = False,
     ) -> Iterator[bytes]:
-        """NDJSON lines of an app's state: per partition its checkpoints, then every value.
+        """NDJSON lines of an app's state: per partition its checkpoints, then its values.
+
+        The values of the app's state (``exporting.APP_STATE``); with ``internal`` every value,
+        the bookkeeping too.
 
         From the partitions' backups in Redis (any machine) unless the service reads local
         state; a partition without a backup (it is off) from its store here. Each partition is
@@ -140,12 +144,12 @@ class State(ServiceBase):
                 if copy is not None:
                     checkpoints, values = copy
                     sorted_rows = ((ns, key, value) for (ns, key), value in sorted(values.items()))
-                    yield from _export_lines(app, p, checkpoints, sorted_rows, warn)
+                    yield from export_lines(app, p, checkpoints, sorted_rows, warn, internal)
                     continue
             with open_store(state.engine, state.dir, app, p, readonly=True) as store:
                 checkpoints, rows = store.dump()
                 try:
-                    yield from _export_lines(app, p, checkpoints, rows, warn)
+                    yield from export_lines(app, p, checkpoints, rows, warn, internal)
                 finally:
                     # Ends the snapshot while the store is open, also when the reader stops early
                     # (a closed pipe): closed later, by the garbage collector, it fails.
@@ -204,34 +208,32 @@ class State(ServiceBase):
         return AdoptResult(app=app, adopted=adopted, kept=kept)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
-        """Load ``state_export`` lines into an app's stores, which must be empty and not in use."""
+        """Load ``state_export`` lines into an app's stores, which must be empty and not in use.
+
+        A partition exported without its bookkeeping keeps the bookkeeping of its backup
+        (``exporting.kept_bookkeeping``). The backups go then: the stores are the state.
+        """
         keys.check_name("app", app)
-        state = self.settings.state
-        partitions = values = 0
+        partitions = values = kept = 0
         current: tuple[int, StateStore, StoreTransaction] | None = None
         try:
             for number, raw in enumerate(lines, start=1):
                 if not raw.strip():
                     continue
-                line = _parse_export_line(number, raw)
+                line = parse_export_line(number, raw)
                 if current is None or current[0] != line.partition:
                     if current is not None:
                         current[2].commit()
                         current[1].close()
                         current = None
-                    store = open_store(
-                        state.engine, state.dir, app, line.partition, durability=state.durability
-                    )
-                    current = (line.partition, store, store.transaction())
-                    if store.checkpoints() or _has_values(store):
-                        raise ConfigError(
-                            f"app {app!r} partition {line.partition} already has state under {state.dir}: "
-                            "import into an empty state directory"
-                        )
+                    current = self._empty_store(app, line.partition)
                     partitions += 1
                 if isinstance(line, ExportCheckpoints):
                     for topic, entry_id in line.checkpoints.items():
                         current[2].set_checkpoint(topic, StreamId.parse(entry_id))
+                    for namespace, key, value in [] if line.internal else self._bookkeeping(app, line):
+                        current[2].set(namespace, key, value)
+                        kept += 1
                 else:
                     current[2].set(line.namespace, line.key, line.value)
                     values += 1
@@ -246,7 +248,25 @@ class State(ServiceBase):
         for topic in first:
             for partition in range(self.broker.app_partitions(app)):
                 self.broker.delete_backup(keys.backup_keys(topic, partition, app))
-        return ImportResult(partitions=partitions, values=values)
+        return ImportResult(partitions=partitions, values=values, kept=kept)
+
+    def _empty_store(self, app: str, partition: int) -> tuple[int, StateStore, StoreTransaction]:
+        """A partition's store opened for an import, with its transaction; refused unless empty."""
+        state = self.settings.state
+        store = open_store(state.engine, state.dir, app, partition, durability=state.durability)
+        if store.checkpoints() or _has_values(store):
+            store.close()
+            raise ConfigError(
+                f"app {app!r} partition {partition} already has state under {state.dir}: "
+                "import into an empty state directory"
+            )
+        return partition, store, store.transaction()
+
+    def _bookkeeping(self, app: str, line: ExportCheckpoints) -> list[tuple[str, str, bytes]]:
+        """What an import of a partition's app state alone keeps from its backup."""
+        backup = self._backup_keys(app, line.partition)
+        copy = None if backup is None else snapshot(self.broker, backup)
+        return kept_bookkeeping(app, line, copy, known=self._app_partitions(app) > 0)
 
 
 def _app_order(app: str, recorded: list[str], named: Sequence[str], stored: set[str]) -> list[str]:
@@ -273,22 +293,6 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def shown_state(key: str, raw: bytes) -> dict[str, Any]:
-    """A stored state value as JSON shows it; StateValueError when it cannot be decoded or shown.
-
-    Such a value can predate the check when a handler writes it, or be written by hand.
-    """
-    try:
-        value = codec.state_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise StateValueError(f"stored state of key {key!r} cannot be decoded: {exc}") from None
-    try:
-        shown: dict[str, Any] = msgspec.to_builtins(value, str_keys=True)
-    except (TypeError, RecursionError) as exc:
-        raise StateValueError(f"stored state of key {key!r} cannot be shown as JSON: {exc}") from None
-    return shown
-
-
 def _has_values(store: StateStore) -> bool:
     rows = store.dump()[1]
     try:
@@ -301,35 +305,3 @@ def _close(rows: Iterator[Any]) -> None:
     """End a store snapshot's rows (``StateStore.dump``) before the store closes."""
     if isinstance(rows, Generator):
         rows.close()
-
-
-def _export_lines(
-    app: str,
-    partition: int,
-    checkpoints: dict[str, StreamId],
-    rows: Iterator[tuple[str, str, bytes]],
-    warn: Callable[[str], None] | None,
-) -> Iterator[bytes]:
-    """The export lines of one store snapshot (see ``Service.state_export``)."""
-    yield _export_encoder.encode(
-        ExportCheckpoints(partition=partition, checkpoints={t: str(c) for t, c in checkpoints.items()})
-    )
-    for namespace, key, value in rows:
-        if namespace == keys.BACKUP_NAMESPACE:
-            continue  # which backup this store matches: meaningless in another store
-        line = ExportValue(partition=partition, namespace=namespace, key=key, value=value)
-        if namespace == STATE_NAMESPACE:
-            try:
-                line = msgspec.structs.replace(line, state=shown_state(key, value))
-            except StateValueError as exc:
-                line = msgspec.structs.replace(line, error=str(exc))
-                if warn is not None:
-                    warn(f"app {app!r} partition {partition}: {exc}; exported exactly, with state null")
-        yield _export_encoder.encode(line)
-
-
-def _parse_export_line(number: int, raw: bytes) -> ExportCheckpoints | ExportValue:
-    try:
-        return _export_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ConfigError(f"line {number}: not a `pspf state export` line: {exc}") from None

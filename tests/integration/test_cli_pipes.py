@@ -65,7 +65,12 @@ def test_state_export_into_a_closed_pipe_ends_quietly(state_dir: Path) -> None:
     first, stderr, code = close_early(
         ["state", "export", "big-app", "--state-dir", str(state_dir)], subprocess_env()
     )
-    assert json.loads(first) == {"kind": "checkpoints", "partition": 0, "checkpoints": {"orders": "1-0"}}
+    assert json.loads(first) == {
+        "kind": "checkpoints",
+        "partition": 0,
+        "checkpoints": {"orders": "1-0"},
+        "internal": False,
+    }
     assert_quiet(stderr, code)
 
 

@@ -81,7 +81,8 @@ class Scenario:
         return {line["key"]: line["state"] for line in lines if line.get("namespace") == "state"}
 
     def marks(self) -> int:
-        lines = [json.loads(line) for line in self("state", "export", self.app).stdout.splitlines()]
+        """The superseded marks: bookkeeping, which only an export with --all writes."""
+        lines = [json.loads(line) for line in self("state", "export", self.app, "--all").stdout.splitlines()]
         return sum(1 for line in lines if line.get("namespace") == SUPERSEDED_NAMESPACE)
 
     def replay(self, *args: str) -> dict[str, Any]:

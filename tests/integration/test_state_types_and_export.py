@@ -101,17 +101,23 @@ def test_export_from_sqlite_import_into_rocksdb_gives_equal_state(
     lines = [json.loads(line) for line in exported.stdout.splitlines()]
     assert sum(1 for line in lines if line["kind"] == "checkpoints") == 4
     values = [line for line in lines if line["kind"] == "value"]
-    assert sum(1 for line in values if line["namespace"] == "state") == 40
-    # Besides the state, each store holds its consumer history (one worker: one name).
+    assert sum(1 for line in values if line["namespace"] == "state") == 40 == len(values)
+    # With --all, besides the state, each store's consumer history (one worker: one name).
+    everything = runner.invoke(
+        cli, ["state", "export", app.name, "--all", "--state-dir", str(tmp_path / "a")], env=base
+    )
+    assert everything.exit_code == 0, everything.output
+    values = [line for line in map(json.loads, everything.stdout.splitlines()) if line["kind"] == "value"]
     assert sum(1 for line in values if line["namespace"] == "__consumers") == 4 == len(values) - 40
     (tmp_path / "state.ndjson").write_text(exported.stdout)
 
+    # The app's state alone: each partition's consumer history is kept from its backup.
     target = ["--state-dir", str(tmp_path / "b"), "--store", "rocksdb"]
     imported = runner.invoke(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )
     assert imported.exit_code == 0, imported.output
-    assert "imported 44 values into 4 partitions" in imported.output
+    assert "imported 40 values into 4 partitions, kept 4 values of bookkeeping" in imported.output
     again = runner.invoke(
         cli, ["state", "import", app.name, "--file", str(tmp_path / "state.ndjson"), *target], env=base
     )

@@ -108,10 +108,9 @@ def hot_path_child(args: argparse.Namespace) -> None:
     from pspf import Settings, keys
     from pspf.attempts import Attempts
     from pspf.batch import PartitionBatch
-    from pspf.delivery import Read
     from pspf.emit import Emitter
     from pspf.failures import policy_from
-    from pspf.partition import OwnedPartition, StreamCursor
+    from pspf.partition import OwnedPartition, Read, StreamCursor
     from pspf.partition_outbox import PartitionOutbox
     from pspf.state_stores.memory import MemoryStore
 

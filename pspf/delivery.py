@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields, RawEntry, ReadAhead
@@ -34,21 +33,9 @@ from pspf.execution import Entry
 from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
 from pspf.ordering import CrossTopicOrder
-from pspf.partition import OwnedPartition, StreamCursor, check_tail, parked
+from pspf.partition import OwnedPartition, Read, StreamCursor, check_tail, parked
 
 log = logging.getLogger(__name__)
-
-
-class Read(NamedTuple):
-    """Entries of one stream read in this cycle; ``due`` marks parked entries claimed again."""
-
-    cursor: StreamCursor
-    entries: list[RawEntry]
-    counts: dict[bytes, int]
-    poison: frozenset[bytes] = frozenset()
-    due: bool = False
-    #: a crash suspect, read with nothing else
-    alone: bool = False
 
 
 @dataclass(slots=True)

@@ -35,8 +35,7 @@ from pspf.keys import ZERO_ID, StreamId
 if TYPE_CHECKING:
     from pspf.batch import StreamOutcome
     from pspf.broker import Broker
-    from pspf.delivery import Read
-    from pspf.partition import OwnedPartition, StreamCursor
+    from pspf.partition import OwnedPartition, Read, StreamCursor
     from pspf.tables import TableWrites
 
 

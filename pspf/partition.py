@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from pspf import keys
 from pspf.backup import PartitionBackup
-from pspf.broker import Fields
+from pspf.broker import Fields, RawEntry
 from pspf.errors import BrokerError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
@@ -114,6 +114,22 @@ class StreamCursor:
         """
         self.pending_after = ZERO_ID
         self.held = None
+
+
+class Read(NamedTuple):
+    """Entries of one stream read in this cycle; ``due`` marks parked entries claimed again.
+
+    Here, beside the cursor, so that ``delivery`` (which reads them) and ``ordering`` (which
+    orders them across topics) both import it from below.
+    """
+
+    cursor: StreamCursor
+    entries: list[RawEntry]
+    counts: dict[bytes, int]
+    poison: frozenset[bytes] = frozenset()
+    due: bool = False
+    #: a crash suspect, read with nothing else
+    alone: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -50,13 +50,13 @@ from pspf.app import App
 from pspf.attempts import Attempts
 from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.broker import Broker
-from pspf.delivery import Delivery, Read
+from pspf.delivery import Delivery
 from pspf.emit import Emitter
 from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.outbox import RowState
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.relay import Relay
 from pspf.settings import OutboxSettings
 from pspf.tables import GlobalTables, Lookups

@@ -36,14 +36,13 @@ from pspf.app import App
 from pspf.attempts import Attempts
 from pspf.batch import Durability, PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest
-from pspf.delivery import Read
 from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost, NotFound
 from pspf.execution import Entry
 from pspf.failures import DeadLetter, Outcome, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore

@@ -23,11 +23,11 @@ import pytest
 
 from pspf import keys
 from pspf.broker import Broker, Fields, RawEntry
-from pspf.delivery import Delivery, Read, Screened
+from pspf.delivery import Delivery, Screened
 from pspf.errors import BrokerError
 from pspf.failures import Failure, RetryPolicy
 from pspf.keys import ZERO_ID, StreamId, entry_name
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.state_stores import MemoryStore
 

@@ -6,10 +6,9 @@ from typing import Any, cast
 
 from pspf import keys
 from pspf.broker import Broker, RawEntry
-from pspf.delivery import Read
 from pspf.keys import StreamId
 from pspf.ordering import CrossTopicOrder
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.state_stores.memory import MemoryStore
 

@@ -11,10 +11,10 @@ from pspf import keys
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Broker
 from pspf.codec import StateDecoder
-from pspf.delivery import Delivery, Read
+from pspf.delivery import Delivery
 from pspf.emit import Emitter
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, StreamCursor
+from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores import MemoryStore

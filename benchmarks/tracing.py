@@ -106,8 +106,8 @@ def hot_path_child(args: argparse.Namespace) -> None:
         sdk_exporter()
     from benchmarks.throughput import make_orders, order_totals_app
     from pspf import Settings, keys
-    from pspf.attempts import Attempts
     from pspf.batch import PartitionBatch
+    from pspf.cycle.attempts import Attempts
     from pspf.emit import Emitter
     from pspf.failures import policy_from
     from pspf.partition import OwnedPartition, Read, StreamCursor

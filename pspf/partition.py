@@ -98,7 +98,7 @@ class StreamCursor:
     foreign: set[bytes] = field(default_factory=set)
     #: Entries a redriven copy replaces (a replay marked them): done without a handler.
     superseded: Superseded = field(default_factory=Superseded)
-    #: Entries delivered and held back (``pspf.ordering``): the stream's next ones, a ``Read``
+    #: Entries delivered and held back (``pspf.cycle.ordering``): the stream's next ones, a ``Read``
     held: Any = None
     #: After a repartition (``MOVED_NAMESPACE``): old partition -> the entries of it at or below
     #: this were handled; an entry moved from there (its ``pspf-moved-from`` header) is done when

@@ -10,7 +10,7 @@ partition's store (namespace ``__tables``) and follow the partition through the 
 a batch the table's entries run first, and each update is kept with its entry's id
 (``TableWrites``): a lookup sees the updates with an id up to its own entry's (ids of
 different streams may be equal: the update comes first), never a later one, so a replay after a
-crash sees the same rows (``pspf.ordering`` holds back the entries a later read could still
+crash sees the same rows (``pspf.cycle.ordering`` holds back the entries a later read could still
 precede).
 
 An entry parked for a deferred retry is tried again after later entries, table updates among
@@ -134,7 +134,7 @@ class TableWrites:
         return found  # type: ignore[no-any-return]
 
     def drop_after(self, at: StreamId) -> None:
-        """Forget the updates of entries after ``at``: they leave the batch (``pspf.ordering``)."""
+        """Forget the updates of entries after ``at``: they leave the batch (``pspf.cycle.ordering``)."""
         for name in list(self.versions):
             kept = [v for v in self.versions[name] if v[0] <= at]
             if kept:

@@ -33,12 +33,13 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.app import App
-from pspf.attempts import Attempts
 from pspf.batch import Durability, PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest
+from pspf.cycle.attempts import Attempts
+from pspf.cycle.execution import Entry
+from pspf.cycle.timekeeping import Clock, TimeKeeping
 from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost, NotFound
-from pspf.execution import Entry
 from pspf.failures import DeadLetter, Outcome, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
@@ -47,7 +48,6 @@ from pspf.partition_outbox import PartitionOutbox
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.tables import GlobalTables, Lookups
-from pspf.timekeeping import Clock, TimeKeeping
 from pspf.timers import ms_of
 from pspf.tracing import configured
 

@@ -30,6 +30,7 @@ import msgspec
 from pspf import keys, retention, state_stores
 from pspf.app import App
 from pspf.broker import Broker
+from pspf.cycle.processor import BatchProcessor
 from pspf.errors import (
     BrokerDataLost,
     BrokerError,
@@ -55,7 +56,6 @@ from pspf.ownership import (
     adopt_remedy,
     check_partition_count,
 )
-from pspf.processor import BatchProcessor
 from pspf.repartition import settled_counts
 from pspf.settings import Settings
 from pspf.standby import Standby

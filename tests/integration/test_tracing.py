@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pspf import App, Context, NonRetryableError, Producer, Settings, Worker, codec, processor, tracing
+from pspf import App, Context, NonRetryableError, Producer, Settings, Worker, codec, tracing
+from pspf.cycle import processor
 from pspf.keys import stream_key
 from pspf.service import Service
 from tests.conftest import pspf_command, subprocess_env

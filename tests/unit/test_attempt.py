@@ -12,8 +12,8 @@ import msgspec
 
 from pspf.codec import StateDecoder, state_encoder
 from pspf.context import Context
+from pspf.cycle.execution import UNCHANGED, state_result
 from pspf.emit import Emitter
-from pspf.execution import UNCHANGED, state_result
 from pspf.timers import PartitionTimers
 
 

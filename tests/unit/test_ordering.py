@@ -1,4 +1,4 @@
-"""Id order across a partition's topics (``pspf.ordering``): what is applied now, what waits."""
+"""Id order across a partition's topics (``pspf.cycle.ordering``): what is applied now, what waits."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any, cast
 
 from pspf import keys
 from pspf.broker import Broker, RawEntry
+from pspf.cycle.ordering import CrossTopicOrder
 from pspf.keys import StreamId
-from pspf.ordering import CrossTopicOrder
 from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.partition_outbox import PartitionOutbox
 from pspf.state_stores.memory import MemoryStore

@@ -11,7 +11,7 @@ from pspf import keys
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Broker
 from pspf.codec import StateDecoder
-from pspf.delivery import Delivery
+from pspf.cycle.delivery import Delivery
 from pspf.emit import Emitter
 from pspf.keys import StreamId
 from pspf.partition import OwnedPartition, Read, StreamCursor

@@ -47,10 +47,11 @@ import time
 import msgspec
 
 from pspf.app import App
-from pspf.attempts import Attempts
 from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.broker import Broker
-from pspf.delivery import Delivery
+from pspf.cycle.attempts import Attempts
+from pspf.cycle.delivery import Delivery
+from pspf.cycle.timekeeping import TimeKeeping
 from pspf.emit import Emitter
 from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
@@ -60,10 +61,9 @@ from pspf.partition import OwnedPartition, Read, StreamCursor
 from pspf.relay import Relay
 from pspf.settings import OutboxSettings
 from pspf.tables import GlobalTables, Lookups
-from pspf.timekeeping import TimeKeeping
 from pspf.tracing import configured
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.processor")
 
 
 class BatchProcessor:

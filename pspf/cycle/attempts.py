@@ -18,8 +18,8 @@ from typing import NamedTuple
 from pspf.app import App
 from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Fields
+from pspf.cycle.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.emit import Emitter
-from pspf.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
@@ -27,7 +27,7 @@ from pspf.partition import Read
 from pspf.tables import check_lookup_names
 from pspf.tracing import Tracing
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.attempts")
 
 
 class Attempted(NamedTuple):

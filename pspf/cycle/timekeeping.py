@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from pspf import codec
 from pspf.batch import PartitionBatch
 from pspf.context import Context, TimerContext
+from pspf.cycle.execution import UNCHANGED, Entry, state_result
 from pspf.emit import Emitter
 from pspf.errors import ConfigError
-from pspf.execution import UNCHANGED, Entry, state_result
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
 from pspf.partition import OwnedPartition
@@ -30,7 +30,7 @@ from pspf.windows import PartitionWindows
 if TYPE_CHECKING:
     from pspf.app import App
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.timekeeping")
 
 
 class Clock:

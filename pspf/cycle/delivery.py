@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields, RawEntry, ReadAhead
+from pspf.cycle.execution import Entry
+from pspf.cycle.ordering import CrossTopicOrder
 from pspf.errors import ConfigError, DecodeError
-from pspf.execution import Entry
 from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
-from pspf.ordering import CrossTopicOrder
 from pspf.partition import OwnedPartition, Read, StreamCursor, check_tail, parked
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.delivery")
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class Delivery:
         self.streams = streams
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
-        #: id order across each partition's topics (apps with tables; see ``pspf.ordering``)
+        #: id order across each partition's topics (apps with tables; see ``pspf.cycle.ordering``)
         self.order = None if not tables else CrossTopicOrder(broker, tables, owned, batch_size)
 
     def read(self, block: bool, block_ms: int | None = None) -> tuple[list[Read], list[str]]:
@@ -140,7 +140,7 @@ class Delivery:
 
         A suspect may have crashed the worker before: it runs alone, nothing else is delivered,
         so if it crashes again only its own delivery count grows. With tables, only one that no
-        entry of another topic of its partition must precede (``pspf.ordering``); the others wait.
+        entry of another topic of its partition must precede (``pspf.cycle.ordering``); the others wait.
         """
         suspects = [
             (self.streams[stream], window[0][0])

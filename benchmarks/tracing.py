@@ -106,12 +106,12 @@ def hot_path_child(args: argparse.Namespace) -> None:
         sdk_exporter()
     from benchmarks.throughput import make_orders, order_totals_app
     from pspf import Settings, keys
-    from pspf.batch import PartitionBatch
     from pspf.cycle.attempts import Attempts
-    from pspf.emit import Emitter
     from pspf.failures import policy_from
-    from pspf.partition import OwnedPartition, Read, StreamCursor
-    from pspf.partition_outbox import PartitionOutbox
+    from pspf.outbox.emit import Emitter
+    from pspf.outbox.partition_outbox import PartitionOutbox
+    from pspf.partition.batch import PartitionBatch
+    from pspf.partition.owned import OwnedPartition, Read, StreamCursor
     from pspf.state_stores.memory import MemoryStore
 
     try:

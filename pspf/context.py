@@ -13,7 +13,7 @@ from pspf.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
-    from pspf.emit import Emitted, Emitter
+    from pspf.outbox.emit import Emitted, Emitter
     from pspf.timers import PartitionTimers
 
 

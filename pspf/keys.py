@@ -45,7 +45,7 @@ BACKUP_MARKED = "marked"
 #: Meta field, and store key under ``BACKUP_NAMESPACE``: the partition count the state was built
 #: for (a key's partition depends on it).
 BACKUP_PARTITIONS = "partitions"
-#: Meta field: the adoption record (``pspf.adoption``) of a backup that `pspf state adopt`
+#: Meta field: the adoption record (``pspf.partition.adoption``) of a backup that `pspf state adopt`
 #: uploaded; store key under ``BACKUP_NAMESPACE``: the adoption a store follows.
 BACKUP_ADOPTED = "adopted"
 #: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
@@ -56,7 +56,7 @@ SUPERSEDED_NAMESPACE = "__superseded"
 #: Outbox rows (``ctx.emit``): a batch's rows as one page under its first row's zero-padded id
 #: (``outbox.row_key``), written once; the status records of rows off the common path, by row id;
 #: the counters ("next"), a watermark per target partition and a done mark per page published
-#: whole (see ``pspf.outbox``).
+#: whole (see ``pspf.outbox.rows``).
 OUTBOX_NAMESPACE = "__outbox"
 OUTBOX_STATE_NAMESPACE = "__outbox_state"
 OUTBOX_META_NAMESPACE = "__outbox_meta"

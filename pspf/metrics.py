@@ -36,7 +36,7 @@ from pspf.broker import Broker, GroupPosition
 from pspf.errors import BrokerError, BrokerOutOfMemory, ConfigError
 from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks
-from pspf.outbox import OutboxRow, RowState
+from pspf.outbox.rows import OutboxRow, RowState
 
 log = logging.getLogger(__name__)
 #: What a worker says of its own episodes (``MemoryEpisode``) is logged under the worker's name.

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pspf import codec
-from pspf.emit import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER
 from pspf.errors import DecodeError
+from pspf.outbox.emit import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER
 from pspf.retention import PartitionTrim, Retention
 
 if TYPE_CHECKING:
     from pspf.broker import GroupInfo as BrokerGroup
     from pspf.broker import StreamInfo
     from pspf.failures import DeadLetter
-    from pspf.membership import Member
-    from pspf.outbox import OutboxRow
+    from pspf.outbox.rows import OutboxRow
+    from pspf.ownership.membership import Member
 
 
 def iso_time(ms: int) -> str:

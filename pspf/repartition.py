@@ -27,7 +27,7 @@ from pspf import codec, keys
 from pspf.broker import Broker, Fields
 from pspf.errors import AppRunning, ConfigError, StateOutOfReach
 from pspf.keys import StreamId
-from pspf.membership import live_members
+from pspf.ownership.membership import live_members
 from pspf.repartition_state import GONE, Gone, checkpoints_of, key_of, split, spread
 from pspf.state_stores.base import field as store_field
 from pspf.state_stores.base import split_field

@@ -28,7 +28,7 @@ import msgspec
 from pspf import keys
 from pspf.broker import Broker
 from pspf.errors import BrokerError, ConfigError, NotFound, UnderWay
-from pspf.operation_lease import Renewal
+from pspf.ownership.operation_lease import Renewal
 from pspf.repartition import STAGED, Plan, make_plan, plan_key, recorded, unseal
 
 

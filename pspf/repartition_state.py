@@ -17,7 +17,7 @@ import msgspec
 from pspf import keys
 from pspf.state_stores.base import field, split_field
 
-#: The outbox's counters (next row id / next sequence), as ``pspf.outbox.NEXT_KEY`` names them.
+#: The outbox's counters (next row id / next sequence), as ``pspf.outbox.rows.NEXT_KEY`` names them.
 OUTBOX_COUNTERS = "next"
 #: Namespaces whose key is the entry key.
 _BY_KEY = frozenset({keys.STATE_NAMESPACE, keys.EXPIRY_NAMESPACE})

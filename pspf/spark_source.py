@@ -7,7 +7,7 @@
   milliseconds that cover the range exactly (``split_range``).
 - ``.option("state", app)``: one row per key of the app's state (``STATE_SCHEMA``), and
   ``.option("table", name).option("app", app)`` one row per row of a table (``TABLE_SCHEMA``),
-  each partition read from its state backup as one consistent snapshot (``pspf.backup.snapshot``,
+  each partition read from its state backup as one consistent snapshot (``pspf.partition.backup.snapshot``,
   what ``pspf state export`` reads).
 - ``spark.readStream``: the offset of a micro-batch is, per partition, the last id it covers
   (``{"0": "1700000000000-3", ...}``), and Spark keeps the offsets in its checkpoint. A task reads
@@ -32,11 +32,11 @@ from typing import Any, cast
 import msgspec
 
 from pspf import codec, keys
-from pspf.backup import snapshot
 from pspf.broker import Broker
 from pspf.errors import ConfigError, NotFound, StateValueError
 from pspf.keys import ZERO_ID, StreamId
-from pspf.membership import live_members
+from pspf.ownership.membership import live_members
+from pspf.partition.backup import snapshot
 from pspf.records import TopicEntry
 from pspf.service.base import parse_time_ms
 from pspf.service.state import shown_state

@@ -33,18 +33,18 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.app import App
-from pspf.batch import Durability, PartitionBatch, StreamOutcome
 from pspf.broker import AckRequest
 from pspf.cycle.attempts import Attempts
 from pspf.cycle.execution import Entry
 from pspf.cycle.timekeeping import Clock, TimeKeeping
-from pspf.emit import Emitter
 from pspf.errors import ConfigError, LeaseLost, NotFound
 from pspf.failures import DeadLetter, Outcome, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, Read, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.emit import Emitter
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.tables import GlobalTables, Lookups

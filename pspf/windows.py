@@ -57,7 +57,7 @@ from pspf.keys import StreamId
 
 if TYPE_CHECKING:
     from pspf.context import Context
-    from pspf.emit import Emitted, Emitter
+    from pspf.outbox.emit import Emitted, Emitter
     from pspf.state_stores import StateStore
 
 log = logging.getLogger(__name__)

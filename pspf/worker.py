@@ -45,10 +45,10 @@ from pspf.errors import (
 )
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
-from pspf.leases import LeaseKeeper, Lost, say_gone, say_waiting
-from pspf.membership import Membership
 from pspf.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
-from pspf.ownership import (
+from pspf.ownership.leases import LeaseKeeper, Lost, say_gone, say_waiting
+from pspf.ownership.membership import Membership
+from pspf.ownership.owning import (
     Leases,
     PartitionLeases,
     Partitions,
@@ -56,9 +56,9 @@ from pspf.ownership import (
     adopt_remedy,
     check_partition_count,
 )
+from pspf.ownership.standby import Standby
 from pspf.repartition import settled_counts
 from pspf.settings import Settings
-from pspf.standby import Standby
 from pspf.tables import GlobalTables, check_table_partitions
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ room that holds each step. The rooms:
 - ``execution``: running handlers over a stream's entries, sync in id order, async concurrently;
 - ``timekeeping``: what time does in a batch: windows closed, callbacks, timers, state expiry.
 
-What a partition holds and how its batch is made durable live in ``pspf.partition``; the outbox
-and the relay of step 7 in ``pspf.outbox``. PSPF's own modules import the rooms by their full
+What a partition holds and how its batch is made durable live in ``pspf.partition.owned``; the outbox
+and the relay of step 7 in ``pspf.outbox.rows``. PSPF's own modules import the rooms by their full
 path, so no face sits in an import circle; the names other wings use are re-exported here.
 """
 

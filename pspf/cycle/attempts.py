@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pspf.app import App
-from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Fields
 from pspf.cycle.execution import Entry, EntryMeta, run_async_into, run_sync
-from pspf.emit import Emitter
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
-from pspf.partition import Read
+from pspf.outbox.emit import Emitter
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.owned import Read
 from pspf.tables import check_lookup_names
 from pspf.tracing import Tracing
 

@@ -33,7 +33,7 @@ from pspf.cycle.ordering import CrossTopicOrder
 from pspf.errors import ConfigError, DecodeError
 from pspf.failures import RetryPolicy
 from pspf.keys import StreamId, entry_name
-from pspf.partition import OwnedPartition, Read, StreamCursor, check_tail, parked
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor, check_tail, parked
 
 log = logging.getLogger("pspf.delivery")
 

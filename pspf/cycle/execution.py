@@ -20,15 +20,15 @@ from pspf import codec, keys
 from pspf.app import Handler
 from pspf.codec import StateDecoder
 from pspf.context import Context, StateSource
-from pspf.emit import Emitted, Emitter
 from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
+from pspf.outbox.emit import Emitted, Emitter
 from pspf.timers import PartitionTimers, ScheduledCall
 from pspf.tracing import TracedContext, Tracing, sync_run
 from pspf.windows import PartitionWindows
 
 if TYPE_CHECKING:
-    from pspf.batch import PartitionBatch
+    from pspf.partition.batch import PartitionBatch
 
 #: Marks an attempt that left its key's state untouched.
 UNCHANGED = b"\x00unchanged"

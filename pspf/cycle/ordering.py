@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 from pspf.keys import ZERO_ID, StreamId
 
 if TYPE_CHECKING:
-    from pspf.batch import StreamOutcome
     from pspf.broker import Broker
-    from pspf.partition import OwnedPartition, Read, StreamCursor
+    from pspf.partition.batch import StreamOutcome
+    from pspf.partition.owned import OwnedPartition, Read, StreamCursor
     from pspf.tables import TableWrites
 
 

@@ -47,18 +47,18 @@ import time
 import msgspec
 
 from pspf.app import App
-from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.broker import Broker
 from pspf.cycle.attempts import Attempts
 from pspf.cycle.delivery import Delivery
 from pspf.cycle.timekeeping import TimeKeeping
-from pspf.emit import Emitter
 from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
-from pspf.outbox import RowState
-from pspf.partition import OwnedPartition, Read, StreamCursor
-from pspf.relay import Relay
+from pspf.outbox.emit import Emitter
+from pspf.outbox.relay import Relay
+from pspf.outbox.rows import RowState
+from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import OutboxSettings
 from pspf.tables import GlobalTables, Lookups
 from pspf.tracing import configured

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pspf import codec
-from pspf.batch import PartitionBatch
 from pspf.context import Context, TimerContext
 from pspf.cycle.execution import UNCHANGED, Entry, state_result
-from pspf.emit import Emitter
 from pspf.errors import ConfigError
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition
+from pspf.outbox.emit import Emitter
+from pspf.partition.batch import PartitionBatch
+from pspf.partition.owned import OwnedPartition
 from pspf.tables import Lookups
 from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
 from pspf.windows import PartitionWindows

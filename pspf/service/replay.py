@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pspf import codec, keys
-from pspf.backup import field
 from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError, StateOutOfReach
 from pspf.keys import (
     BACKUP_IDENTITY,
@@ -35,7 +34,8 @@ from pspf.keys import (
     WINDOWS_NAMESPACE,
     StreamId,
 )
-from pspf.operation_lease import one_at_a_time
+from pspf.ownership.operation_lease import one_at_a_time
+from pspf.partition.backup import field
 from pspf.records import AppReset, ReplayResult
 from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
 from pspf.state_stores import StateStore, open_store, stored_partitions

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 
 from pspf import codec, keys
-from pspf.backup import field, snapshot, split_field
 from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
 from pspf.keys import STATE_NAMESPACE, StreamId
-from pspf.ownership import check_partition_count
+from pspf.ownership.owning import check_partition_count
+from pspf.partition.backup import field, snapshot, split_field
 from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
 from pspf.service.adopting import Adopter
 from pspf.service.base import ServiceBase

@@ -34,18 +34,19 @@ from typing import Any, NamedTuple
 import pytest
 import redis
 
-from pspf import codec, relay
+from pspf import codec
 from pspf.broker import Broker
-from pspf.emit import (
+from pspf.errors import NotFound
+from pspf.keys import partition_for, stream_key
+from pspf.outbox import relay
+from pspf.outbox.emit import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
     SOURCE_PARTITION_HEADER,
     SOURCE_TOPIC_HEADER,
 )
-from pspf.errors import NotFound
-from pspf.keys import partition_for, stream_key
-from pspf.outbox import RowState
-from pspf.relay import PUBLISH_CHUNK
+from pspf.outbox.relay import PUBLISH_CHUNK
+from pspf.outbox.rows import RowState
 from pspf.repartition import Repartition, make_plan
 from pspf.service import OutboxRowInfo, Service
 from pspf.settings import Settings

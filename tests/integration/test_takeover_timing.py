@@ -19,7 +19,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
 from pspf.hooks import CycleResult
 from pspf.keys import lease_key, members_key
-from pspf.ownership import PartitionLeases
+from pspf.ownership.owning import PartitionLeases
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -160,7 +160,7 @@ def test_a_worker_renews_its_leases_before_its_membership(
 ) -> None:
     """So when its membership runs out, so have they: a dead worker's partitions are free then.
 
-    The lease keeper renews both, on its own connection (``pspf.leases``).
+    The lease keeper renews both, on its own connection (``pspf.ownership.leases``).
     """
     topic = make_topic(2)
     worker = make_worker(topic, "owner")

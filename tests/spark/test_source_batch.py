@@ -29,7 +29,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pspf import App, Context, Settings, Worker
 from pspf.errors import ConfigError, NotFound
 from pspf.keys import MAX_SEQ, StreamId, backup_keys, partition_for, stream_key
-from pspf.membership import live_members
+from pspf.ownership.membership import live_members
 from pspf.service import Service
 from pspf.spark_source import (
     STATE_SCHEMA,

@@ -13,7 +13,7 @@ import msgspec
 from pspf.codec import StateDecoder, state_encoder
 from pspf.context import Context
 from pspf.cycle.execution import UNCHANGED, state_result
-from pspf.emit import Emitter
+from pspf.outbox.emit import Emitter
 from pspf.timers import PartitionTimers
 
 

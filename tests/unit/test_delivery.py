@@ -27,8 +27,8 @@ from pspf.cycle.delivery import Delivery, Screened
 from pspf.errors import BrokerError
 from pspf.failures import Failure, RetryPolicy
 from pspf.keys import ZERO_ID, StreamId, entry_name
-from pspf.partition import OwnedPartition, Read, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.state_stores import MemoryStore
 
 GROUP, CONSUMER = "app", "c1"

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from pspf import membership
 from pspf.broker import Broker
-from pspf.membership import Membership, assign
+from pspf.ownership import membership
+from pspf.ownership.membership import Membership, assign
 from pspf.settings import Settings
 from pspf.tables import Lookups
 

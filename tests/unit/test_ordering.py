@@ -8,8 +8,8 @@ from pspf import keys
 from pspf.broker import Broker, RawEntry
 from pspf.cycle.ordering import CrossTopicOrder
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, Read, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.state_stores.memory import MemoryStore
 
 ORDERS, CUSTOMERS = "orders", "customers"

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pspf import App, Context, RetryPolicy
-from pspf.emit import SOURCE_ID_HEADER
+from pspf.outbox.emit import SOURCE_ID_HEADER
 from pspf.testing import TestApp
 from pspf.tracing import TracedContext, configured
 

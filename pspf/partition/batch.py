@@ -24,12 +24,12 @@ import msgspec
 from pspf import codec, keys
 from pspf.broker import AckRequest, Fields
 from pspf.codec import StateDecoder
-from pspf.emit import Emitted, Emitter
 from pspf.errors import BackupDamaged, LeaseLost, StateError
 from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
-from pspf.partition import CACHE_LIMIT, OwnedPartition, StreamCursor
+from pspf.outbox.emit import Emitted, Emitter
+from pspf.partition.owned import CACHE_LIMIT, OwnedPartition, StreamCursor
 from pspf.tables import (
     MISSING,
     Lookups,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from pspf.state_stores import StateStore
     from pspf.state_stores.base import StoreTransaction
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.batch")
 
 #: Not in a map (a key's value may be None: it has no state).
 _MISSING: Any = object()

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pspf import keys
-from pspf.emit import SourceHeaders
-from pspf.outbox import (
+from pspf.outbox.emit import SourceHeaders
+from pspf.outbox.rows import (
     NEXT_KEY,
     OutboxRow,
     Page,
@@ -50,10 +50,10 @@ from pspf.outbox import (
 
 if TYPE_CHECKING:
     from pspf.broker import SentCalls
-    from pspf.emit import Emitted
+    from pspf.outbox.emit import Emitted
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.partition_outbox")
 
 #: A row waiting in its target's queue: (seq, id, page, index in the page).
 Item = tuple[int, int, Page, int]

@@ -11,8 +11,8 @@ Every emitted entry carries the ``pspf-source-*`` headers naming the entry it ca
 (``SourceHeaders``): merged into the handler's own headers when it gave some (then stored with
 the row), else made when the row is published or shown.
 
-This module knows nothing of how rows are stored (``pspf.outbox``) or published
-(``pspf.relay``), nor of the context that calls it (``pspf.context``): it is below all three.
+This module knows nothing of how rows are stored (``pspf.outbox.rows``) or published
+(``pspf.outbox.relay``), nor of the context that calls it (``pspf.context``): it is below all three.
 """
 
 from __future__ import annotations

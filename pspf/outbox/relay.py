@@ -35,10 +35,11 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.broker import PublishCall, refused_layout
-from pspf.emit import EmitError
 from pspf.failures import RetryPolicy
 from pspf.hooks import RelayHooks, call_hook
-from pspf.outbox import (
+from pspf.outbox.emit import EmitError
+from pspf.outbox.partition_outbox import Item, PartitionOutbox, Sending
+from pspf.outbox.rows import (
     DONE_PREFIX,
     OutboxRow,
     Page,
@@ -55,14 +56,13 @@ from pspf.outbox import (
     watermark_key,
     watermark_value,
 )
-from pspf.partition_outbox import Item, PartitionOutbox, Sending
 
 if TYPE_CHECKING:
     from pspf.broker import Broker
-    from pspf.emit import Emitter
+    from pspf.outbox.emit import Emitter
     from pspf.settings import OutboxSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.relay")
 
 #: Rows per publishing call (one Lua call appends them to one target partition).
 PUBLISH_CHUNK = 500

@@ -19,16 +19,16 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from pspf import keys
-from pspf.adoption import adoption_of, trusted_identity
-from pspf.backup import LogGap, LogReader, catch_up, locate, restore
 from pspf.broker import Broker
 from pspf.errors import BrokerUnavailable, LaterStore, StoreLocked
+from pspf.partition.adoption import adoption_of, trusted_identity
+from pspf.partition.backup import LogGap, LogReader, catch_up, locate, restore
 
 if TYPE_CHECKING:
-    from pspf.ownership import StoreFactory
+    from pspf.ownership.owning import StoreFactory
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.standby")
 
 #: How often the followed logs are read when the last read found nothing.
 POLL_S = 0.1

@@ -26,7 +26,7 @@ from pspf.broker import Broker
 from pspf.errors import BrokerError, UnderWay
 from pspf.settings import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.operation_lease")
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -20,18 +20,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
-from pspf.backup import PartitionBackup, Restored, delete_backup
-from pspf.batch import flush
 from pspf.broker import Broker, StreamInfo
 from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
-from pspf.partition import OwnedPartition, StreamCursor, check_tail
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.backup import PartitionBackup, Restored, delete_backup
+from pspf.partition.batch import flush
+from pspf.partition.owned import OwnedPartition, StreamCursor, check_tail
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.ownership")
 
 #: topic -> lease value held for one partition
 Leases = dict[str, str]
@@ -293,7 +293,7 @@ class Partitions:
         count: int,
         keep_alive: Callable[[], None],
     ) -> tuple[PartitionBackup | None, Restored]:
-        """Make the store equal to the partition's backup (see ``pspf.backup``).
+        """Make the store equal to the partition's backup (see ``pspf.partition.backup``).
 
         With the backup off, the backup is dropped instead: it would go stale.
         """

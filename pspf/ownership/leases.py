@@ -27,11 +27,11 @@ import msgspec
 from pspf.broker import Broker
 from pspf.errors import BrokerError, BrokerOutOfMemory, BrokerUnavailable
 from pspf.keys import lease_key
-from pspf.membership import VANISHED_WITHIN, Membership
-from pspf.ownership import Leases, PartitionLeases
+from pspf.ownership.membership import VANISHED_WITHIN, Membership
+from pspf.ownership.owning import Leases, PartitionLeases
 from pspf.settings import RedisSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.leases")
 
 #: The keeper renews every this share of the lease TTL ...
 RENEW_EVERY = 0.25

@@ -1,6 +1,6 @@
 """The outbox: entries handlers emit, committed with their batch and published after it.
 
-``ctx.emit`` adds an entry to the handler's attempt (``pspf.emit``); entries of attempts that
+``ctx.emit`` adds an entry to the handler's attempt (``pspf.outbox.emit``); entries of attempts that
 return join the batch and are written as outbox rows in the batch's ONE store transaction (DESIGN
 step 5), with the state and the checkpoint, so they follow the partition's state (and its backup)
 to any owner. A handler that raises, or an entry that ends in the DLQ, emits nothing.
@@ -26,7 +26,7 @@ How rows are stored, so that a row costs no store write of its own on the way th
 This module is the rows' model and their storage layout: the lifecycle, ``OutboxRow``, ``Page``,
 the keys and values in the partition's store, and reading rows back from the store or its
 backup (``rows_in_store``, ``rows_in_backup``: what the operator's views show). One owned
-partition's rows in memory are ``pspf.partition_outbox``; publishing them is ``pspf.relay``.
+partition's rows in memory are ``pspf.outbox.partition_outbox``; publishing them is ``pspf.outbox.relay``.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pspf import keys
-from pspf.emit import SourceHeaders
 from pspf.errors import PSPFError, StateError
+from pspf.outbox.emit import SourceHeaders
 
 if TYPE_CHECKING:
-    from pspf.emit import Emitted
+    from pspf.outbox.emit import Emitted
     from pspf.state_stores import StateStore
 
 #: A target partition: (topic, partition).
@@ -167,7 +167,7 @@ def row_key(row_id: int) -> str:
 
 # -- how rows are stored -------------------------------------------------------------------------
 
-# A page's rows are ``pspf.emit.Emitted`` tuples, as the emitter made them.
+# A page's rows are ``pspf.outbox.emit.Emitted`` tuples, as the emitter made them.
 
 _encoder = msgspec.msgpack.Encoder()
 _page_decoder = msgspec.msgpack.Decoder(

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from pspf import keys
-from pspf.adoption import adoption_of, refuse_later, trusted_identity
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
 from pspf.errors import BackupDamaged, BrokerError, LeaseLost, StateError
 from pspf.keys import (
@@ -61,6 +60,7 @@ from pspf.keys import (
     BackupKeys,
     StreamId,
 )
+from pspf.partition.adoption import adoption_of, refuse_later, trusted_identity
 from pspf.state_stores.base import Journal
 from pspf.state_stores.base import field as field
 from pspf.state_stores.base import split_field as split_field
@@ -68,7 +68,7 @@ from pspf.state_stores.base import split_field as split_field
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.backup")
 
 #: Values per Lua call when a whole store is uploaded, and per HSCAN page when a backup is read.
 CHUNK = 5_000
@@ -502,7 +502,7 @@ class PartitionBackup:
     def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
         """Copy a whole store into an empty backup under a new identity (the store's first).
 
-        The backup's adoption record (``pspf.adoption``) stays: the owner's store follows it.
+        The backup's adoption record (``pspf.partition.adoption``) stays: the owner's store follows it.
         """
         adopted = self.broker.backup_meta(self.keys.meta).get(BACKUP_ADOPTED)
         stamped: Updates = {}

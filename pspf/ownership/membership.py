@@ -2,7 +2,7 @@
 
 The contract:
 
-- Membership: every worker renews its membership with its leases (``pspf.leases``: a quarter of
+- Membership: every worker renews its membership with its leases (``pspf.ownership.leases``: a quarter of
   the lease TTL, on a connection of their own) and at each lease round (a third of the TTL),
   with the lease TTL as its time to live, in three keys on the app's hash tag (``keys.members_key``
   and the two beside it). The server's clock decides expiry and join times. A worker that stops
@@ -47,7 +47,7 @@ from pspf.broker import Broker
 if TYPE_CHECKING:
     from pspf.tables import Lookups
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.membership")
 
 #: Lease rounds (a third of the lease TTL each) a new member waits before it counts.
 JOIN_DELAY = 1

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from pspf import keys
-from pspf.backup import PartitionBackup
 from pspf.broker import Fields, RawEntry
 from pspf.errors import BrokerError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.backup import PartitionBackup
 from pspf.timers import PartitionTimers
 from pspf.windows import PartitionWindows
 

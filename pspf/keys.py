@@ -71,7 +71,7 @@ STREAM_TIME = "stream"
 #: In ``TIME_NAMESPACE``: "timer/NAME", the start of the last period an ``@app.timer`` ran in.
 TIMER_PREFIX = "timer/"
 #: Callbacks handlers scheduled (``ctx.schedule``), by "name/key"; when each key's state expires
-#: (``state_ttl``), by key (see ``pspf.timers``).
+#: (``state_ttl``), by key (see ``pspf.windows.timers``).
 SCHEDULES_NAMESPACE = "__schedules"
 EXPIRY_NAMESPACE = "__expiry"
 #: After a repartition, until the app passes the moved entries: the old partitions' checkpoints,

@@ -48,8 +48,8 @@ from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.tables import GlobalTables, Lookups
-from pspf.timers import ms_of
 from pspf.tracing import configured
+from pspf.windows.timers import ms_of
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider

@@ -23,9 +23,9 @@ from pspf.context import Context, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.timers import PartitionTimers, ScheduledCall
 from pspf.tracing import TracedContext, Tracing, sync_run
-from pspf.windows import PartitionWindows
+from pspf.windows.aggregation import PartitionWindows
+from pspf.windows.timers import PartitionTimers, ScheduledCall
 
 if TYPE_CHECKING:
     from pspf.partition.batch import PartitionBatch

@@ -24,8 +24,8 @@ from pspf.outbox.emit import Emitter
 from pspf.partition.batch import PartitionBatch
 from pspf.partition.owned import OwnedPartition
 from pspf.tables import Lookups
-from pspf.timers import CALLBACK_STEP, PartitionTimers, Timer
-from pspf.windows import PartitionWindows
+from pspf.windows.aggregation import PartitionWindows
+from pspf.windows.timers import CALLBACK_STEP, PartitionTimers, Timer
 
 if TYPE_CHECKING:
     from pspf.app import App

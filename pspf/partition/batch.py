@@ -40,9 +40,9 @@ from pspf.tables import (
     check_lookup_key,
     row_then,
 )
-from pspf.timers import PartitionTimers
 from pspf.tracing import Tracing
-from pspf.windows import PartitionWindows
+from pspf.windows.aggregation import PartitionWindows
+from pspf.windows.timers import PartitionTimers
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore

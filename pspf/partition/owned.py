@@ -21,8 +21,8 @@ from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.partition.backup import PartitionBackup
-from pspf.timers import PartitionTimers
-from pspf.windows import PartitionWindows
+from pspf.windows.aggregation import PartitionWindows
+from pspf.windows.timers import PartitionTimers
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore

@@ -14,7 +14,7 @@ from pspf.codec import StateDecoder, state_encoder
 from pspf.context import Context
 from pspf.cycle.execution import UNCHANGED, state_result
 from pspf.outbox.emit import Emitter
-from pspf.timers import PartitionTimers
+from pspf.windows.timers import PartitionTimers
 
 
 class Source:

@@ -22,11 +22,11 @@ from typing import cast
 import msgspec
 import pytest
 
-from pspf.partition import backup as backup_module
 from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields, log_data
 from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost, StateError
 from pspf.keys import BACKUP_IDENTITY, BACKUP_MARK, BACKUP_NAMESPACE, STATE_NAMESPACE, StreamId
+from pspf.partition import backup as backup_module
 from pspf.partition.backup import PartitionBackup, _current
 from pspf.state_stores import MemoryStore
 

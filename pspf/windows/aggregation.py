@@ -1,33 +1,7 @@
-"""Windowed aggregations on event time: the four window kinds and one partition's open windows.
+"""One ``@app.window`` (an ``Aggregation``) and one partition's open windows of every one of them.
 
-``@app.window(topic, spec, ...)`` folds each entry into the windows its event time falls in; a
-window closes when the partition's stream time (the largest event time applied there; it never
-goes back) passes its last millisecond plus the grace period. Its result is emitted to
-``emit_to`` and its state deleted in the batch's commit, so a crash can neither lose nor repeat
-a result.
-
-Kinds (the bounds a result carries: ``start`` inclusive; ``end`` as noted):
-
-- ``tumbling(size)``: ``[start, start + size)`` aligned to the epoch, ``end`` exclusive;
-- ``hopping(size, step)``: windows of ``size`` every ``step``, ``end`` exclusive;
-- ``sliding(size)`` (Kafka Streams' meaning): ``[t - size, t]`` for each entry at ``t`` and the
-  window just after it, ``[t + 1, t + 1 + size]``, when some entry falls in it; ``end`` inclusive.
-  An entry joins every open window it falls in; a window that an entry creates starts from the
-  entries already there, folded in arrival order;
-- ``session(gap)``: a key's entries at most ``gap`` apart; an entry that bridges
-  two sessions merges them (``merge=`` combines their accumulators); ``end`` is the last entry's
-  time, inclusive, and the session can grow until stream time passes ``end + gap``.
-
-An entry is late when every window it falls in has closed (or, for a session, when it would
-extend or bridge a closed one): it is not applied, only counted, or dead-lettered with
-``late="dlq"``. Closed sessions leave a marker until stream time passes their end + 2 x gap +
-grace (an entry that could bridge one after that is late by its own session's close anyway).
-Every such test is against stream time, never against what was swept at the end of the last
-batch, so the results do not depend on where batches begin and end.
-
-A topic may have several windows (and a handler): each entry is one attempt for all of them
-(``pspf.app``). Each window is known by its name, in the store, the backup, the metrics and the
-CLI. Stream time is the partition's, shared by all its windows.
+``PartitionWindows.change`` is where each kind (``pspf.windows.kinds``) folds an entry into its
+windows; ``close`` emits the results of the windows stream time closed, in the batch's commit.
 
 Store layout (namespace ``__windows``; ``keys.window_key``, by topic and window name): a window's
 accumulator, a closed session's marker, and a sliding aggregation's entries (kept while a window
@@ -43,91 +17,23 @@ import bisect
 import heapq
 import inspect
 import logging
-import typing
 from collections.abc import Callable
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from pspf import keys
-from pspf.codec import ValueDecoder
 from pspf.errors import ConfigError, LateEntry
 from pspf.keys import StreamId
+from pspf.windows.functions import TimestampFunc, declared_types, encode_acc, timestamp_reader
+from pspf.windows.kinds import LatePolicy, WindowId, WindowSpec
 
 if TYPE_CHECKING:
     from pspf.context import Context
     from pspf.outbox.emit import Emitted, Emitter
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
-
-Kind = Literal["tumbling", "hopping", "sliding", "session"]
-LatePolicy = Literal["drop", "dlq"]
-#: A window of one key: (key, start ms, end ms).
-WindowId = tuple[str, int, int]
-
-
-class WindowSpec(msgspec.Struct, frozen=True):
-    """A window kind and its sizes in milliseconds (``size_ms`` is a session's gap)."""
-
-    kind: Kind
-    size_ms: int
-    step_ms: int
-    grace_ms: int
-
-    def last_ms(self, start: int, end: int) -> int:
-        """The last event time that can still change the window ``[start, end]``."""
-        if self.kind in ("tumbling", "hopping"):
-            return end - 1
-        if self.kind == "session":
-            return end + self.size_ms
-        return end
-
-    def close_at(self, start: int, end: int) -> int:
-        """The stream time at which the window is closed."""
-        return self.last_ms(start, end) + self.grace_ms + 1
-
-
-def _ms(name: str, value: timedelta, minimum: int = 1) -> int:
-    if not isinstance(value, timedelta):
-        raise ConfigError(f"windows: {name} must be a datetime.timedelta, not {type(value).__name__}")
-    ms = int(value / timedelta(milliseconds=1))
-    if ms < minimum:
-        raise ConfigError(f"windows: {name} must be at least {minimum} ms, got {value}")
-    return ms
-
-
-def tumbling(size: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
-    """Fixed windows of ``size``, one after another (``[start, start + size)``)."""
-    size_ms = _ms("size", size)
-    return WindowSpec("tumbling", size_ms, size_ms, _ms("grace", grace, 0))
-
-
-def hopping(size: timedelta, step: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
-    """Windows of ``size`` starting every ``step`` (overlapping when ``step < size``)."""
-    size_ms, step_ms = _ms("size", size), _ms("step", step)
-    if step_ms > size_ms:
-        raise ConfigError(
-            f"windows.hopping: step {step} is larger than size {size}: entries would fall in no window"
-        )
-    return WindowSpec("hopping", size_ms, step_ms, _ms("grace", grace, 0))
-
-
-def sliding(size: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
-    """Windows of ``size`` that slide with the entries (Kafka Streams' sliding windows)."""
-    return WindowSpec("sliding", _ms("size", size), 0, _ms("grace", grace, 0))
-
-
-def session(gap: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:
-    """A key's bursts of activity: entries at most ``gap`` apart share a session."""
-    return WindowSpec("session", _ms("gap", gap), 0, _ms("grace", grace, 0))
-
-
-# -- an aggregation, as the app declares it ---------------------------------------------------------
-
-
-TimestampFunc = Callable[[Any, "Context"], Any]
+log = logging.getLogger("pspf.windows")
 
 
 class Aggregation:
@@ -163,23 +69,23 @@ class Aggregation:
         self.emit_to = emit_to
         self.late = late
         self.merge = merge
-        acc_type, value_type = _types(func)
+        acc_type, value_type = declared_types(func)
         self.value_type = value_type
         self._acc_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(acc_type)
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
-        self._timestamp = _timestamp_reader(where, timestamp)
+        self._timestamp = timestamp_reader(where, timestamp)
 
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
         current = None if acc is None else self._acc_decoder.decode(acc)
-        return _encode_acc(self.func(current, value))
+        return encode_acc(self.func(current, value))
 
     def merged(self, accs: list[bytes]) -> bytes:
         assert self.merge is not None
         result = self._acc_decoder.decode(accs[0])
         for acc in accs[1:]:
             result = self.merge(result, self._acc_decoder.decode(acc))
-        return _encode_acc(result)
+        return encode_acc(result)
 
     def result(self, acc: bytes) -> Any:
         return self._acc_decoder.decode(acc)
@@ -209,82 +115,6 @@ class Aggregation:
 
 
 _NO_REMOVES: list[tuple[int, int]] = []  # shared by every tumbling and hopping change: never written to
-
-
-def _encode_acc(acc: Any) -> bytes:
-    try:
-        return _acc_encode(acc)
-    except (TypeError, msgspec.EncodeError, OverflowError) as exc:
-        raise ConfigError(f"the window's accumulator cannot be encoded: {exc}") from None
-
-
-_acc_encode = msgspec.msgpack.Encoder().encode
-
-
-def _types(func: Callable[..., Any]) -> tuple[Any, Any]:
-    """The accumulator and value types a window function declares (``Any`` when not annotated)."""
-    try:
-        params = list(inspect.signature(func).parameters.values())
-        hints = typing.get_type_hints(func)
-    except (TypeError, ValueError, NameError) as exc:
-        raise ConfigError(f"cannot inspect window function {func!r}: {exc}") from None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) != 2:
-        raise ConfigError(
-            f"window function {func.__qualname__} must take two positional parameters (accumulator, value)"
-        )
-    acc_type, value_type = (hints.get(p.name, Any) for p in positional)
-    for what, kind in (("accumulator", acc_type), ("value", value_type)):
-        try:
-            msgspec.msgpack.Decoder(kind)
-            if what == "value":
-                ValueDecoder(kind)
-        except TypeError as exc:
-            raise ConfigError(
-                f"window function {func.__qualname__}: msgspec cannot decode its {what}: {exc}"
-            ) from None
-    return acc_type, value_type
-
-
-def _timestamp_reader(where: str, timestamp: str | TimestampFunc | None) -> Callable[[Any, Context], int]:
-    """The event time of an entry, in epoch milliseconds."""
-    if timestamp is None:
-        return lambda value, ctx: int(ctx.entry_id.split(b"-", 1)[0])
-    if callable(timestamp):
-        return lambda value, ctx: _to_ms(timestamp(value, ctx), "the timestamp function")
-    if not isinstance(timestamp, str) or not timestamp:
-        raise ConfigError(f"{where}: timestamp must be a field name or a function")
-    name = timestamp
-
-    def field(value: Any, ctx: Context) -> int:
-        found = value.get(name) if type(value) is dict else getattr(value, name, None)
-        if type(found) is int:  # the common case, first
-            return found
-        if found is None:
-            raise ConfigError(f"the entry has no timestamp field {name!r}")
-        return _to_ms(found, f"the timestamp field {name!r}")
-
-    return field
-
-
-def _to_ms(value: Any, what: str) -> int:
-    """Epoch milliseconds from a number, an RFC 3339 string or a datetime."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} is a bool, not a time")
-    if isinstance(value, (int, float)):
-        return int(value)
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise ConfigError(
-                f"{what} is neither epoch milliseconds nor an RFC 3339 time: {value!r}"
-            ) from None
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            raise ConfigError(f"{what} has no time zone: {value.isoformat()!r}")
-        return int(value.timestamp() * 1000)
-    raise ConfigError(f"{what} is neither epoch milliseconds nor an RFC 3339 time: {value!r}")
 
 
 # -- one partition's open windows -----------------------------------------------------------------

@@ -17,9 +17,9 @@ from pspf.cli.supervisor import Supervisor
 from pspf.cli.targets import load_app
 from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
+from pspf.service.wording import counted
 from pspf.settings import Settings
-from pspf.wording import counted
-from pspf.worker import RunSummary, Worker, default_consumer_name
+from pspf.worker.process import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -24,7 +24,7 @@ from pspf.context import Context, TimerContext
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
-from pspf.tables import Table
+from pspf.tables.table import Table
 from pspf.windows.aggregation import Aggregation
 from pspf.windows.functions import TimestampFunc
 from pspf.windows.kinds import LatePolicy, WindowSpec

@@ -75,14 +75,14 @@ TIMER_PREFIX = "timer/"
 SCHEDULES_NAMESPACE = "__schedules"
 EXPIRY_NAMESPACE = "__expiry"
 #: After a repartition, until the app passes the moved entries: the old partitions' checkpoints,
-#: by "topic/old partition", and the last moved entry, by "topic/until" (see ``pspf.repartition``).
+#: by "topic/old partition", and the last moved entry, by "topic/until" (see ``pspf.repartition.run``).
 MOVED_NAMESPACE = "__moved"
 #: Rows of the app's co-partitioned tables (``App.table``), by "table/key" (``table_key``).
 TABLES_NAMESPACE = "__tables"
 #: Rows of the app's tables that updates replaced after an entry that waits parked, by
-#: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables``).
+#: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables.table``).
 TABLE_HISTORY_NAMESPACE = "__table_history"
-#: Rows of the app's global tables in a worker's own store (``pspf.tables.GlobalTables``).
+#: Rows of the app's global tables in a worker's own store (``pspf.tables.table.GlobalTables``).
 GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (

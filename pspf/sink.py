@@ -39,7 +39,7 @@ from pspf.errors import NonRetryableError, SinkUnavailable, StateError
 from pspf.keys import StreamId
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
-from pspf.worker import RunSummary, Worker
+from pspf.worker.process import RunSummary, Worker
 
 log = logging.getLogger(__name__)
 

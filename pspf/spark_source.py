@@ -37,8 +37,8 @@ from pspf.errors import ConfigError, NotFound, StateValueError
 from pspf.keys import ZERO_ID, StreamId
 from pspf.ownership.membership import live_members
 from pspf.partition.backup import snapshot
-from pspf.records import TopicEntry
 from pspf.service.base import parse_time_ms
+from pspf.service.records import TopicEntry
 from pspf.service.state import shown_state
 from pspf.settings import RedisSettings, mask_url
 from pspf.spark import CONNECTION_OPTIONS, SPARK_OPTIONS, broker_url, connected

@@ -21,11 +21,11 @@ from pspf.cycle.execution import Entry, EntryMeta, run_async_into, run_sync
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
+from pspf.observability.tracing import Tracing
 from pspf.outbox.emit import Emitter
 from pspf.partition.batch import PartitionBatch, StreamOutcome
 from pspf.partition.owned import Read
-from pspf.tables import check_lookup_names
-from pspf.tracing import Tracing
+from pspf.tables.lookups import check_lookup_names
 
 log = logging.getLogger("pspf.attempts")
 

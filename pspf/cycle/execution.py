@@ -22,8 +22,8 @@ from pspf.codec import StateDecoder
 from pspf.context import Context, StateSource
 from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
+from pspf.observability.tracing import TracedContext, Tracing, sync_run
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.tracing import TracedContext, Tracing, sync_run
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers, ScheduledCall
 
@@ -52,7 +52,7 @@ class EntryMeta(NamedTuple):
     partitions: int = 0
     #: the keys already checked (text, in this partition): raw -> text; None: check every entry
     known: dict[bytes, str] | None = None
-    #: spans of the attempts (``pspf.tracing``); None: no tracer provider, no tracing work
+    #: spans of the attempts (``pspf.observability.tracing``); None: no tracer provider, no tracing work
     tracing: Tracing | None = None
 
 

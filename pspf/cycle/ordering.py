@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pspf.broker import Broker
     from pspf.partition.batch import StreamOutcome
     from pspf.partition.owned import OwnedPartition, Read, StreamCursor
-    from pspf.tables import TableWrites
+    from pspf.tables.table import TableWrites
 
 
 #: (id, rank): entries up to it may be applied; rank 0 is a table's entry (first on equal ids)

@@ -54,14 +54,15 @@ from pspf.cycle.timekeeping import TimeKeeping
 from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
+from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
 from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import OutboxSettings
-from pspf.tables import GlobalTables, Lookups
-from pspf.tracing import configured
+from pspf.tables.global_tables import GlobalTables
+from pspf.tables.lookups import Lookups
 
 log = logging.getLogger("pspf.processor")
 

@@ -23,7 +23,7 @@ from pspf.keys import StreamId
 from pspf.outbox.emit import Emitter
 from pspf.partition.batch import PartitionBatch
 from pspf.partition.owned import OwnedPartition
-from pspf.tables import Lookups
+from pspf.tables.lookups import Lookups
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import CALLBACK_STEP, PartitionTimers, Timer
 

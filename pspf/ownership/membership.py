@@ -45,7 +45,7 @@ import msgspec
 from pspf.broker import Broker
 
 if TYPE_CHECKING:
-    from pspf.tables import Lookups
+    from pspf.tables.lookups import Lookups
 
 log = logging.getLogger("pspf.membership")
 

@@ -5,7 +5,7 @@ its backups in several steps; two of them at once could leave groups at one posi
 checkpoints at another (entries skipped or applied twice). Each holds the app's operation lease
 (``operation_key``, taken with SET NX) while it runs: a second one is refused
 in one line naming the first (``UnderWay``, exit 6). ``pspf topic repartition`` holds its own
-claim per topic (``pspf.repartition_claim``) with the same renewal (``Renewal``).
+claim per topic (``pspf.repartition.claim``) with the same renewal (``Renewal``).
 """
 
 from __future__ import annotations

@@ -28,19 +28,11 @@ from pspf.errors import BackupDamaged, LeaseLost, StateError
 from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
+from pspf.observability.tracing import Tracing
 from pspf.outbox.emit import Emitted, Emitter
 from pspf.partition.owned import CACHE_LIMIT, OwnedPartition, StreamCursor
-from pspf.tables import (
-    MISSING,
-    Lookups,
-    Table,
-    TableError,
-    TableWrites,
-    add_history,
-    check_lookup_key,
-    row_then,
-)
-from pspf.tracing import Tracing
+from pspf.tables.lookups import Lookups, check_lookup_key
+from pspf.tables.table import MISSING, Table, TableError, TableWrites, add_history, row_then
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers
 
@@ -137,7 +129,7 @@ class PartitionBatch:
         return value
 
     def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
-        """``ctx.table``'s row as of the entry ``before`` (None: the latest), decoded (``pspf.tables``).
+        """``ctx.table``'s row as of the entry ``before`` (None: the latest), decoded (``pspf.tables.table``).
 
         A table's row comes from the batch's updates up to that entry, then the partition's
         committed rows, then its store; a global table's from the worker's global store. ``check``:
@@ -167,7 +159,7 @@ class PartitionBatch:
         return None if raw is None else table.decode(raw)
 
     def _row_then(self, name: str, stored: str, before: bytes) -> Any:
-        """The committed row as of the entry ``before``: a parked entry's lookup (``pspf.tables``).
+        """The committed row as of the entry ``before``: a parked entry's lookup (``pspf.tables.table``).
 
         MISSING when no committed update comes after the entry: the table's latest row is it.
         """
@@ -188,7 +180,7 @@ class PartitionBatch:
         """The table history this commit writes, and whether the store holds any after it.
 
         The rows it replaces with updates after a parked entry are kept for that entry's lookup;
-        all of it is deleted once nothing waits parked (``pspf.tables``). None: as before.
+        all of it is deleted once nothing waits parked (``pspf.tables.table``). None: as before.
         """
         owned = self.owned
         floor = owned.parked_floor(self.failures)

@@ -153,7 +153,7 @@ class OwnedPartition:
     windows: PartitionWindows | None = None
     #: schedules, timer periods and state expiry (apps with any of them; else None)
     timers: PartitionTimers | None = None
-    #: whether the store holds rows parked entries may look up (``pspf.tables``); None: unknown
+    #: whether the store holds rows parked entries may look up (``pspf.tables.table``); None: unknown
     history: bool | None = None
 
     @property

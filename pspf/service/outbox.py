@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 from pspf import keys
 from pspf.errors import ConfigError, NotFound, ParameterError
 from pspf.outbox.rows import OutboxRow, RowState, rows_in_backup, rows_in_store
-from pspf.records import OutboxReplay, OutboxRowDetail, OutboxRowInfo
 from pspf.service.base import ServiceBase, json_any
+from pspf.service.records import OutboxReplay, OutboxRowDetail, OutboxRowInfo
 from pspf.state_stores import open_store, stored_partitions
 
 

@@ -36,8 +36,8 @@ from pspf.keys import (
 )
 from pspf.ownership.operation_lease import one_at_a_time
 from pspf.partition.backup import field
-from pspf.records import AppReset, ReplayResult
 from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
+from pspf.service.records import AppReset, ReplayResult
 from pspf.state_stores import StateStore, open_store, stored_partitions
 
 #: what a run leaves in a partition besides the state: redone by the entries handled again

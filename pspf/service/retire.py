@@ -13,8 +13,8 @@ from pspf import keys
 from pspf.errors import AppRunning
 from pspf.ownership.membership import live_members
 from pspf.ownership.operation_lease import one_at_a_time
-from pspf.records import AppRemoval, TopicRemoval
 from pspf.service.base import ServiceBase
+from pspf.service.records import AppRemoval, TopicRemoval
 
 
 class Retiring(ServiceBase):

@@ -19,9 +19,9 @@ from pspf.errors import ConfigError, NotFound, ParameterError, StateValueError
 from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership.owning import check_partition_count
 from pspf.partition.backup import field, snapshot, split_field
-from pspf.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
 from pspf.service.adopting import Adopter
 from pspf.service.base import ServiceBase
+from pspf.service.records import AdoptResult, ExportCheckpoints, ExportValue, ImportResult, OpenWindow
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 
 _export_encoder = msgspec.json.Encoder()

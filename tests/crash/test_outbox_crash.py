@@ -47,7 +47,7 @@ from pspf.outbox.emit import (
 )
 from pspf.outbox.relay import PUBLISH_CHUNK
 from pspf.outbox.rows import RowState
-from pspf.repartition import Repartition, make_plan
+from pspf.repartition.run import Repartition, make_plan
 from pspf.service import OutboxRowInfo, Service
 from pspf.settings import Settings
 from tests.conftest import Names, pspf_command, subprocess_env

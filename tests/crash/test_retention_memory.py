@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pspf import App, Context, Producer, Settings, worker
+from pspf import App, Context, Producer, Settings
 from pspf.broker import BACKUP_LOG_LENGTH
 from pspf.keys import backup_log_key, stream_key
-from pspf.retention import Retention
 from pspf.service import Service
+from pspf.worker import process as worker
+from pspf.worker.retention import Retention
 from tests.conftest import RedisServer, standalone_only
 from tests.integration.failures_support import WorkerThread
 from tests.support import wait_until

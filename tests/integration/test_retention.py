@@ -11,12 +11,13 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from pspf import Settings, Worker, worker
+from pspf import Settings, Worker
 from pspf.cli import cli
 from pspf.errors import BrokerError, ConfigError, NotFound
 from pspf.keys import partition_for, stream_key
-from pspf.retention import Retention
 from pspf.service import Service
+from pspf.worker import process as worker
+from pspf.worker.retention import Retention
 from tests.conftest import Names
 from tests.integration.failures_support import WorkerThread, summing_app
 from tests.support import wait_until

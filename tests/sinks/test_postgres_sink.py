@@ -18,7 +18,7 @@ from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.keys import dlq_key, partition_for, stream_key
 from pspf.sink_postgres import PostgresSink, mask_dsn
-from pspf.worker import RunSummary
+from pspf.worker.process import RunSummary
 from tests.support import wait_until
 from tests.support.postgres import PostgresServer
 

@@ -35,7 +35,7 @@ from pspf import Producer
 from pspf.broker import Broker
 from pspf.codec import KEY, VALUE
 from pspf.keys import layout_key, partition_for, sink_marker_key, stream_key, topic_key
-from pspf.repartition import Repartition, make_plan
+from pspf.repartition.run import Repartition, make_plan
 from pspf.settings import RedisSettings
 from pspf.spark import PSPFBatchWriter, SinkCommitMessage, SinkOptions, _options
 from tests.conftest import client_for

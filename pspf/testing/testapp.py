@@ -41,14 +41,15 @@ from pspf.errors import ConfigError, LeaseLost, NotFound
 from pspf.failures import DeadLetter, Outcome, policy_from
 from pspf.hooks import Counts, CycleResult, ProcessorHooks
 from pspf.keys import StreamId
+from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
-from pspf.tables import GlobalTables, Lookups
-from pspf.tracing import configured
+from pspf.tables.global_tables import GlobalTables
+from pspf.tables.lookups import Lookups
 from pspf.windows.timers import ms_of
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ The design is in ``docs/concepts/repartitioning.md``. In short: with every app o
 topics stopped, every entry moves to its key's new partition (ids kept, old streams merged by id,
 a ``pspf-moved-from`` header naming the old partition), each app's new groups start at the first
 entry it has not handled, and its state backups are split or merged by key
-(``pspf.repartition_state``), with the old partitions' checkpoints (``__moved``) so that it skips
+(``pspf.repartition.state``), with the old partitions' checkpoints (``__moved``) so that it skips
 the moved entries it handled. Everything is built into staged keys beside the live ones (same
 slots), then swapped in (``switch``), a step recorded before it starts so a resumed run finishes
 it; before it, the topic is as it was.
@@ -28,11 +28,11 @@ from pspf.broker import Broker, Fields
 from pspf.errors import AppRunning, ConfigError, StateOutOfReach
 from pspf.keys import StreamId
 from pspf.ownership.membership import live_members
-from pspf.repartition_state import GONE, Gone, checkpoints_of, key_of, split, spread
+from pspf.repartition.state import GONE, Gone, checkpoints_of, key_of, split, spread
 from pspf.state_stores.base import field as store_field
 from pspf.state_stores.base import split_field
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.repartition")
 
 #: Suffix of the staged copy of a key, in the key's own slot.
 STAGED = ":next"

@@ -29,7 +29,7 @@ from pspf import keys
 from pspf.broker import Broker
 from pspf.errors import BrokerError, ConfigError, NotFound, UnderWay
 from pspf.ownership.operation_lease import Renewal
-from pspf.repartition import STAGED, Plan, make_plan, plan_key, recorded, unseal
+from pspf.repartition.run import STAGED, Plan, make_plan, plan_key, recorded, unseal
 
 
 def runner_key(topic: str) -> str:

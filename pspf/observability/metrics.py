@@ -38,7 +38,7 @@ from pspf.failures import DeadLetter, Failure
 from pspf.hooks import ProcessorHooks
 from pspf.outbox.rows import OutboxRow, RowState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.metrics")
 #: What a worker says of its own episodes (``MemoryEpisode``) is logged under the worker's name.
 _worker_log = logging.getLogger("pspf.worker")
 

@@ -5,7 +5,7 @@ released so a standby takes over at once, and ``run`` returns. A second signal e
 which loses nothing: nothing uncommitted was ever acknowledged.
 
 With a metrics port in the settings, ``run`` also serves Prometheus metrics and a health check
-(``pspf.metrics``) while it runs.
+(``pspf.observability.metrics``) while it runs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pspf import keys, retention, state_stores
+from pspf import keys, state_stores
 from pspf.app import App
 from pspf.broker import Broker
 from pspf.cycle.processor import BatchProcessor
@@ -45,7 +45,7 @@ from pspf.errors import (
 )
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
-from pspf.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
+from pspf.observability.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
 from pspf.ownership.leases import LeaseKeeper, Lost, say_gone, say_waiting
 from pspf.ownership.membership import Membership
 from pspf.ownership.owning import (
@@ -57,14 +57,16 @@ from pspf.ownership.owning import (
     check_partition_count,
 )
 from pspf.ownership.standby import Standby
-from pspf.repartition import settled_counts
+from pspf.repartition.run import settled_counts
 from pspf.settings import Settings
-from pspf.tables import GlobalTables, check_table_partitions
+from pspf.tables.global_tables import GlobalTables
+from pspf.tables.lookups import check_table_partitions
+from pspf.worker import retention
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.worker")
 
 
 _RECONNECT_MIN_S = 0.1

@@ -17,7 +17,7 @@ import msgspec
 from pspf import codec
 from pspf.errors import DecodeError
 from pspf.outbox.emit import SOURCE_ID_HEADER, SOURCE_TOPIC_HEADER
-from pspf.retention import PartitionTrim, Retention
+from pspf.worker.retention import PartitionTrim, Retention
 
 if TYPE_CHECKING:
     from pspf.broker import GroupInfo as BrokerGroup

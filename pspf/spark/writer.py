@@ -1,7 +1,7 @@
-"""A Spark 4 Python data source, ``format("pspf")``, that writes DataFrames into PSPF topics.
+"""The writing side of ``format("pspf")``: DataFrames into PSPF topics, each row one entry.
 
-It reads them too (topics, an app's state and tables, batch and streaming): ``pspf.spark_source``.
-The connection options (``broker``) are parsed here, by ``broker_url``, for both.
+The reading side is in the rooms beside this one (``pspf.spark``); the connection options
+(``broker``) are parsed by ``pspf.spark.connection``, for both.
 
 Each row becomes one entry in PSPF's wire format (the ``key`` column as the key, the other columns,
 or a chosen ``value`` column or ``columns`` list, as the JSON value), in the partition PSPF's
@@ -48,7 +48,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,56 +57,20 @@ from pspf import keys
 from pspf.broker import Broker
 from pspf.codec import KEY, VALUE
 from pspf.errors import ConfigError
-from pspf.settings import RedisSettings, check_broker_url, mask_url
+from pspf.settings import RedisSettings, mask_url
+from pspf.spark.connection import CONNECTION_OPTIONS, SPARK_OPTIONS, broker_url, connected
 
 try:
     import pyarrow as pa
-    from pyspark.sql import SparkSession
-    from pyspark.sql.datasource import (
-        DataSource,
-        DataSourceArrowWriter,
-        DataSourceReader,
-        DataSourceStreamArrowWriter,
-        DataSourceStreamReader,
-        WriterCommitMessage,
-    )
+    from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
     from pyspark.sql.types import ArrayType, BinaryType, DataType, MapType, StringType, StructType
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the Spark sink needs pyspark 4.1+ and pyarrow: pip install 'pspf[spark]'") from exc
 
-NAME = "pspf"
 _CHUNK_ROWS = 2_000
 _DEFAULT_MARKER_TTL_S = 7 * 24 * 3600
 #: as the ``Producer``'s ``repartition_wait_s``
 _DEFAULT_REPARTITION_WAIT_S = 60.0
-
-
-def register(spark: SparkSession) -> None:
-    """Make ``format("pspf")`` available in this Spark session."""
-    spark.dataSource.register(PSPFDataSource)
-
-
-#: The options every read and write takes: where the broker is.
-CONNECTION_OPTIONS = frozenset({"broker"})
-#: Options Spark itself passes (``load(path)``, ``save(path)``, a stream's checkpoint).
-SPARK_OPTIONS = frozenset({"path", "checkpointlocation"})
-
-
-def broker_url(options: dict[str, str]) -> str:
-    """The broker URL of the ``broker`` option (any topology; TLS files as URL options), checked."""
-    url = options.get("broker", RedisSettings().url)
-    check_broker_url(url)
-    return url
-
-
-@contextmanager
-def connected(url: str) -> Iterator[Broker]:
-    """A broker of ``url`` for the duration of a block (on the driver or in a task)."""
-    broker = Broker(RedisSettings(url=url))
-    try:
-        yield broker
-    finally:
-        broker.close()
 
 
 @dataclass(frozen=True)
@@ -130,7 +93,7 @@ class SinkOptions:
     repartition_wait_s: float = _DEFAULT_REPARTITION_WAIT_S
 
 
-def _options(options: dict[str, str], schema: StructType) -> SinkOptions:
+def sink_options(options: dict[str, str], schema: StructType) -> SinkOptions:
     """Check the options against the schema and the broker, on the driver."""
     known = CONNECTION_OPTIONS | {
         "topic",
@@ -197,35 +160,6 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"repartition_wait_s must be a positive number of seconds, not {text!r}")
     return seconds
-
-
-class PSPFDataSource(DataSource):
-    """``format("pspf")``: writes rows into topics; reads topics, state and tables (batch and streaming)."""
-
-    @classmethod
-    def name(cls) -> str:
-        return NAME
-
-    def schema(self) -> StructType:
-        from pspf import spark_source
-
-        return spark_source.source_schema(dict(self.options))
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        from pspf import spark_source
-
-        return spark_source.batch_reader(dict(self.options), schema)
-
-    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        from pspf import spark_source
-
-        return spark_source.stream_reader(dict(self.options), schema)
-
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
-        return PSPFBatchWriter(_options(dict(self.options), schema), schema)
-
-    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamArrowWriter:
-        return PSPFStreamWriter(_options(dict(self.options), schema), schema)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from pspf.errors import (
 )
 from pspf.keys import StreamId, check_name
 from pspf.settings import mask_url
-from pspf.sink import RowsRefused, Sink, SinkPartition, SinkRecord, SinkRefused, Updates
+from pspf.sink.base import RowsRefused, Sink, SinkPartition, SinkRecord, SinkRefused, Updates
 
 try:
     import psycopg
@@ -50,7 +50,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the PostgreSQL sink needs psycopg 3: pip install 'pspf[postgres]'") from exc
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.sink_postgres")
 
 Mode = Literal["rows", "upsert"]
 

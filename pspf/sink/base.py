@@ -41,7 +41,7 @@ from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore
 from pspf.worker.process import RunSummary, Worker
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pspf.sink")
 
 #: (namespace, key) -> value, None deleting: what the processor commits besides the records
 Updates = Mapping[tuple[str, str], bytes | None]

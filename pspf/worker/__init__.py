@@ -2,8 +2,10 @@
 
 ``pspf run module:attr`` and ``Worker(app, settings).run()`` start one. The rooms:
 
-- ``process``: the ``Worker``: its loop (lease rounds, cycles, reconnects), its signals and its
-  ``RunSummary``;
+- ``process``: the ``Worker``: its start checks, its loop (a lease round, then cycles; reconnects),
+  its signals and its ``RunSummary``;
+- ``lease_round``: the round every third of the lease TTL that takes, keeps and gives up the
+  worker's partitions (``worker.lease_round.step()``, a public step tests call too);
 - ``retention``: trimming a topic's streams without removing an entry anyone still needs (the
   worker trims its own partitions; ``pspf topic trim`` uses it too).
 
@@ -13,7 +15,8 @@ The leases, membership and standby stores it keeps are in ``pspf.ownership``, th
 
 from __future__ import annotations
 
+from pspf.worker.lease_round import LeaseRound
 from pspf.worker.process import RunSummary, Worker, default_consumer_name
 from pspf.worker.retention import PartitionTrim, Retention
 
-__all__ = ["PartitionTrim", "Retention", "RunSummary", "Worker", "default_consumer_name"]
+__all__ = ["LeaseRound", "PartitionTrim", "Retention", "RunSummary", "Worker", "default_consumer_name"]

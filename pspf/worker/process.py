@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
@@ -38,18 +38,15 @@ from pspf.errors import (
     BrokerUnavailable,
     ConfigError,
     GroupMissing,
-    LeaseLost,
     NotFound,
     StateError,
-    StoreLocked,
 )
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
 from pspf.observability.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
-from pspf.ownership.leases import LeaseKeeper, Lost, say_gone, say_waiting
+from pspf.ownership.leases import LeaseKeeper
 from pspf.ownership.membership import Membership
 from pspf.ownership.owning import (
-    Leases,
     PartitionLeases,
     Partitions,
     StoreFactory,
@@ -61,7 +58,7 @@ from pspf.repartition.run import settled_counts
 from pspf.settings import Settings
 from pspf.tables.global_tables import GlobalTables
 from pspf.tables.lookups import check_table_partitions
-from pspf.worker import retention
+from pspf.worker.lease_round import LeaseRound
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
@@ -72,13 +69,8 @@ log = logging.getLogger("pspf.worker")
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
 _IDLE_POLL_S = 0.05
-#: How often a worker applies its topics' retention to the partitions it owns (and reads it again).
-TRIM_EVERY_S = 10.0
 #: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
 _METRICS_REDIS_TIMEOUT_S = 2.0
-#: A lease held by a worker that is no member any more is looked at again this soon, then twice as
-#: late each time: it runs out with that membership or moments after (one set by hand, never).
-_GONE_HOLDER_LOOK_S = 0.01
 
 
 class RunSummary(Counts, kw_only=True):
@@ -167,22 +159,22 @@ class Worker:
         )
         #: Follows the partitions this worker does not own (``--standby``).
         self.standby = self._standby(socket_timeout_s)
-        self._held: dict[int, Leases] = {}
+        #: Takes, keeps and gives up partitions, every third of the lease TTL (``step``).
+        self.lease_round = LeaseRound(
+            app,
+            settings,
+            self.broker,
+            self.leases,
+            self.membership,
+            self.keeper,
+            self.partitions,
+            self.processor,
+            self.standby,
+            self.metrics,
+        )
         self._partitions = 0
         self._stopping = threading.Event()
-        self._next_idle_claim = 0.0
-        self._next_trim = 0.0
-        #: when (monotonic) the last lease round started
-        self._round_at = 0.0
-        #: when (monotonic) to look again at the leases of partitions this worker should own
-        #: that a worker which is no member any more holds; None when there are none
-        self._look_again_at: float | None = None
-        self._look_again_s = _GONE_HOLDER_LOOK_S
-        #: Set by a lost connection: the next lease round checks the owned streams again.
-        self._recheck_streams = False
         self._memory_episode = MemoryEpisode(self.metrics)
-        #: the server's maxmemory-policy cannot be read (said once)
-        self._policy_unchecked = False
         self._signals = 0
 
     def _standby(self, socket_timeout_s: float) -> Standby | None:
@@ -278,8 +270,7 @@ class Worker:
         info = self.broker.check_server()
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
-        # check_server warned already when CONFIG cannot be read
-        self._policy_unchecked = not self.broker.check_eviction()
+        eviction_checked = self.broker.check_eviction()
         counts = settled_counts(self.broker, self.app.topics)
         check_table_partitions(self.app.name, list(self.app.tables), counts)
         if len(set(counts.values())) > 1:
@@ -288,6 +279,7 @@ class Worker:
                 f"(their keys share one state per partition): {counts}"
             )
         self._partitions = next(iter(counts.values()))
+        self.lease_round.started(self._partitions, eviction_checked)
         for aggregation in self.app.windows.values():
             try:
                 self.broker.topic_partitions(aggregation.emit_to)
@@ -344,19 +336,6 @@ class Worker:
                 f"({Path(state.dir) / self.app.name})"
             )
 
-    def _check_topics(self) -> None:
-        """Stop when a topic's record vanished or its partition count changed under the worker."""
-        for topic in self.app.topics:
-            try:
-                count = self.broker.topic_partitions(topic)
-            except NotFound:
-                raise BrokerDataLost(
-                    f"topic {topic!r} vanished from the server under a running worker of app "
-                    f"{self.app.name!r}: Redis lost its data (a restart without persistence, a flush, "
-                    "eviction) or it was deleted. Nothing more is acknowledged"
-                ) from None
-            check_partition_count(self.app.name, self.app.topics, self._partitions, count, "this worker")
-
     def _check_state_dir(self) -> None:
         if self._store_factory != self._open_store:
             return
@@ -376,8 +355,8 @@ class Worker:
             self.keeper.beat()
             try:
                 if time.monotonic() >= next_lease_round:
-                    self._lease_round()
-                    next_lease_round = self._next_round_at()
+                    self.lease_round.step()
+                    next_lease_round = self.lease_round.next_at()
                 # "Nothing left to read" needs only a look, not a blocking read; a blocking read
                 # ends by the next lease round, so that round is neither late nor missed.
                 until_round_ms = math.ceil((next_lease_round - time.monotonic()) * 1000)
@@ -389,10 +368,10 @@ class Worker:
                 failures = 0
             except GroupMissing as exc:
                 with suppress(BrokerUnavailable):  # an evicting server stops us: no group made again
-                    self._check_policy()
+                    self.lease_round.check_policy()
                 log.error("%s: giving the partitions up to take them again", exc)
-                for partition in list(self._held):
-                    self._drop(partition, release=True)
+                for partition in list(self.lease_round.held):
+                    self.lease_round.drop(partition, release=True)
                 next_lease_round = 0.0
                 continue
             except BrokerUnavailable as exc:
@@ -402,10 +381,10 @@ class Worker:
                 continue
             summary.cycles += 1
             summary.add(result)
-            self._vanished(result.lost_partitions, look=True)
+            self.lease_round.vanished(result.lost_partitions, look=True)
             for partition in result.lost_partitions:
                 # releasing is a no-op for a lease that moved on, and frees one whose backup went back
-                self._drop(partition, release=True)
+                self.lease_round.drop(partition, release=True)
             if finished:
                 return
             if until_idle and result.read == 0:
@@ -431,7 +410,7 @@ class Worker:
             if self.metrics is not None:
                 self.metrics.broker_lost(True)
             log.warning("%s unavailable, retrying in %.1fs: %s", exc.what, delay, exc)
-            self._recheck_streams = True
+            self.lease_round.connection_lost()
         self.keeper.beat(delay)
         self._stopping.wait(delay)
 
@@ -441,149 +420,15 @@ class Worker:
             self.standby.close()
         with suppress(BrokerError):
             self.membership.leave()  # first: the others take the partitions as soon as they are free
-        for partition in list(self._held):
+        for partition in list(self.lease_round.held):
             try:
-                self._drop(partition, release=True)
+                self.lease_round.drop(partition, release=True)
             except BrokerUnavailable as exc:
                 log.warning("could not release leases, they expire by themselves: %s", exc)
         self.processor.close()
         self.broker.close()
 
     # -- ownership ------------------------------------------------------------------------------
-
-    def _lease_round(self) -> None:
-        """Give up lost partitions (``LeaseKeeper`` renews), take free ones, claim idle entries.
-
-        Also checks the server's eviction policy (every round, so after a reconnect too), that the
-        owned stores are still in place (a worker with nothing to commit notices a deleted state
-        dir too) and, after a lost connection, the owned streams.
-        """
-        self._round_at = time.monotonic()
-        self._check_policy()  # first: after a reconnect too, before anything is written
-        for owned in self.processor.owned.values():
-            owned.store.check_in_place()
-        self._drop_lost(self.keeper.take_lost())
-        if self._recheck_streams:
-            self._recheck_after_reconnect()
-            self._recheck_streams = False
-        behind = self.membership.count_global_lag(self.processor.lookups)  # sent with the heartbeat
-        if behind is not None and self.metrics is not None:
-            self.metrics.global_tables_lag(behind)
-        members = self.membership.heartbeat()
-        target = self.membership.target(self._partitions)
-        say_waiting(self.membership, self.leases, self._partitions)
-        if self.metrics is not None:
-            self.metrics.members_seen(len(members), self.membership.changed)
-        for partition in [p for p in self._held if p not in target]:
-            # Between two cycles: what it processed is committed and acknowledged.
-            log.info("partition moves to another worker app=%s partition=%s", self.app.name, partition)
-            self._drop(partition, release=True)
-        if time.monotonic() >= self._next_idle_claim:
-            min_idle_ms = self.settings.consumer.min_idle_ms
-            self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
-            forget_ms = int(self.settings.consumer.forget_consumers_after_s * 1000)
-            for owned in self.processor.owned.values():
-                self.partitions.claim_idle(owned, min_idle_ms)
-                if forget_ms and self.partitions.forget_due(owned.partition):
-                    self.partitions.forget_consumers(owned, forget_ms)
-        self._take_free(target)
-        self.processor.apply_outbox_replays()
-        if time.monotonic() >= self._next_trim:
-            self._next_trim = time.monotonic() + TRIM_EVERY_S
-            self._check_topics()
-            self._trim_owned()
-        if self.standby is not None:
-            self.standby.keep({p for p in range(self._partitions) if p not in self._held})
-
-    def _recheck_after_reconnect(self) -> None:
-        """Check the owned partitions before anything is read again after a lost connection."""
-        # The lease first: one that expired meanwhile moved on (Redis lost nothing). Else Redis
-        # may be back with less than it had (a restart without its data, a fail-over to a
-        # replica behind): a partition whose backup went back is taken again, which rebuilds its
-        # store from the backup: then the store matches the streams the server holds now.
-        for partition, owned in list(self.processor.owned.items()):
-            cursors = list(owned.streams.values())
-            values = self.broker.lease_values([c.lease_key for c in cursors])
-            if any(v != c.lease_value for v, c in zip(values, cursors, strict=True)):
-                say_gone(self.leases, partition, "expired while Redis was unreachable")
-                self._drop(partition, release=False)
-            elif owned.backup is not None and owned.backup.went_back():
-                log.warning(
-                    "the state backup of partition %s went back (the server lost writes): "
-                    "taking the partition again to restore its store from the backup",
-                    partition,
-                )
-                self._drop(partition, release=True)
-        for cursor in self.processor.cursors():
-            self.partitions.check_stream(cursor.stream, cursor.checkpoint)
-
-    def _trim_owned(self) -> None:
-        """Apply the retention of the app's topics to the partitions this worker owns."""
-        for topic in self.app.topics:
-            kept = retention.stored(self.broker, topic)
-            if not kept.active or not self._held:
-                continue
-            done = retention.trim(
-                self.broker, retention.plan(self.broker, topic, sorted(self._held), kept, False)
-            )
-            removed = sum(p.removable for p in done)
-            if removed:
-                log.info(
-                    "retention trimmed %s entries of topic %s partitions=%s",
-                    removed,
-                    topic,
-                    sorted(self._held),
-                )
-
-    def _take_free(self, target: set[int]) -> None:
-        """Take the partitions of ``target`` whose leases are free (or ours without our knowing it).
-
-        A lease whose holder is no member any more (dead, or stalled past its TTL) runs out
-        with that membership or moments after (``LeaseKeeper.renew``): it is looked at again soon
-        (``_next_round_at``), not a round later.
-        """
-        found = self.leases.takeable(sorted(target - set(self._held)))
-        if found.holders - {m.id for m in self.membership.members}:
-            self._look_again_at = time.monotonic() + self._look_again_s
-            self._look_again_s = min(2 * self._look_again_s, self.settings.consumer.lease_ttl_ms / 3000)
-        else:
-            self._look_again_at, self._look_again_s = None, _GONE_HOLDER_LOOK_S
-        for partition in found.free:
-            asked = time.monotonic()
-            leases = self.leases.acquire(partition)
-            if leases is None:
-                continue
-            self.keeper.hold(partition, leases, asked)  # renewed during a long restore too
-            try:
-                if self.standby is not None:
-                    self.standby.release(partition)
-                self._take(partition, leases)
-            except StoreLocked as exc:
-                log.info("partition %s: store still in use, retrying later: %s", partition, exc)
-                self.keeper.forget(partition)
-                self.leases.release(partition, leases)
-            except LeaseLost as exc:
-                log.warning("partition %s: %s while taking it, giving it up: %s", partition, exc.what, exc)
-                self.keeper.forget(partition)
-            except BaseException:
-                # The worker stops: give the partition up now, not when the lease expires.
-                self.keeper.forget(partition)
-                with suppress(BrokerError):
-                    self.leases.release(partition, leases)
-                raise
-
-    def _next_round_at(self) -> float:
-        """When (monotonic) the next lease round is due.
-
-        A third of the TTL after the last renewal, or sooner when a partition this worker should
-        own may become free: another member's membership runs out (a dead worker's partitions
-        then move to the live ones), or a lease whose holder is gone is looked at again.
-        """
-        due = [self._round_at + self.settings.consumer.lease_ttl_ms / 3000]
-        for sooner in (self._look_again_at, self.membership.first_expiry_at()):
-            if sooner is not None:
-                due.append(sooner)
-        return min(due)
 
     def _others_drained(self) -> bool:
         """True when no partition this worker does not own has entries left for the app.
@@ -594,75 +439,9 @@ class Worker:
         return not any(
             self.broker.has_backlog(keys.stream_key(topic, partition), self.app.name)
             for partition in range(self._partitions)
-            if partition not in self._held
+            if partition not in self.lease_round.held
             for topic in self.app.topics
         )
-
-    def _take(self, partition: int, leases: Leases) -> None:
-        self.processor.add(
-            self.partitions.take(partition, leases, self._partitions, self._keep_alive(partition, leases))
-        )
-        self._held[partition] = leases
-        if self.metrics is not None:
-            self.metrics.partition_taken(partition)
-
-    def _keep_alive(self, partition: int, leases: Leases) -> Callable[[], None]:
-        """Keeps the leases renewed during a long takeover restore (the loop is alive).
-
-        Raises LeaseLost when the new partition's lease is gone: the takeover stops there.
-        """
-
-        def renew() -> None:
-            self.keeper.beat()
-            if self.keeper.lost(partition, leases):
-                raise LeaseLost(f"the lease of partition {partition} expired while it was being taken")
-
-        return renew
-
-    def _drop_lost(self, lost: list[Lost]) -> None:
-        """Give up the held partitions whose lease the keeper found gone, saying what happened."""
-        for gone in lost:
-            if self._held.get(gone.partition) != gone.leases:
-                continue  # given up meanwhile
-            if not self._vanished([gone.partition]):
-                say_gone(self.leases, gone.partition, gone.why)
-            self._drop(gone.partition, release=False)
-
-    def _vanished(self, partitions: list[int], look: bool = False) -> list[int]:
-        """Say loudly when held leases are gone before their TTL could run out since their renewal.
-
-        Such a lease did not expire (a stalled worker's does, and that stays a warning): its key
-        was evicted or deleted under the running worker. An evicting server stops the worker here.
-        With ``look`` the leases are read first (``LeaseKeeper.vanished``). Returns those partitions.
-        """
-        recent = self.keeper.vanished({p: self._held[p] for p in partitions if p in self._held}, look)
-        if not recent:
-            return recent
-        self._check_policy()
-        log.error(
-            "PSPF keys vanished under the running worker (evicted or deleted): the leases of partitions "
-            "%s were gone before their TTL of %.1fs ran out since their last renewal; taking them again",
-            recent,
-            self.settings.consumer.lease_ttl_ms / 1000,
-        )
-        return recent
-
-    def _check_policy(self) -> None:
-        """Stop (EvictingPolicy, exit 3) on a server that may evict keys; warn once where unchecked."""
-        if not self.broker.check_eviction() and not self._policy_unchecked:
-            self._policy_unchecked = True
-            log.warning("weaker guarantee: cannot read the server's maxmemory-policy; eviction is unchecked")
-
-    def _drop(self, partition: int, release: bool) -> None:
-        leases = self._held.pop(partition, None)
-        self.keeper.forget(partition)
-        if self.metrics is not None:
-            self.metrics.partition_released(partition)
-        if partition in self.processor.owned:
-            self.processor.remove(partition).store.close()
-        if release and leases:
-            self.leases.release(partition, leases)
-        log.info("partition released app=%s partition=%s", self.app.name, partition)
 
     def _global_tables(self) -> GlobalTables | None:
         """The app's global tables in this worker's own store (in memory with a store factory of a test's)."""

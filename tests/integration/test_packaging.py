@@ -59,6 +59,23 @@ def test_the_wheel_installs_everything_under_the_pspf_namespace(wheel: Path) -> 
     assert "pspf = pspf.cli:cli" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
+def test_the_wheel_holds_every_module_of_the_checkout(wheel: Path) -> None:
+    """Each package (wing) must be listed in pyproject.toml: a missing one would be left out."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    where = {"pspf": ROOT / "pspf", "pspf/cli": ROOT / "cli", "pspf/admin_api": ROOT / "admin_api"}
+    where["pspf/state_stores"] = ROOT / "state_stores"
+    modules = set()
+    for prefix, folder in where.items():
+        for path in folder.rglob("*.py"):
+            relative = path.relative_to(folder)
+            if prefix == "pspf" and relative.parts[0] in ("cli", "admin_api", "state_stores"):
+                continue  # the symbolic links of a checkout
+            if "__pycache__" not in relative.parts:
+                modules.add(f"{prefix}/{relative.as_posix()}")
+    assert len(modules) > 100
+    assert sorted(modules - names) == []
+
+
 def test_the_installed_wheel_runs_an_app_from_another_directory(
     wheel: Path,
     tmp_path: Path,

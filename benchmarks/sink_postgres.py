@@ -46,7 +46,7 @@ import redis  # noqa: E402
 from benchmarks.throughput import make_orders, own_redis_server, preload  # noqa: E402
 from pspf import Settings  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
-from pspf.sink.postgres import PostgresSink  # noqa: E402
+from pspf.sink_postgres import PostgresSink  # noqa: E402
 
 BATCH = 1000
 

@@ -19,7 +19,7 @@ from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
 from pspf.service.wording import counted
 from pspf.settings import Settings
-from pspf.worker.process import RunSummary, Worker, default_consumer_name
+from pspf.worker import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -11,7 +11,7 @@ from pspf.failures import DeadLetter
 from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
 from pspf.partition.batch import iter_state
 from pspf.state_stores import open_store
-from pspf.worker.process import RunSummary
+from pspf.worker import RunSummary
 
 Fields = dict[bytes, bytes]
 #: Entries of a topic by (partition, id): ids repeat across partitions.

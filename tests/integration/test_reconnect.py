@@ -20,7 +20,7 @@ from pspf.errors import BrokerError, BrokerUnavailable, NotFound
 from pspf.keys import StreamId, backup_meta_key, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store
-from pspf.worker.process import RunSummary
+from pspf.worker import RunSummary
 from tests.conftest import Names, RedisServer
 from tests.integration.failures_support import WorkerThread, read_state, summing_app
 from tests.support import wait_until

@@ -17,8 +17,8 @@ from pspf import Settings
 from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.keys import dlq_key, partition_for, stream_key
-from pspf.sink.postgres import PostgresSink, mask_dsn
-from pspf.worker.process import RunSummary
+from pspf.sink_postgres import PostgresSink, mask_dsn
+from pspf.worker import RunSummary
 from tests.support import wait_until
 from tests.support.postgres import PostgresServer
 

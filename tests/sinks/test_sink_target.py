@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from pspf import Settings, keys
 from pspf.cli import cli
 from pspf.errors import SinkTargetChanged
-from pspf.sink.postgres import Mode, PostgresSink
+from pspf.sink_postgres import Mode, PostgresSink
 from tests.sinks.test_postgres_sink import add
 from tests.support import wait_until
 from tests.support.postgres import PostgresServer

@@ -17,7 +17,8 @@ parsers re-exported here, never the families:
 - ``tables``: a row of an app's table or global table;
 - ``outbox``: an app's outbox rows: list, show, replay.
 
-The records they return live in ``pspf.service.records``.
+The records they return live in ``records`` (one shape for the CLI's JSON and the admin API's
+bodies), and ``wording`` words the counts in their messages (``1 entry``, ``3 entries``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,16 @@ def test_the_spark_path_registers_the_data_source_by_its_module() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "pspf"
+
+
+def test_every_package_of_the_checkout_is_listed_for_the_wheel() -> None:
+    """A package missing from pyproject.toml's list goes into the wheel only as data, with a warning."""
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for init in (root / "pspf").rglob("__init__.py"):
+        parts = init.parent.relative_to(root).parts
+        if "__pycache__" not in parts:
+            found.add(".".join(parts))
+    assert len(found) > 15
+    assert sorted(found - listed) == []

@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,7 +39,6 @@ from pspf import codec
 from pspf.broker import Broker
 from pspf.errors import NotFound
 from pspf.keys import partition_for, stream_key
-from pspf.outbox import relay
 from pspf.outbox.emit import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
@@ -454,7 +454,7 @@ class Emitting:
         self.events = tmp_path / "events.jsonl"
         # A server new to the publishing script runs no call of a step until its replies are read
         # (NOSCRIPT, sent again then): the counts of calls in flight at a kill assume it is loaded.
-        client.script_load((Path(relay.__file__).parent / "lua" / "publish.lua").read_text())
+        client.script_load(resources.files("pspf").joinpath("lua/publish.lua").read_text())
 
     def run(
         self,

@@ -458,7 +458,7 @@ def run_warm(
 
 def read_state(state_dir: Path, app: str, partitions: int, engine: str) -> dict[str, Any]:
     """Every key's (total, count) over every partition's store in the state dir, and their sums."""
-    from pspf.batch import iter_state
+    from pspf.partition.batch import iter_state
     from pspf.state_stores import open_store
 
     per_key: dict[str, list[int]] = {}

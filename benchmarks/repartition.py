@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 from benchmarks.throughput import max_rss_mb, own_redis_server  # noqa: E402
 from pspf import App, Context, Producer, Settings, Worker  # noqa: E402
 from pspf.broker import Broker  # noqa: E402
-from pspf.repartition import Repartition, dry_run, make_plan  # noqa: E402
+from pspf.repartition.run import Repartition, dry_run, make_plan  # noqa: E402
 from pspf.service import Service  # noqa: E402
 
 

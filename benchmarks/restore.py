@@ -19,7 +19,7 @@ The backup (``keys.backup_key`` and ``keys.backup_meta_key`` of partition 0) is 
 invocation, in one of two ways (``--fill``):
 
 - ``direct`` (the default, and the fastest honest way): the hash is written with pipelined HSETs
-  in the format the worker's acknowledging call writes: field ``pspf.backup.field("state", key)``,
+  in the format the worker's acknowledging call writes: field ``pspf.partition.backup.field("state", key)``,
   value the msgpack encoding of the key's state (``codec.state_encoder``), here
   ``{"amount": N, "note": "<key and hex digits>"}`` made ``--value-bytes`` long, plus the
   ``__consumers`` entry of the worker that wrote it; the meta hash gets a batch identity
@@ -71,9 +71,9 @@ import redis.utils  # noqa: E402
 from throughput import cleanup, max_rss_mb, own_redis_server  # noqa: E402
 
 from pspf import App, Context, Producer, Settings, Worker, codec, keys  # noqa: E402
-from pspf.backup import CHUNK, PartitionBackup, field  # noqa: E402
 from pspf.broker import Broker  # noqa: E402
 from pspf.keys import BACKUP_IDENTITY, CONSUMERS_NAMESPACE, STATE_NAMESPACE, StreamId  # noqa: E402
+from pspf.partition.backup import CHUNK, PartitionBackup, field  # noqa: E402
 from pspf.service import Service  # noqa: E402
 from pspf.settings import mask_url  # noqa: E402
 

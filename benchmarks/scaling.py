@@ -324,7 +324,7 @@ def watch(
 
 def read_state(state_dir: Path, app: str, engine: str) -> dict[str, int]:
     """Keys, sum of totals and of counts over every partition's store in the state dir."""
-    from pspf.batch import iter_state
+    from pspf.partition.batch import iter_state
     from pspf.state_stores import open_store
 
     keys = total = count = 0

@@ -18,7 +18,7 @@ Each run writes the same rows into a fresh 4-partition topic: ``id, user, amount
 - ``plain``: one Python process, from rows already in memory as tuples: a msgspec JSON encode of the
   value, the CRC32 partition, and XADD into the partition's stream, pipelined 2,000 entries at a
   time, with redis-py and hiredis;
-- ``in-process``: the sink's own task code (``pspf.spark._write_task``) called in this process on
+- ``in-process``: the sink's own task code (``pspf.spark.writer._write_task``) called in this process on
   the collected Arrow batches, without Spark: what the sink's Python costs per row on one core.
 
 The variants take turns in each of ``--runs`` rounds, and every run's entry count is checked.
@@ -154,14 +154,14 @@ def in_process(url: str, topic: str, batches: list[Any], schema: Any, profile: s
 
     With ``profile``, the run is profiled (and slowed down) and its cProfile stats saved there.
     """
-    import pspf.spark
+    import pspf.spark.writer
 
-    options = pspf.spark._options({"broker": url, "topic": topic, "key": "user"}, schema)
+    options = pspf.spark.writer.sink_options({"broker": url, "topic": topic, "key": "user"}, schema)
     profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    pspf.spark._write_task(options, schema, iter(batches), None)
+    pspf.spark.writer._write_task(options, schema, iter(batches), None)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile)

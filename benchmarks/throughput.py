@@ -277,7 +277,7 @@ def pspf_child(args: argparse.Namespace) -> None:
         profiler.dump_stats(args.profile)
     rss_peak = max_rss_mb()
 
-    from pspf.batch import iter_state
+    from pspf.partition.batch import iter_state
     from pspf.state_stores import open_store
 
     keys = total = count = 0

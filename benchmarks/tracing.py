@@ -14,7 +14,7 @@ stream), then runs, in this order, each variant's worker in a child process of i
 ``Worker.run(until_idle=True)``, SQLite, state backup on) and the strong redis-py loop of
 ``benchmarks/throughput.py`` over the plain stream:
 
-- ``off``: this checkout, the API installed, no SDK: ``pspf.tracing.configured`` finds the
+- ``off``: this checkout, the API installed, no SDK: ``pspf.observability.tracing.configured`` finds the
   API's proxy provider and the cycle does no tracing work;
 - ``baseline`` (with ``--baseline DIR``): the checkout in DIR (e.g. a worktree of the main
   branch, without tracing) runs the same child, so "off costs nothing" is measured, not assumed;
@@ -106,17 +106,16 @@ def hot_path_child(args: argparse.Namespace) -> None:
         sdk_exporter()
     from benchmarks.throughput import make_orders, order_totals_app
     from pspf import Settings, keys
-    from pspf.attempts import Attempts
-    from pspf.batch import PartitionBatch
-    from pspf.delivery import Read
-    from pspf.emit import Emitter
+    from pspf.cycle.attempts import Attempts
     from pspf.failures import policy_from
-    from pspf.partition import OwnedPartition, StreamCursor
-    from pspf.partition_outbox import PartitionOutbox
+    from pspf.outbox.emit import Emitter
+    from pspf.outbox.partition_outbox import PartitionOutbox
+    from pspf.partition.batch import PartitionBatch
+    from pspf.partition.owned import OwnedPartition, Read, StreamCursor
     from pspf.state_stores.memory import MemoryStore
 
     try:
-        from pspf.tracing import configured
+        from pspf.observability.tracing import configured
 
         traced = (configured("bench"),)
     except ImportError:  # a checkout without tracing

@@ -10,7 +10,7 @@ import msgspec
 from pspf.cli.commands import state
 from pspf.cli.main import CliState, broker_option, service_for, state_dir_option, store_option
 from pspf.cli.render import json_option, print_json
-from pspf.wording import counted
+from pspf.service.wording import counted
 
 
 @state.command(

@@ -24,9 +24,9 @@ from pspf.cli.main import (
     store_option,
 )
 from pspf.cli.render import first_line, json_option, json_text, print_fields, print_json, print_table
-from pspf.retention import Retention
 from pspf.service import TopicEntry, parse_duration_ms, parse_read_start
-from pspf.wording import counted
+from pspf.service.wording import counted
+from pspf.worker.retention import Retention
 
 # -- topics ---------------------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ from pspf.cli.supervisor import Supervisor
 from pspf.cli.targets import load_app
 from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
+from pspf.service.wording import counted
 from pspf.settings import Settings
-from pspf.wording import counted
 from pspf.worker import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])

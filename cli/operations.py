@@ -28,7 +28,7 @@ from pspf.cli.main import (
 from pspf.cli.render import age_text, json_option, print_fields, print_json, print_table
 from pspf.errors import ConfigError
 from pspf.service import AppLag, ReplayResult, parse_position
-from pspf.wording import counted
+from pspf.service.wording import counted
 
 if TYPE_CHECKING:
     import uvicorn

@@ -7,8 +7,8 @@ import click
 from pspf.cli.commands import topic
 from pspf.cli.main import CliState, broker_option, confirm, service_for
 from pspf.cli.render import json_option, print_json
-from pspf.records import RepartitionResult
-from pspf.wording import counted
+from pspf.service.records import RepartitionResult
+from pspf.service.wording import counted
 
 
 @topic.command(

@@ -9,7 +9,7 @@ import click
 
 from pspf.cli.commands import state
 from pspf.cli.main import CliState, broker_option, service_for, state_dir_option, store_option
-from pspf.wording import counted
+from pspf.service.wording import counted
 
 
 @state.command(

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pspf.hooks import ProcessorHooks
     from pspf.producer import Producer
     from pspf.settings import Settings
-    from pspf.worker import Worker
+    from pspf.worker.process import Worker
 
 __version__ = "0.1.0"
 

@@ -24,9 +24,11 @@ from pspf.context import Context, TimerContext
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
-from pspf.tables import Table
-from pspf.timers import Timer, check_callback, ms_of
-from pspf.windows import Aggregation, LatePolicy, TimestampFunc, WindowSpec
+from pspf.tables.table import Table
+from pspf.windows.aggregation import Aggregation
+from pspf.windows.functions import TimestampFunc
+from pspf.windows.kinds import LatePolicy, WindowSpec
+from pspf.windows.timers import Timer, check_callback, ms_of
 
 if TYPE_CHECKING:
     from pspf.hooks import ProcessorHooks

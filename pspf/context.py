@@ -9,12 +9,12 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.errors import ConfigError
-from pspf.timers import ScheduledCall, at_ms
+from pspf.windows.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
-    from pspf.emit import Emitted, Emitter
-    from pspf.timers import PartitionTimers
+    from pspf.outbox.emit import Emitted, Emitter
+    from pspf.windows.timers import PartitionTimers
 
 
 class StateSource(Protocol):
@@ -25,7 +25,7 @@ class StateSource(Protocol):
 
     @property
     def windows(self) -> Any:
-        """The partition's open windows, a ``pspf.windows.PartitionWindows``.
+        """The partition's open windows, a ``pspf.windows.aggregation.PartitionWindows``.
 
         Typed by name only: that module's window aggregations take a ``Context``, so this module
         cannot import it; only their handler uses this, and it names the type where it does.
@@ -63,7 +63,7 @@ class Attempt:
     base: bytes | None
     #: the entries ``emit`` made, in order (None: none)
     emitted: list[Emitted] | None
-    #: what the entry changes in its topic's windows: a list of ``pspf.windows.Change``, one per
+    #: what the entry changes in its topic's windows: a list of ``pspf.windows.aggregation.Change``, one per
     #: window, None for a topic without windows (typed by name only, as ``StateSource.windows`` is)
     windowed: Any
     schedules: list[ScheduledCall] | None

@@ -16,7 +16,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from pspf.failures import DeadLetter, Failure
-    from pspf.outbox import OutboxRow, RowState
+    from pspf.outbox.rows import OutboxRow, RowState
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ BACKUP_MARKED = "marked"
 #: Meta field, and store key under ``BACKUP_NAMESPACE``: the partition count the state was built
 #: for (a key's partition depends on it).
 BACKUP_PARTITIONS = "partitions"
-#: Meta field: the adoption record (``pspf.adoption``) of a backup that `pspf state adopt`
+#: Meta field: the adoption record (``pspf.partition.adoption``) of a backup that `pspf state adopt`
 #: uploaded; store key under ``BACKUP_NAMESPACE``: the adoption a store follows.
 BACKUP_ADOPTED = "adopted"
 #: Entries a redrive for the app replaced with a copy later in the stream, by "topic/id" (value:
@@ -56,7 +56,7 @@ SUPERSEDED_NAMESPACE = "__superseded"
 #: Outbox rows (``ctx.emit``): a batch's rows as one page under its first row's zero-padded id
 #: (``outbox.row_key``), written once; the status records of rows off the common path, by row id;
 #: the counters ("next"), a watermark per target partition and a done mark per page published
-#: whole (see ``pspf.outbox``).
+#: whole (see ``pspf.outbox.rows``).
 OUTBOX_NAMESPACE = "__outbox"
 OUTBOX_STATE_NAMESPACE = "__outbox_state"
 OUTBOX_META_NAMESPACE = "__outbox_meta"
@@ -71,18 +71,18 @@ STREAM_TIME = "stream"
 #: In ``TIME_NAMESPACE``: "timer/NAME", the start of the last period an ``@app.timer`` ran in.
 TIMER_PREFIX = "timer/"
 #: Callbacks handlers scheduled (``ctx.schedule``), by "name/key"; when each key's state expires
-#: (``state_ttl``), by key (see ``pspf.timers``).
+#: (``state_ttl``), by key (see ``pspf.windows.timers``).
 SCHEDULES_NAMESPACE = "__schedules"
 EXPIRY_NAMESPACE = "__expiry"
 #: After a repartition, until the app passes the moved entries: the old partitions' checkpoints,
-#: by "topic/old partition", and the last moved entry, by "topic/until" (see ``pspf.repartition``).
+#: by "topic/old partition", and the last moved entry, by "topic/until" (see ``pspf.repartition.run``).
 MOVED_NAMESPACE = "__moved"
 #: Rows of the app's co-partitioned tables (``App.table``), by "table/key" (``table_key``).
 TABLES_NAMESPACE = "__tables"
 #: Rows of the app's tables that updates replaced after an entry that waits parked, by
-#: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables``).
+#: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables.table``).
 TABLE_HISTORY_NAMESPACE = "__table_history"
-#: Rows of the app's global tables in a worker's own store (``pspf.tables.GlobalTables``).
+#: Rows of the app's global tables in a worker's own store (``pspf.tables.table.GlobalTables``).
 GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
 STORE_NAMESPACES = (

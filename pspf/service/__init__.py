@@ -17,12 +17,17 @@ parsers re-exported here, never the families:
 - ``tables``: a row of an app's table or global table;
 - ``outbox``: an app's outbox rows: list, show, replay.
 
-The records they return live in ``pspf.records``.
+The records they return live in ``records`` (one shape for the CLI's JSON and the admin API's
+bodies), and ``wording`` words the counts in their messages (``1 entry``, ``3 entries``).
 """
 
 from __future__ import annotations
 
-from pspf.records import (
+from pspf.service.apps import Apps
+from pspf.service.base import ServiceBase, parse_duration_ms
+from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
+from pspf.service.outbox import OutboxRows, parse_row_id
+from pspf.service.records import (
     AdoptResult,
     AppLag,
     AppMember,
@@ -50,10 +55,6 @@ from pspf.records import (
     TopicRemoval,
     TopicTrim,
 )
-from pspf.service.apps import Apps
-from pspf.service.base import ServiceBase, parse_duration_ms
-from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
-from pspf.service.outbox import OutboxRows, parse_row_id
 from pspf.service.repartition import Repartitioning
 from pspf.service.replay import Replaying, parse_position
 from pspf.service.retire import Retiring

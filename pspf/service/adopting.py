@@ -2,7 +2,7 @@
 
 Adopting a store (``Adopter.adopt``) stamps it with a new adoption id, uploads it as the
 partition's backup under the partition's lease, writes the adoption record into the backup's
-meta (``pspf.adoption``) and only then moves the consumer groups to the store's checkpoints, so
+meta (``pspf.partition.adoption``) and only then moves the consumer groups to the store's checkpoints, so
 no worker reads from the new position before the backup holds the state it belongs to. Each step
 can be run again: an adopt cut short is finished by the next one on the same machine.
 
@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pspf import keys
-from pspf.adoption import Adoption, adoption_of, compare, shown, stamp_of
-from pspf.backup import PartitionBackup, meta_checkpoints
 from pspf.broker import Broker
 from pspf.errors import AppRunning, LaterStore, LeaseLost
 from pspf.keys import BACKUP_ADOPTED, BACKUP_IDENTITY, BACKUP_NAMESPACE, StreamId
+from pspf.partition.adoption import Adoption, adoption_of, compare, shown, stamp_of
+from pspf.partition.backup import PartitionBackup, meta_checkpoints
 from pspf.settings import Settings
 from pspf.state_stores import StateStore, open_store
 from pspf.state_stores.memory import MemoryStore

@@ -12,10 +12,10 @@ import time
 from pspf import keys
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound, StateError
 from pspf.keys import StreamId
-from pspf.membership import live_members
-from pspf.records import AppLag, AppMember, PartitionLag, text_or_none
+from pspf.ownership.membership import live_members
 from pspf.service.base import ServiceBase
 from pspf.service.dead_letters import DeadLetterCounts
+from pspf.service.records import AppLag, AppMember, PartitionLag, text_or_none
 from pspf.state_stores import open_store, stored_partitions
 
 

@@ -16,10 +16,10 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 
 from pspf import codec, keys
-from pspf.backup import field
 from pspf.broker import Broker
 from pspf.errors import AppRunning, NotFound, ParameterError
 from pspf.keys import BACKUP_IDENTITY, StreamId
+from pspf.partition.backup import field
 from pspf.settings import Settings
 from pspf.state_stores import open_store
 

@@ -16,8 +16,8 @@ from pspf.broker import Broker
 from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError
 from pspf.failures import DeadLetter
 from pspf.keys import ORIGINAL_ID_HEADER, REDRIVE_APP_HEADER, REDRIVE_COUNT_HEADER, StreamId
-from pspf.records import DeadLetterDetail, DeadLetterInfo, DlqChange
 from pspf.service.base import ServiceBase, stream_entries
+from pspf.service.records import DeadLetterDetail, DeadLetterInfo, DlqChange
 
 
 class DeadLetters(ServiceBase):

@@ -24,7 +24,7 @@ import msgspec
 from pspf import codec, keys
 from pspf.errors import ConfigError, StateValueError
 from pspf.keys import StreamId
-from pspf.records import ExportCheckpoints, ExportValue
+from pspf.service.records import ExportCheckpoints, ExportValue
 
 #: The namespaces of the app's state: what an export writes without ``--all``.
 APP_STATE = frozenset(

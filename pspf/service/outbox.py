@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 
 from pspf import keys
 from pspf.errors import ConfigError, NotFound, ParameterError
-from pspf.outbox import OutboxRow, RowState, rows_in_backup, rows_in_store
-from pspf.records import OutboxReplay, OutboxRowDetail, OutboxRowInfo
+from pspf.outbox.rows import OutboxRow, RowState, rows_in_backup, rows_in_store
 from pspf.service.base import ServiceBase, json_any
+from pspf.service.records import OutboxReplay, OutboxRowDetail, OutboxRowInfo
 from pspf.state_stores import open_store, stored_partitions
 
 

@@ -1,6 +1,6 @@
-"""Repartitioning a topic (``pspf.repartition``): planned, run, resumed or aborted, or shown as a dry run.
+"""Repartitioning a topic (``pspf.repartition.run``): planned, run, resumed or aborted, or shown as a dry run.
 
-A run claims its topics before it reads anything (``pspf.repartition_claim``): a second command
+A run claims its topics before it reads anything (``pspf.repartition.claim``): a second command
 is refused while the first runs, and an interrupted one is taken up by ``--resume`` or undone by
 ``--abort``.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 
-from pspf import repartition, repartition_claim
 from pspf.errors import BrokerOutOfMemory, ConfigError, NotFound, ParameterError
-from pspf.records import RepartitionResult
+from pspf.repartition import claim as repartition_claim
+from pspf.repartition import run as repartition
 from pspf.service.outbox import OutboxRows
+from pspf.service.records import RepartitionResult
 
 _NOTHING = repartition.Summary({}, {}, 0)
 

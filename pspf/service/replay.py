@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pspf import codec, keys
-from pspf.backup import field
 from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError, StateOutOfReach
 from pspf.keys import (
     BACKUP_IDENTITY,
@@ -35,9 +34,10 @@ from pspf.keys import (
     WINDOWS_NAMESPACE,
     StreamId,
 )
-from pspf.operation_lease import one_at_a_time
-from pspf.records import AppReset, ReplayResult
+from pspf.ownership.operation_lease import one_at_a_time
+from pspf.partition.backup import field
 from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
+from pspf.service.records import AppReset, ReplayResult
 from pspf.state_stores import StateStore, open_store, stored_partitions
 
 #: what a run leaves in a partition besides the state: redone by the entries handled again

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pspf import keys
 from pspf.errors import AppRunning
-from pspf.membership import live_members
-from pspf.operation_lease import one_at_a_time
-from pspf.records import AppRemoval, TopicRemoval
+from pspf.ownership.membership import live_members
+from pspf.ownership.operation_lease import one_at_a_time
 from pspf.service.base import ServiceBase
+from pspf.service.records import AppRemoval, TopicRemoval
 
 
 class Retiring(ServiceBase):

@@ -15,15 +15,15 @@ from typing import Any
 import msgspec
 
 from pspf import codec, keys
-from pspf.backup import field, snapshot, split_field
 from pspf.errors import ConfigError, NotFound, ParameterError
 from pspf.keys import STATE_NAMESPACE, StreamId
-from pspf.ownership import check_partition_count
-from pspf.records import AdoptResult, ExportCheckpoints, ImportResult, OpenWindow
+from pspf.ownership.owning import check_partition_count
+from pspf.partition.backup import field, snapshot, split_field
 from pspf.service.adopting import Adopter
 from pspf.service.base import ServiceBase
 from pspf.service.exporting import export_lines, kept_bookkeeping, parse_export_line
-from pspf.service.exporting import shown_state as shown_state  # pspf.spark_source reads it here
+from pspf.service.exporting import shown_state as shown_state  # pspf.spark reads it here
+from pspf.service.records import AdoptResult, ExportCheckpoints, ImportResult, OpenWindow
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 
 

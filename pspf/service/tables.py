@@ -19,7 +19,7 @@ import msgspec
 from pspf import keys
 from pspf.errors import NotFound, StateValueError
 from pspf.keys import StreamId
-from pspf.membership import live_members
+from pspf.ownership.membership import live_members
 from pspf.service.base import ServiceBase
 from pspf.state_stores import open_globals_readonly, stored_globals
 

@@ -15,8 +15,8 @@ from pspf import keys
 from pspf.broker import RawEntry
 from pspf.errors import ConfigError, ParameterError
 from pspf.keys import StreamId
-from pspf.records import TopicEntry
 from pspf.service.base import ServiceBase, parse_time_ms
+from pspf.service.records import TopicEntry
 
 #: Partition -> the id after which following goes on (None: from the stream's start).
 Positions = dict[int, StreamId | None]

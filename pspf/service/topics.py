@@ -12,13 +12,14 @@ from collections.abc import Iterable
 
 import msgspec
 
-from pspf import keys, retention
+from pspf import keys
 from pspf.errors import ConfigError, ParameterError
 from pspf.producer import Producer
-from pspf.records import Health, PartitionInfo, TopicDescription, TopicInfo, TopicTrim
-from pspf.retention import Retention
 from pspf.service.base import ServiceBase, json_any
-from pspf.wording import counted
+from pspf.service.records import Health, PartitionInfo, TopicDescription, TopicInfo, TopicTrim
+from pspf.service.wording import counted
+from pspf.worker import retention
+from pspf.worker.retention import Retention
 
 
 class Topics(ServiceBase):

@@ -13,11 +13,11 @@ import pytest
 import redis
 
 from pspf import Settings, keys
-from pspf.backup import CHUNK, PartitionBackup, Restored, split_field
 from pspf.broker import Broker
 from pspf.codec import StateDecoder
 from pspf.errors import CheckpointRegression, StateError, StoreLocked
 from pspf.keys import BACKUP_IDENTITY, BACKUP_NAMESPACE, STORE_NAMESPACES, StreamId
+from pspf.partition.backup import CHUNK, PartitionBackup, Restored, split_field
 from pspf.state_stores import MemoryStore, StateStore, TxStatus, open_store
 from pspf.state_stores.base import Journal
 from tests.conftest import Names

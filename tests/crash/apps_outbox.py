@@ -29,7 +29,7 @@ Configured by environment variables, read when a factory is called:
     every row it claimed is in the target, none is marked PUBLISHED;
   - ``sent-first:N``: SIGKILL in ``on_outbox_sent`` of the first publishing call of the N-th step
     that needs several calls (to several target partitions, or more rows than
-    ``pspf.relay.PUBLISH_CHUNK`` to one): mid-settle, one call's reply read, the others' not
+    ``pspf.outbox.relay.PUBLISH_CHUNK`` to one): mid-settle, one call's reply read, the others' not
     (``unread`` rows);
   - ``stop-claimed:N``: no crash: in ``on_outbox_claimed`` of the N-th step the process stops
     itself with SIGSTOP (the marker is written first) and publishes its claimed rows when the
@@ -51,7 +51,7 @@ import msgspec
 
 from pspf import App, Context
 from pspf.hooks import ProcessorHooks
-from pspf.outbox import OutboxRow
+from pspf.outbox.rows import OutboxRow
 
 CRASH_POINTS = ("claimed", "sent-last", "sent-first", "stop-claimed", "stop-settled")
 

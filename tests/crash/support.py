@@ -17,7 +17,6 @@ from typing import Any, cast
 import redis
 
 from pspf import codec
-from pspf.batch import iter_state
 from pspf.errors import NotFound, StateError
 from pspf.keys import (
     BACKUP_IDENTITY,
@@ -30,6 +29,7 @@ from pspf.keys import (
     lease_key,
     stream_key,
 )
+from pspf.partition.batch import iter_state
 from pspf.state_stores import open_store
 from tests.conftest import pspf_command
 

@@ -13,9 +13,10 @@ import msgspec
 import pytest
 import redis
 
-from pspf import Settings, backup, keys
-from pspf.backup import LogGap, LogReader, locate
+from pspf import Settings, keys
 from pspf.broker import AckRequest, BackupUpdate, Broker
+from pspf.partition import backup
+from pspf.partition.backup import LogGap, LogReader, locate
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.conftest import Spawner

@@ -28,25 +28,26 @@ import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import redis
 
-from pspf import codec, relay
+from pspf import codec
 from pspf.broker import Broker
-from pspf.emit import (
+from pspf.errors import NotFound
+from pspf.keys import partition_for, stream_key
+from pspf.outbox.emit import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
     SOURCE_PARTITION_HEADER,
     SOURCE_TOPIC_HEADER,
 )
-from pspf.errors import NotFound
-from pspf.keys import partition_for, stream_key
-from pspf.outbox import RowState
-from pspf.relay import PUBLISH_CHUNK
-from pspf.repartition import Repartition, make_plan
+from pspf.outbox.relay import PUBLISH_CHUNK
+from pspf.outbox.rows import RowState
+from pspf.repartition.run import Repartition, make_plan
 from pspf.service import OutboxRowInfo, Service
 from pspf.settings import Settings
 from tests.conftest import Names, pspf_command, subprocess_env
@@ -453,7 +454,7 @@ class Emitting:
         self.events = tmp_path / "events.jsonl"
         # A server new to the publishing script runs no call of a step until its replies are read
         # (NOSCRIPT, sent again then): the counts of calls in flight at a kill assume it is loaded.
-        client.script_load((Path(relay.__file__).parent / "lua" / "publish.lua").read_text())
+        client.script_load(resources.files("pspf").joinpath("lua/publish.lua").read_text())
 
     def run(
         self,

@@ -17,7 +17,7 @@ import redis
 from pspf import Settings
 from pspf.broker import Broker
 from pspf.keys import partition_for, stream_key
-from pspf.repartition import Repartition, make_plan
+from pspf.repartition.run import Repartition, make_plan
 from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import backup_state, expected_state, held_by, no_leases, order_records

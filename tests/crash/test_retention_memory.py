@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pspf import App, Context, Producer, Settings, worker
+from pspf import App, Context, Producer, Settings
 from pspf.broker import BACKUP_LOG_LENGTH
 from pspf.keys import backup_log_key, stream_key
-from pspf.retention import Retention
 from pspf.service import Service
+from pspf.worker import lease_round
+from pspf.worker.retention import Retention
 from tests.conftest import RedisServer, standalone_only
 from tests.integration.failures_support import WorkerThread
 from tests.support import wait_until
@@ -32,7 +33,7 @@ MAX_LEN = 20_000
 def test_a_million_entries_through_a_worker_with_retention_keep_memory_flat(
     own_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker, "TRIM_EVERY_S", 0.5)
+    monkeypatch.setattr(lease_round, "TRIM_EVERY_S", 0.5)
     settings = Settings.load(
         {"PSPF_BROKER": own_server.url, "PSPF_STATE_DIR": str(tmp_path / "state"), "PSPF_BLOCK_MS": 100},
         environ={},

@@ -50,7 +50,7 @@ import pytest
 import redis
 
 from pspf.keys import WINDOWS_NAMESPACE, StreamId, backup_key, partition_for, stream_key
-from pspf.outbox import RowState
+from pspf.outbox.rows import RowState
 from pspf.state_stores import open_store
 from tests.conftest import Names
 from tests.crash.conftest import Spawner

@@ -3,7 +3,7 @@
 Every worker has a consumer name and a state dir of its own, as on separate machines. A thread
 samples the lease keys every ~20 ms for the whole test, so a test sees every change of owner (and
 every stretch without one) a partition went through, not only where it ended up; another thread
-produces entries throughout. The contract under test is ``pspf.membership``'s: an even spread in
+produces entries throughout. The contract under test is ``pspf.ownership.membership``'s: an even spread in
 join order, a join moves exactly the newcomer's share and nothing else, a member counts only after
 the join delay (so one that comes and goes at once moves nothing), a dead worker's partitions move
 after its lease TTL, and an ex-owner that comes back neither acknowledges nor touches the backup.
@@ -30,7 +30,7 @@ import redis
 from pspf import Producer, Settings
 from pspf.broker import Broker
 from pspf.keys import lease_key, stream_key
-from pspf.membership import JOIN_DELAY, assign, live_members
+from pspf.ownership.membership import JOIN_DELAY, assign, live_members
 from tests.conftest import Names
 from tests.crash.conftest import Spawner
 from tests.crash.support import (

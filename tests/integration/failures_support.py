@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from pspf import App, Context, Settings, Worker
-from pspf.batch import iter_state
 from pspf.failures import DeadLetter
 from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
+from pspf.partition.batch import iter_state
 from pspf.state_stores import open_store
 from pspf.worker import RunSummary
 

@@ -22,9 +22,9 @@ from pspf.broker import Broker
 from pspf.cli import cli
 from pspf.embedded import LocalCluster
 from pspf.errors import AuthenticationFailed, BrokerError
-from pspf.retention import Retention
 from pspf.service import Service
 from pspf.settings import RedisSettings, mask_url
+from pspf.worker.retention import Retention
 from tests.conftest import ROOT, Names, RedisServer, server_binary_under_test
 from tests.integration.failures_support import summing_app
 

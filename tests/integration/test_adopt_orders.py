@@ -19,8 +19,8 @@ import pytest
 from pspf import Settings
 from pspf.errors import PSPFError
 from pspf.keys import backup_keys, lease_key, stream_key
-from pspf.records import AdoptResult
 from pspf.service import Service
+from pspf.service.records import AdoptResult
 from pspf.state_stores import stored_partitions
 from tests.conftest import Names, RedisServer, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, read_state, summing_app

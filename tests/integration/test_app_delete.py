@@ -13,8 +13,8 @@ from click.testing import CliRunner, Result
 from pspf import Settings, Worker
 from pspf.cli import cli
 from pspf.keys import stream_key
-from pspf.retention import Retention
 from pspf.service import Service
+from pspf.worker.retention import Retention
 from tests.conftest import Names
 from tests.integration.failures_support import WorkerThread, summing_app
 from tests.support import wait_until

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from pspf import App, Producer, Settings, Worker
-from pspf.batch import iter_state
 from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import backup_keys, stream_key, topic_key
+from pspf.partition.batch import iter_state
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
 from tests.conftest import Names, RedisServer, pspf_command, subprocess_env

@@ -17,15 +17,15 @@ import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker, PublishCall
-from pspf.emit import (
+from pspf.errors import BrokerError
+from pspf.keys import producers_key, stream_key
+from pspf.outbox.emit import (
     SOURCE_APP_HEADER,
     SOURCE_ID_HEADER,
     SOURCE_PARTITION_HEADER,
     SOURCE_TOPIC_HEADER,
 )
-from pspf.errors import BrokerError
-from pspf.keys import producers_key, stream_key
-from pspf.outbox import RowState, rows_in_store
+from pspf.outbox.rows import RowState, rows_in_store
 from pspf.service import Service
 from pspf.state_stores import open_store
 from tests.conftest import Names, pspf_command, subprocess_env

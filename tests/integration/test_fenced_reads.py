@@ -34,7 +34,7 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
 
     zombie = Worker(app, make_settings(PSPF_CONSUMER="zombie", PSPF_STATE_DIR=str(tmp_path / "a")))
     zombie._start()
-    zombie._lease_round()
+    zombie.lease_round.step()
     assert 0 in zombie.processor.owned
 
     # The zombie stalls past its lease TTL; its lease and membership expire and another worker
@@ -44,7 +44,7 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
     settings_b = make_settings(PSPF_CONSUMER="owner", PSPF_STATE_DIR=str(tmp_path / "b"))
     owner = Worker(app, settings_b)
     owner._start()
-    owner._lease_round()
+    owner.lease_round.step()
     assert 0 in owner.processor.owned
 
     result = zombie.processor.run_once(block=False)
@@ -140,7 +140,7 @@ def test_the_next_batch_is_read_ahead_while_the_handlers_run(
     settings = make_settings(PSPF_BATCH_SIZE=10)
     worker = Worker(app, settings)
     worker._start()
-    worker._lease_round()
+    worker.lease_round.step()
     try:
         if worker.broker.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
@@ -222,13 +222,13 @@ def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newe
     settings = make_settings(PSPF_BATCH_SIZE=10)
     worker = Worker(app, settings)
     worker._start()
-    worker._lease_round()
+    worker.lease_round.step()
     try:
         if worker.broker.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
         assert sorted(worker.processor.owned) == [0, 1]
         assert worker.processor.run_once(block=False).read == 20
-        worker._drop(1, release=True)
+        worker.lease_round.drop(1, release=True)
         reads = [worker.processor.run_once(block=False).read for _ in range(5)]
     finally:
         worker._shutdown()

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from pspf import App, Context, Settings, Worker, backup
+from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
+from pspf.partition import backup
 from pspf.service import Service
 from tests.conftest import Names
 

@@ -43,14 +43,14 @@ def test_members_their_partitions_and_the_rebalance_metrics(
         return found
 
     first = worker("first")
-    first._lease_round()
+    first.lease_round.step()
     assert sorted(first.processor.owned) == [0, 1, 2, 3]
     second = worker("second")
-    second._lease_round()
+    second.lease_round.step()
     assert not second.processor.owned  # it counts once it has been a member for a lease round
     time.sleep(0.35)
-    first._lease_round()  # releases the newcomer's share
-    second._lease_round()  # and the newcomer takes it
+    first.lease_round.step()  # releases the newcomer's share
+    second.lease_round.step()  # and the newcomer takes it
     assert len(first.processor.owned) == 2
     assert len(second.processor.owned) == 2 and not set(first.processor.owned) & set(second.processor.owned)
     try:

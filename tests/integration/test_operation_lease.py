@@ -12,7 +12,7 @@ import redis
 from pspf import Settings, Worker
 from pspf.broker import Broker
 from pspf.keys import app_key
-from pspf.operation_lease import exclusive, operation_key
+from pspf.ownership.operation_lease import exclusive, operation_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import summing_app

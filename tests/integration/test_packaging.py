@@ -69,8 +69,12 @@ def test_the_installed_wheel_runs_an_app_from_another_directory(
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    # Nothing of the checkout on the path: the app runs on what the wheel installed. (With the
+    # checkout on PYTHONPATH, pip would take the pspf.egg-info the wheel's build left there for an
+    # installed pspf and install nothing.)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSPF_", "PYTHON"))}
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True
+        [str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True, env=env
     )
     assert install.returncode == 0, install.stderr
 
@@ -79,8 +83,6 @@ def test_the_installed_wheel_runs_an_app_from_another_directory(
     project = tmp_path / "elsewhere"
     project.mkdir()
     (project / "shop.py").write_text(APP.format(topic=topic))
-    # Nothing of the checkout on the path: the app runs on what the wheel installed.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSPF_", "PYTHON"))}
     env.update(PSPF_BROKER=redis_url, PSPF_STATE_DIR=str(tmp_path / "state"), PSPF_BLOCK_MS="100")
 
     where = subprocess.run(

@@ -18,7 +18,7 @@ from pspf.broker import Broker
 from pspf.codec import KEY
 from pspf.errors import AppRunning, BrokerError, ConfigError, NotFound, StateError
 from pspf.keys import layout_key, lease_key, partition_for, stream_key, topic_key
-from pspf.repartition import Repartition, make_plan, plan_key
+from pspf.repartition.run import Repartition, make_plan, plan_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread, summing_app

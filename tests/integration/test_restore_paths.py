@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from pspf import Settings, keys
-from pspf.backup import field, restore
 from pspf.broker import Broker, acknowledging
 from pspf.errors import BrokerError
 from pspf.keys import BACKUP_IDENTITY, BACKUP_MARK, BACKUP_NAMESPACE, STATE_NAMESPACE, StreamId
+from pspf.partition.backup import field, restore
 from pspf.state_stores import MemoryStore, open_store
 from tests.conftest import Names, standalone_only
 

@@ -11,12 +11,13 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from pspf import Settings, Worker, worker
+from pspf import Settings, Worker
 from pspf.cli import cli
 from pspf.errors import BrokerError, ConfigError, NotFound
 from pspf.keys import partition_for, stream_key
-from pspf.retention import Retention
 from pspf.service import Service
+from pspf.worker import lease_round
+from pspf.worker.retention import Retention
 from tests.conftest import Names
 from tests.integration.failures_support import WorkerThread, summing_app
 from tests.support import wait_until
@@ -138,7 +139,7 @@ def test_a_running_worker_applies_the_topics_retention_to_its_partitions(
     rclient: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(worker, "TRIM_EVERY_S", 0.0)
+    monkeypatch.setattr(lease_round, "TRIM_EVERY_S", 0.0)
     topic = make_topic(2)
     service.set_retention(topic, Retention(max_len=50))
     app = names.app()
@@ -212,7 +213,7 @@ def test_a_quiet_partition_trimmed_empty_by_retention_stops_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An emptied stream keeps its last generated id: its reads are empty, not gone back."""
-    monkeypatch.setattr(worker, "TRIM_EVERY_S", 0.0)
+    monkeypatch.setattr(lease_round, "TRIM_EVERY_S", 0.0)
     topic, app = make_topic(2), names.app()
     quiet, busy = key_on(0, 2), key_on(1, 2)
     service.set_retention(topic, Retention(max_age_ms=300))

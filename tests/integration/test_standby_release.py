@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pspf import standby
 from pspf.broker import Broker
+from pspf.ownership import standby
+from pspf.ownership.standby import Standby
 from pspf.settings import Settings
-from pspf.standby import Standby
 from pspf.state_stores import MemoryStore, StateStore
 from tests.support import wait_until
 

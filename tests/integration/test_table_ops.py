@@ -17,11 +17,12 @@ import redis
 from click.testing import CliRunner, Result
 from litestar.testing import TestClient
 
-from pspf import App, Context, Settings, Worker, membership
+from pspf import App, Context, Settings, Worker
 from pspf.admin_api import create_app
 from pspf.cli import cli
 from pspf.errors import NotFound
 from pspf.keys import GLOBAL_TABLES_NAMESPACE, StreamId, partition_for, stream_key, table_key
+from pspf.ownership import membership
 from pspf.service import Service
 from pspf.state_stores import open_globals_store
 from tests.conftest import Names

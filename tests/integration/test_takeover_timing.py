@@ -19,7 +19,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
 from pspf.hooks import CycleResult
 from pspf.keys import lease_key, members_key
-from pspf.ownership import PartitionLeases
+from pspf.ownership.owning import PartitionLeases
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def server_ms(client: redis.Redis) -> int:
 
 
 def regular_round(worker: Worker) -> float:
-    return worker._round_at + TTL_MS / 3000
+    return worker.lease_round.round_at + TTL_MS / 3000
 
 
 def test_a_dead_members_partitions_are_looked_at_when_its_membership_runs_out(
@@ -71,7 +71,7 @@ def test_a_dead_members_partitions_are_looked_at_when_its_membership_runs_out(
     topic = make_topic(1)
     dead, standby = make_worker(topic, "owner"), make_worker(topic, "standby")
     dead._start()
-    dead._lease_round()
+    dead.lease_round.step()
     assert list(dead.processor.owned) == [0]
     standby._start()
     # The owner died a little less than a TTL ago: its membership has 400 ms left, its lease a
@@ -80,18 +80,18 @@ def test_a_dead_members_partitions_are_looked_at_when_its_membership_runs_out(
     rclient.zadd(members_key(dead.app.name), {dead.membership.member: expiry_ms}, xx=True)
     rclient.pexpire(lease_key(topic, 0, dead.app.name), 390)
 
-    standby._lease_round()
+    standby.lease_round.step()
     assert not standby.processor.owned  # the owner is still a member: the partition is its own
     before_look = time.monotonic()
     left_s = (expiry_ms - server_ms(rclient)) / 1000
-    due = standby._next_round_at()
+    due = standby.lease_round.next_at()
 
     assert due < regular_round(standby)
     # At the expiry as seen from here: not before it (10 ms: the servers' ms are floored and a
     # cluster's nodes each keep their time), and not much later (the round trips of the look).
     assert before_look + left_s - 0.01 <= due <= before_look + left_s + 0.25
     time.sleep(max(0.0, due - time.monotonic()))
-    standby._lease_round()
+    standby.lease_round.step()
     assert list(standby.processor.owned) == [0]  # gone then, its lease free: taken at once
 
 
@@ -108,13 +108,13 @@ def test_a_lease_whose_holder_is_no_member_is_looked_at_again_until_it_runs_out(
     rounds = 0
     while not worker.processor.owned:
         assert rounds < 10, "the lease ran out long ago: it would have been taken"
-        worker._lease_round()
+        worker.lease_round.step()
         rounds += 1
         if not worker.processor.owned:
-            assert worker._next_round_at() < regular_round(worker)
-            time.sleep(max(0.0, worker._next_round_at() - time.monotonic()))
+            assert worker.lease_round.next_at() < regular_round(worker)
+            time.sleep(max(0.0, worker.lease_round.next_at() - time.monotonic()))
     assert rounds > 1  # the first look found it held
-    assert worker._look_again_at is None  # nothing is held by a gone worker any more
+    assert worker.lease_round.look_again_at is None  # nothing is held by a gone worker any more
 
 
 def test_looks_at_a_lease_that_never_runs_out_space_out_to_the_lease_round(
@@ -127,9 +127,9 @@ def test_looks_at_a_lease_that_never_runs_out_space_out_to_the_lease_round(
 
     gaps = []
     for _ in range(9):
-        worker._lease_round()
-        assert worker._look_again_at is not None
-        gaps.append(round(worker._look_again_at - time.monotonic(), 2))
+        worker.lease_round.step()
+        assert worker.lease_round.look_again_at is not None
+        gaps.append(round(worker.lease_round.look_again_at - time.monotonic(), 2))
 
     assert not worker.processor.owned
     assert gaps[:4] == pytest.approx([0.01, 0.02, 0.04, 0.08], abs=0.006)
@@ -142,17 +142,17 @@ def test_a_live_members_lease_and_membership_set_no_earlier_round(
     topic = make_topic(2)
     first, second = make_worker(topic, "first"), make_worker(topic, "second")
     first._start()
-    first._lease_round()
+    first.lease_round.step()
     second._start()
-    second._lease_round()
-    assert second._next_round_at() == regular_round(second)  # first renews long before it expires
+    second.lease_round.step()
+    assert second.lease_round.next_at() == regular_round(second)  # first renews long before it expires
     time.sleep(TTL_MS / 3000 + 0.05)  # second counts now: one partition moves to it
 
-    second._lease_round()
+    second.lease_round.step()
     # The partition is second's to take, but first, alive, holds it until its next round hands
     # it over: nothing to look at before second's own next round.
-    assert not second.processor.owned and second._look_again_at is None
-    assert second._next_round_at() == regular_round(second)
+    assert not second.processor.owned and second.lease_round.look_again_at is None
+    assert second.lease_round.next_at() == regular_round(second)
 
 
 def test_a_worker_renews_its_leases_before_its_membership(
@@ -160,12 +160,12 @@ def test_a_worker_renews_its_leases_before_its_membership(
 ) -> None:
     """So when its membership runs out, so have they: a dead worker's partitions are free then.
 
-    The lease keeper renews both, on its own connection (``pspf.leases``).
+    The lease keeper renews both, on its own connection (``pspf.ownership.leases``).
     """
     topic = make_topic(2)
     worker = make_worker(topic, "owner")
     worker._start()
-    worker._lease_round()
+    worker.lease_round.step()
     assert sorted(worker.processor.owned) == [0, 1]
     calls: list[str] = []
 

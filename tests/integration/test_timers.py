@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from pspf import App, Context, Settings, Worker
-from pspf.backup import field
 from pspf.codec import entry_fields
 from pspf.context import TimerContext
 from pspf.errors import NotFound
 from pspf.keys import STATE_NAMESPACE, backup_keys, stream_key
+from pspf.partition.backup import field
 from pspf.service import Service
 from pspf.state_stores import open_store
 from tests.conftest import Names

@@ -18,8 +18,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pspf import App, Context, NonRetryableError, Producer, Settings, Worker, codec, processor, tracing
+from pspf import App, Context, NonRetryableError, Producer, Settings, Worker, codec
+from pspf.cycle import processor
 from pspf.keys import stream_key
+from pspf.observability import tracing
 from pspf.service import Service
 from tests.conftest import pspf_command, subprocess_env
 

@@ -21,10 +21,10 @@ import redis
 from click.testing import CliRunner, Result
 
 from pspf import Settings, Worker
-from pspf.backup import field, split_field
 from pspf.cli import cli
 from pspf.hooks import ProcessorHooks
 from pspf.keys import WINDOWS_NAMESPACE, backup_key, dlq_key, stream_key
+from pspf.partition.backup import field, split_field
 from pspf.service import Service
 from pspf.state_stores import open_store
 from tests.conftest import Names

@@ -35,9 +35,10 @@ from pspf import Producer
 from pspf.broker import Broker
 from pspf.codec import KEY, VALUE
 from pspf.keys import layout_key, partition_for, sink_marker_key, stream_key, topic_key
-from pspf.repartition import Repartition, make_plan
+from pspf.repartition.run import Repartition, make_plan
 from pspf.settings import RedisSettings
-from pspf.spark import PSPFBatchWriter, SinkCommitMessage, SinkOptions, _options
+from pspf.spark import PSPFBatchWriter, SinkCommitMessage, SinkOptions
+from pspf.spark.writer import sink_options
 from tests.conftest import client_for
 from tests.spark.conftest import TopicReader, arrow_batch_rows
 
@@ -168,7 +169,7 @@ def test_a_task_routed_in_the_old_layout_routes_its_refused_chunks_again(
     """The driver read 8 partitions; the topic has 3 when the task writes."""
     topic = make_topic(8)
     options = {"broker": redis_url, "topic": topic, "key": "user", "idempotency_key": "stale"}
-    stale = _options(options, SCHEMA)
+    stale = sink_options(options, SCHEMA)
     assert (stale.partitions, stale.layout) == (8, "0")
     repartition(redis_url, topic, 3)
 
@@ -190,7 +191,7 @@ def test_a_switch_between_a_chunks_partitions_loses_nothing_and_doubles_nothing(
     in partitions 0-2 of both layouts: entries routed again under them would be skipped."""
     topic = make_topic(8)
     options = {"broker": redis_url, "topic": topic, "key": "user", "idempotency_key": "half"}
-    stale = _options({**options, "repartition_wait_s": "60"}, SCHEMA)
+    stale = sink_options({**options, "repartition_wait_s": "60"}, SCHEMA)
     seal_by_hand(rclient, topic, range(4, 8))
     outcome: list[SinkCommitMessage | BaseException] = []
 
@@ -227,7 +228,7 @@ def test_a_write_while_a_repartition_runs_fails_after_the_wait_and_writes_nothin
 ) -> None:
     topic = make_topic(4)
     options = {"broker": redis_url, "topic": topic, "key": "user", "repartition_wait_s": "0.5"}
-    before: SinkOptions = _options(options, SCHEMA)  # a driver that read the topic before the seal
+    before: SinkOptions = sink_options(options, SCHEMA)  # a driver that read the topic before the seal
     seal_by_hand(rclient, topic, range(4))
 
     started = time.monotonic()

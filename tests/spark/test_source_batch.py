@@ -29,16 +29,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pspf import App, Context, Settings, Worker
 from pspf.errors import ConfigError, NotFound
 from pspf.keys import MAX_SEQ, StreamId, backup_keys, partition_for, stream_key
-from pspf.membership import live_members
+from pspf.ownership.membership import live_members
 from pspf.service import Service
-from pspf.spark_source import (
-    STATE_SCHEMA,
-    TABLE_SCHEMA,
-    TOPIC_SCHEMA,
-    _state_read,
-    source_schema,
-    split_range,
-)
+from pspf.spark import STATE_SCHEMA, TABLE_SCHEMA, TOPIC_SCHEMA, source_schema
+from pspf.spark.state_read import plan_state_read
+from pspf.spark.topic_batch import split_range
 from tests.conftest import Names
 from tests.support import wait_until
 
@@ -237,7 +232,7 @@ def test_state_read_equals_the_export_and_a_table_read_gives_its_rows(
     for name in backup_keys(orders, 2, app.name):
         rclient.delete(name)  # one key a call: a cluster's client refuses several slots in one
     with pytest.raises(NotFound, match=r"no state backup of partitions \[2\]"):
-        _state_read({"broker": redis_url, "state": app.name}, "state")
+        plan_state_read({"broker": redis_url, "state": app.name}, "state")
 
 
 def test_driver_errors(
@@ -256,9 +251,9 @@ def test_driver_errors(
     with pytest.raises(Exception, match="give start_id or start_time, not both"):
         read(spark, redis_url, topic=make_topic(1), start_id="1-0", start_time="1").count()
     with pytest.raises(NotFound, match="never run"):
-        _state_read({"broker": redis_url, "state": "never-ran"}, "state")
+        plan_state_read({"broker": redis_url, "state": "never-ran"}, "state")
     with pytest.raises(ConfigError, match="needs the app"):
-        _state_read({"broker": redis_url, "table": "t"}, "table")
+        plan_state_read({"broker": redis_url, "table": "t"}, "table")
 
     orders, customers, products = make_topic(2), make_topic(2), make_topic(3)
     app = order_app(names.app(), orders, customers, products)
@@ -273,6 +268,6 @@ def test_driver_errors(
     finally:
         service.close()
     with pytest.raises(NotFound, match="has no table 'nope'"):
-        _state_read({"broker": redis_url, "table": "nope", "app": app.name}, "table")
+        plan_state_read({"broker": redis_url, "table": "nope", "app": app.name}, "table")
     with pytest.raises(ConfigError, match="lives only in each worker's local store"):
-        _state_read({"broker": redis_url, "table": products, "app": app.name}, "table")
+        plan_state_read({"broker": redis_url, "table": products, "app": app.name}, "table")

@@ -29,7 +29,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from pspf.keys import MAX_SEQ, StreamId, partition_for, stream_key
-from pspf.spark_source import Position, StreamState, initial_position, trimmed_after
+from pspf.spark.reading import StreamState
+from pspf.spark.topic_stream import Position, initial_position, trimmed_after
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 

@@ -12,9 +12,9 @@ import msgspec
 
 from pspf.codec import StateDecoder, state_encoder
 from pspf.context import Context
-from pspf.emit import Emitter
-from pspf.execution import UNCHANGED, state_result
-from pspf.timers import PartitionTimers
+from pspf.cycle.execution import UNCHANGED, state_result
+from pspf.outbox.emit import Emitter
+from pspf.windows.timers import PartitionTimers
 
 
 class Source:

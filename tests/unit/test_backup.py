@@ -1,6 +1,6 @@
 """``PartitionBackup`` on the memory store and a fake broker: its bookkeeping and its reconcile.
 
-What the backup owns (``pspf.backup``): every committed transaction goes to the backup with the
+What the backup owns (``pspf.partition.backup``): every committed transaction goes to the backup with the
 next call, under the identity the store stamped it with; a call that may not have run sends its
 writes again, and the backup may then hold either identity; at takeover the store is compared
 with the backup: the same identity is "in sync", one the log leads from "caught up", any other
@@ -22,12 +22,12 @@ from typing import cast
 import msgspec
 import pytest
 
-from pspf import backup as backup_module
 from pspf import keys
-from pspf.backup import PartitionBackup, _current
 from pspf.broker import AckRequest, BackupUpdate, Broker, Fields, log_data
 from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost, StateError
 from pspf.keys import BACKUP_IDENTITY, BACKUP_MARK, BACKUP_NAMESPACE, STATE_NAMESPACE, StreamId
+from pspf.partition import backup as backup_module
+from pspf.partition.backup import PartitionBackup, _current
 from pspf.state_stores import MemoryStore
 
 GROUP, TOPIC = "app", "orders"

@@ -12,16 +12,16 @@ from collections.abc import Sequence
 import pytest
 
 from pspf import keys
-from pspf.batch import Durability, PartitionBatch, StreamOutcome, flush
 from pspf.broker import AckRequest, Fields
 from pspf.codec import StateDecoder
-from pspf.emit import Emitted, Emitter
 from pspf.errors import LeaseLost
 from pspf.failures import DeadLetter, record_failure
 from pspf.hooks import ProcessorHooks
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.emit import Emitted, Emitter
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.state_stores import MemoryStore
 
 TOPIC = "orders"

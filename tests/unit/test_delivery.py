@@ -1,4 +1,4 @@
-"""The read order and the screening of ``pspf.delivery``, on the memory store and a fake broker.
+"""The read order and the screening of ``pspf.cycle.delivery``, on the memory store and a fake broker.
 
 What ``Delivery`` owns: an entry at or below its stream's checkpoint needs no handler (unless a
 foreign consumer took it, or it is a parked entry claimed again when due); one judged dead
@@ -23,12 +23,12 @@ import pytest
 
 from pspf import keys
 from pspf.broker import Broker, Fields, RawEntry
-from pspf.delivery import Delivery, Read, Screened
+from pspf.cycle.delivery import Delivery, Screened
 from pspf.errors import BrokerError
 from pspf.failures import Failure, RetryPolicy
 from pspf.keys import ZERO_ID, StreamId, entry_name
-from pspf.partition import OwnedPartition, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.state_stores import MemoryStore
 
 GROUP, CONSUMER = "app", "c1"

@@ -12,8 +12,8 @@ import zlib
 from typing import Any
 
 from pspf import App, Context, codec
+from pspf.cycle.execution import KNOWN_KEYS_LIMIT, Entry, EntryMeta, run_sync
 from pspf.errors import DecodeError, WrongPartition
-from pspf.execution import KNOWN_KEYS_LIMIT, Entry, EntryMeta, run_sync
 from pspf.failures import PoisonEntry
 
 from .test_attempt import Source

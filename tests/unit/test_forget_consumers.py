@@ -6,9 +6,9 @@ from typing import Any, cast
 
 from pspf import keys
 from pspf.broker import Broker
-from pspf.ownership import Partitions
-from pspf.partition import OwnedPartition, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.ownership.owning import Partitions
+from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.state_stores.memory import MemoryStore
 
 

@@ -103,7 +103,8 @@ def test_importing_the_state_stores_does_not_load_the_worker() -> None:
 
     code = (
         "import sys, state_stores; "
-        "print(sorted(m for m in ('pspf.worker', 'pspf.processor', 'redis') if m in sys.modules))"
+        "loaded = ('pspf.worker', 'pspf.worker.process', 'pspf.cycle.processor', 'redis'); "
+        "print(sorted(m for m in loaded if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

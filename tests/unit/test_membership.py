@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from pspf import membership
 from pspf.broker import Broker
-from pspf.membership import Membership, assign
+from pspf.ownership import membership
+from pspf.ownership.membership import Membership, assign
 from pspf.settings import Settings
-from pspf.tables import Lookups
+from pspf.tables.lookups import Lookups
 
 
 def _members(n: int, seed: int) -> list[tuple[str, str]]:

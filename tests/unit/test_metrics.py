@@ -16,7 +16,7 @@ from pspf.errors import BrokerUnavailable, ConfigError
 from pspf.failures import Failure
 from pspf.hooks import HookChain
 from pspf.keys import stream_key
-from pspf.metrics import WorkerHealth, WorkerMetrics
+from pspf.observability.metrics import WorkerHealth, WorkerMetrics
 
 
 class FakeBroker:

@@ -1,4 +1,4 @@
-"""Id order across a partition's topics (``pspf.ordering``): what is applied now, what waits."""
+"""Id order across a partition's topics (``pspf.cycle.ordering``): what is applied now, what waits."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ from typing import Any, cast
 
 from pspf import keys
 from pspf.broker import Broker, RawEntry
-from pspf.delivery import Read
+from pspf.cycle.ordering import CrossTopicOrder
 from pspf.keys import StreamId
-from pspf.ordering import CrossTopicOrder
-from pspf.partition import OwnedPartition, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.state_stores.memory import MemoryStore
 
 ORDERS, CUSTOMERS = "orders", "customers"

@@ -10,8 +10,9 @@ import msgspec
 import pytest
 
 from pspf import keys
-from pspf.emit import SOURCE_APP_HEADER, SOURCE_ID_HEADER
-from pspf.outbox import (
+from pspf.outbox.emit import SOURCE_APP_HEADER, SOURCE_ID_HEADER
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.outbox.rows import (
     TRANSITIONS,
     OutboxRow,
     RowState,
@@ -20,7 +21,6 @@ from pspf.outbox import (
     rows_in_store,
     watermark_key,
 )
-from pspf.partition_outbox import PartitionOutbox
 from pspf.state_stores import MemoryStore
 
 ALLOWED = {

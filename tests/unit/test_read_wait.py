@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pspf import delivery
+from pspf.cycle import delivery
 from tests.unit.test_delivery import Scene
 
 

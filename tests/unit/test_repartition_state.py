@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pspf import keys
-from pspf.repartition_state import GONE, Gone, new_partitions, split, spread
+from pspf.repartition.state import GONE, Gone, new_partitions, split, spread
 from pspf.state_stores.base import field
 
 

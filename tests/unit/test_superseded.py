@@ -8,14 +8,14 @@ the entry is read again from the pending list, above the checkpoint, and must be
 from __future__ import annotations
 
 from pspf import keys
-from pspf.batch import PartitionBatch, StreamOutcome
 from pspf.broker import Broker
 from pspf.codec import StateDecoder
-from pspf.delivery import Delivery, Read
-from pspf.emit import Emitter
+from pspf.cycle.delivery import Delivery
 from pspf.keys import StreamId
-from pspf.partition import OwnedPartition, StreamCursor
-from pspf.partition_outbox import PartitionOutbox
+from pspf.outbox.emit import Emitter
+from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import Settings
 from pspf.state_stores import MemoryStore
 

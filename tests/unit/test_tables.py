@@ -11,7 +11,7 @@ import pytest
 from pspf import App, Context, windows
 from pspf.errors import ConfigError
 from pspf.keys import partition_for
-from pspf.tables import TableError
+from pspf.tables.table import TableError
 from pspf.testing import TestApp
 
 

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from pspf import App, ConfigError, Context, NonRetryableError, NotFound, RetryPolicy, TimerContext, windows
+from pspf.cycle.timekeeping import Clock
 from pspf.keys import partition_for
 from pspf.testing import EmittedEntry, TestApp
-from pspf.timekeeping import Clock
 
 START = 1_704_067_200_000  # 2024-01-01T00:00:00Z, TestApp's default clock
 

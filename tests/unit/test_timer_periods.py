@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pspf.timers import CATCH_UP, PartitionTimers, Timer
+from pspf.windows.timers import CATCH_UP, PartitionTimers, Timer
 
 
 def timers(since_ms: int) -> PartitionTimers:

@@ -1,4 +1,4 @@
-"""pspf.tracing through TestApp: entry and commit spans, traceparent in and out, zero work when off."""
+"""pspf.observability.tracing through TestApp: entry and commit spans, traceparent, no work when off."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pspf import App, Context, RetryPolicy
-from pspf.emit import SOURCE_ID_HEADER
+from pspf.observability.tracing import TracedContext, configured
+from pspf.outbox.emit import SOURCE_ID_HEADER
 from pspf.testing import TestApp
-from pspf.tracing import TracedContext, configured
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

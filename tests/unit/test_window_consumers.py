@@ -15,10 +15,10 @@ import msgspec
 import pytest
 
 from pspf import App, Context, RetryPolicy, windows
+from pspf.cycle.timekeeping import LateLog
 from pspf.errors import ConfigError
 from pspf.hooks import Counts
 from pspf.testing import TestApp
-from pspf.timekeeping import LateLog
 
 SECOND = timedelta(seconds=1)
 START = 1_704_067_200_000  # TestApp's clock: entries' ids, and their time without a timestamp field

@@ -17,7 +17,8 @@ import pytest
 from pspf import App, keys, windows
 from pspf.errors import ConfigError
 from pspf.state_stores.memory import MemoryStore
-from pspf.windows import Aggregation, PartitionWindows, WindowSpec
+from pspf.windows.aggregation import Aggregation, PartitionWindows
+from pspf.windows.kinds import WindowSpec
 
 Event = tuple[str, int]  # (key, event time); the value is the entry's index
 Result = tuple[str, int, int, Any]  # (key, start, end, value)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pspf.wording import counted
+from pspf.service.wording import counted
 
 
 def test_counted_is_singular_for_one_only() -> None:

@@ -194,7 +194,7 @@ class Worker:
         self._serve_metrics()
         try:
             try:
-                self._start()
+                self.start()
             except BaseException:
                 self.broker.close()  # nothing else is running yet
                 self.keeper.close()
@@ -207,7 +207,7 @@ class Worker:
             try:
                 self._loop(until_idle, summary)
             finally:
-                self._shutdown()
+                self.shutdown()
                 gc.unfreeze()
         finally:
             self._close_metrics()
@@ -266,7 +266,12 @@ class Worker:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """What ``run`` does first: check the server, the topics, the state dir; create the groups.
+
+        No thread starts here (``run`` starts the lease keeper): a test that drives the lease
+        rounds step by step (``lease_round.step()``) calls this, then ``shutdown``.
+        """
         info = self.broker.check_server()
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
@@ -414,7 +419,8 @@ class Worker:
         self.keeper.beat(delay)
         self._stopping.wait(delay)
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
+        """What ``run`` does last: leave the membership, release the leases, close the stores."""
         self.keeper.close()  # first: nothing renews what is released or left to run out below
         if self.standby is not None:
             self.standby.close()

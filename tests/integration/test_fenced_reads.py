@@ -33,7 +33,7 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
         ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
 
     zombie = Worker(app, make_settings(PSPF_CONSUMER="zombie", PSPF_STATE_DIR=str(tmp_path / "a")))
-    zombie._start()
+    zombie.start()
     zombie.lease_round.step()
     assert 0 in zombie.processor.owned
 
@@ -43,7 +43,7 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
     zombie.membership.leave()
     settings_b = make_settings(PSPF_CONSUMER="owner", PSPF_STATE_DIR=str(tmp_path / "b"))
     owner = Worker(app, settings_b)
-    owner._start()
+    owner.start()
     owner.lease_round.step()
     assert 0 in owner.processor.owned
 
@@ -53,8 +53,8 @@ def test_zombie_owner_reads_nothing_after_its_lease_moved(
     assert result.lost_partitions == [0]
     # Nothing was delivered to the zombie: no entry can hide in its pending list.
     assert rclient.xpending(stream_key(topic, 0), app.name)["pending"] == 0
-    zombie._shutdown()
-    owner._shutdown()
+    zombie.shutdown()
+    owner.shutdown()
 
     summary = Worker(app, settings_b).run(until_idle=True)
     assert summary.handled == 50
@@ -139,14 +139,14 @@ def test_the_next_batch_is_read_ahead_while_the_handlers_run(
 
     settings = make_settings(PSPF_BATCH_SIZE=10)
     worker = Worker(app, settings)
-    worker._start()
+    worker.start()
     worker.lease_round.step()
     try:
         if worker.broker.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
         assert [worker.processor.run_once(block=False).read for _ in range(3)] == [10, 10, 10]
     finally:
-        worker._shutdown()
+        worker.shutdown()
     # Each batch ran while the next one was already delivered; the last read ahead found the
     # last ten entries, and the one after them found nothing.
     assert pending_seen == [20, 20, 10]
@@ -221,7 +221,7 @@ def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newe
 
     settings = make_settings(PSPF_BATCH_SIZE=10)
     worker = Worker(app, settings)
-    worker._start()
+    worker.start()
     worker.lease_round.step()
     try:
         if worker.broker.cluster:
@@ -231,7 +231,7 @@ def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newe
         worker.lease_round.drop(1, release=True)
         reads = [worker.processor.run_once(block=False).read for _ in range(5)]
     finally:
-        worker._shutdown()
+        worker.shutdown()
     # The cycle that dropped it read nothing new; then the pending list, then what came after.
     assert reads == [0, 10, 10, 0, 0]
     assert Service(settings).state_get(app.name, key_of[0])["seen"] == list(range(1, 31))

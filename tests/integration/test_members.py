@@ -39,7 +39,7 @@ def test_members_their_partitions_and_the_rebalance_metrics(
             PSPF_LEASE_TTL_MS=900,
         )
         found = Worker(app, settings)
-        found._start()
+        found.start()
         return found
 
     first = worker("first")
@@ -75,8 +75,8 @@ def test_members_their_partitions_and_the_rebalance_metrics(
         assert sample("pspf_members", {"app": app.name}) == 2
         assert sample("pspf_rebalances_total", {"app": app.name}) == 2  # all four, then two
     finally:
-        first._shutdown()
-        second._shutdown()
+        first.shutdown()
+        second.shutdown()
     # Both left: no member remains.
     service = Service(make_settings())
     assert service.lag(app.name).members == []

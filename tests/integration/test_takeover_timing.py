@@ -53,7 +53,7 @@ def make_worker(make_settings: Callable[..., Settings], names: Names, tmp_path: 
 
     yield make
     for worker in made:
-        worker._shutdown()
+        worker.shutdown()
 
 
 def server_ms(client: redis.Redis) -> int:
@@ -70,10 +70,10 @@ def test_a_dead_members_partitions_are_looked_at_when_its_membership_runs_out(
 ) -> None:
     topic = make_topic(1)
     dead, standby = make_worker(topic, "owner"), make_worker(topic, "standby")
-    dead._start()
+    dead.start()
     dead.lease_round.step()
     assert list(dead.processor.owned) == [0]
-    standby._start()
+    standby.start()
     # The owner died a little less than a TTL ago: its membership has 400 ms left, its lease a
     # little less (a worker renews its leases before its membership).
     expiry_ms = server_ms(rclient) + 400
@@ -102,7 +102,7 @@ def test_a_lease_whose_holder_is_no_member_is_looked_at_again_until_it_runs_out(
     as far each time, not a lease round later."""
     topic = make_topic(1)
     worker = make_worker(topic, "standby")
-    worker._start()
+    worker.start()
     rclient.set(lease_key(topic, 0, worker.app.name), f"{GHOST}|7", px=300)
 
     rounds = 0
@@ -122,7 +122,7 @@ def test_looks_at_a_lease_that_never_runs_out_space_out_to_the_lease_round(
 ) -> None:
     topic = make_topic(1)
     worker = make_worker(topic, "standby")
-    worker._start()
+    worker.start()
     rclient.set(lease_key(topic, 0, worker.app.name), f"{GHOST}|7")  # set by hand: no TTL
 
     gaps = []
@@ -141,9 +141,9 @@ def test_a_live_members_lease_and_membership_set_no_earlier_round(
 ) -> None:
     topic = make_topic(2)
     first, second = make_worker(topic, "first"), make_worker(topic, "second")
-    first._start()
+    first.start()
     first.lease_round.step()
-    second._start()
+    second.start()
     second.lease_round.step()
     assert second.lease_round.next_at() == regular_round(second)  # first renews long before it expires
     time.sleep(TTL_MS / 3000 + 0.05)  # second counts now: one partition moves to it
@@ -164,7 +164,7 @@ def test_a_worker_renews_its_leases_before_its_membership(
     """
     topic = make_topic(2)
     worker = make_worker(topic, "owner")
-    worker._start()
+    worker.start()
     worker.lease_round.step()
     assert sorted(worker.processor.owned) == [0, 1]
     calls: list[str] = []

@@ -14,7 +14,7 @@ from typing import Any
 
 from pspf.errors import ConfigError
 from pspf.keys import WindowKey
-from pspf.windows.kinds.base import Change, WindowKind, WindowSpec, ms
+from pspf.windows.kinds.base import Change, Folding, WindowKind, WindowSpec, ms
 
 
 class Session(WindowKind):
@@ -22,7 +22,7 @@ class Session(WindowKind):
 
     name = "session"
 
-    def __init__(self, window: str, spec: WindowSpec, folding: Any) -> None:
+    def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
         super().__init__(window, spec, folding)
         #: each key's open sessions, and its closed ones that an entry could still bridge
         self.sessions: dict[str, list[tuple[int, int]]] = {}

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pspf.keys import StreamId, WindowKey
-from pspf.windows.kinds.base import Change, WindowKind, WindowSpec, ms
+from pspf.windows.kinds.base import Change, Folding, WindowKind, WindowSpec, ms
 
 #: (event time, entry id, encoded value)
 Kept = tuple[int, bytes, bytes]
@@ -28,7 +28,7 @@ class Sliding(WindowKind):
 
     name = "sliding"
 
-    def __init__(self, window: str, spec: WindowSpec, folding: Any) -> None:
+    def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
         super().__init__(window, spec, folding)
         #: each key's kept entries, in (event time, entry id) order
         self.entries: dict[str, list[Kept]] = {}

@@ -31,11 +31,20 @@ CLI. Stream time is the partition's, shared by all its windows.
 
 The rooms (this package is the app's API too: ``from pspf import windows; windows.tumbling(...)``):
 
-- ``kinds``: the four kinds and ``WindowSpec``; a new kind starts here;
-- ``aggregation``: one ``@app.window`` and one partition's open windows of every one of them:
-  how an entry changes them, by kind, and how stream time closes them (and the store layout);
+- ``kinds``: the window kinds, one module each (``tumbling``, ``hopping``, ``sliding``,
+  ``session``), behind one protocol (``kinds.base.WindowKind``: which windows an entry falls in,
+  until when a window can change, what the kind keeps beside its windows and when it forgets
+  it) and registered in one place (``kinds/__init__.py``);
+- ``aggregation``: one ``@app.window`` and one partition's open windows of every one of them,
+  whatever their kind: applying changes, closing on stream time, the store layout;
 - ``functions``: what a window declares, read once: its function's types, its event time;
 - ``timers``: the other work time does in a partition: scheduled callbacks, timers, state expiry.
+
+To add a kind: write a ``WindowKind`` subclass and the function that makes its ``WindowSpec``
+in a module of ``kinds/``, and register it with one line in ``kinds/__init__.py`` (outside PSPF:
+``pspf.windows.kinds.register(MyKind)`` before declaring windows of it); the conformance suite
+``tests/conformance/test_window_kinds.py`` runs every registered kind, and docs/how-to/time.md
+("Adding a window kind") says what each method answers.
 
 This face re-exports the kinds only: the open windows name ``Context`` (their functions take one)
 and ``pspf.context`` uses the timers, so loading them here would close a circle through it. The
@@ -44,6 +53,28 @@ cycle and the partition import ``PartitionWindows``, ``Aggregation`` and the tim
 
 from __future__ import annotations
 
-from pspf.windows.kinds import Kind, LatePolicy, WindowId, WindowSpec, hopping, session, sliding, tumbling
+from pspf.windows.kinds import (
+    Kind,
+    LatePolicy,
+    WindowId,
+    WindowKind,
+    WindowSpec,
+    hopping,
+    register,
+    session,
+    sliding,
+    tumbling,
+)
 
-__all__ = ["Kind", "LatePolicy", "WindowId", "WindowSpec", "hopping", "session", "sliding", "tumbling"]
+__all__ = [
+    "Kind",
+    "LatePolicy",
+    "WindowId",
+    "WindowKind",
+    "WindowSpec",
+    "hopping",
+    "register",
+    "session",
+    "sliding",
+    "tumbling",
+]

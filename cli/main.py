@@ -19,6 +19,7 @@ from pspf.errors import ConfigError, ParameterError, PSPFError
 from pspf.service import Service
 from pspf.service.wording import counted
 from pspf.settings import Settings
+from pspf.state_stores import file_engines
 from pspf.worker import RunSummary, Worker, default_consumer_name
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -227,12 +228,27 @@ def state_dir_option(func: F) -> F:
     )(func)
 
 
+class EngineChoice(click.Choice[str]):
+    """``--store``'s choices: the store engines registered when the CLI reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(file_engines())
+
+    @property  # type: ignore[override]
+    def choices(self) -> list[str]:
+        return file_engines()
+
+    @choices.setter
+    def choices(self, _given: Any) -> None:
+        """Click sets its list at construction; the registry's list is read each time instead."""
+
+
 def store_option(func: F) -> F:
     return click.option(
         "--store",
         envvar="PSPF_STORE",
         show_envvar=True,
-        type=click.Choice(["sqlite", "rocksdb"]),
+        type=EngineChoice(),
         help="State store engine the app runs with  [default: sqlite]",
     )(func)
 
@@ -250,7 +266,7 @@ def cli(ctx: click.Context) -> None:
 RUN_OPTIONS: list[tuple[str, Any, str]] = [
     (
         "--store",
-        click.Choice(["sqlite", "rocksdb"]),
+        EngineChoice(),
         "State store engine; rocksdb needs pspf[rocksdb]  [default: sqlite]",
     ),
     (

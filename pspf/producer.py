@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import Any
 
 from pspf import codec, keys
-from pspf.broker import Broker, Fields
+from pspf.broker import Broker, Fields, partition_count
 from pspf.settings import Settings
 
 
@@ -120,8 +120,12 @@ class Producer:
 
     def _learn(self, topic: str, stale: str | None = None) -> None:
         """Read the topic's count and layout; wait while a repartition of it runs (bounded)."""
-        partitions, layout = self.broker.settled_layout(
-            topic, self.repartition_wait_s, "nothing queued was lost: flush again later", stale=stale
+        partitions, layout = partition_count(
+            self.broker,
+            topic,
+            wait_s=self.repartition_wait_s,
+            hint="nothing queued was lost: flush again later",
+            stale=stale,
         )
         self._layouts[topic] = (partitions, layout)
         self._round_robin[topic] = itertools.cycle(range(partitions))

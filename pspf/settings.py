@@ -17,8 +17,10 @@ from urllib.parse import unquote_plus, urlsplit
 import msgspec
 
 from pspf.errors import ConfigError
+from pspf.state_stores.registry import file_engines
 
-Engine = Literal["sqlite", "rocksdb"]
+#: A state store engine's name: one of ``pspf.state_stores.registry.file_engines()``, checked on load.
+Engine = str
 Durability = Literal["normal", "fsync"]
 StartFrom = Literal["earliest", "latest"]
 RetryMode = Literal["ordered", "deferred"]
@@ -206,6 +208,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             settings = msgspec.convert(tree, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(_invalid(str(exc), layered, spelled or {})) from None
+        _check_engine(settings.state.engine, layered, spelled or {})
         check_broker_url(settings.redis.url)
         settings.redis.check_tls()
         return settings
@@ -273,6 +276,13 @@ def _invalid(message: str, given: Mapping[str, Any], spelled: Mapping[str, str])
     if name in spelled:
         return f"invalid {spelled[name]} {value}: {what}"
     return f"invalid {name}={value}: {what}"
+
+
+def _check_engine(engine: str, given: Mapping[str, Any], spelled: Mapping[str, str]) -> None:
+    """Refuse a store engine the registry does not list, worded as msgspec words a bad enum value."""
+    if engine not in file_engines():
+        message = f"Invalid enum value {engine!r} - at `$.state.engine`"
+        raise ConfigError(_invalid(message, given, spelled))
 
 
 _ENCODE_HINT = "percent-encode / ? # @ [ ] in a password"

@@ -1,39 +1,52 @@
-"""State store engines behind one interface; ``open_store`` picks one by name."""
+"""State store engines behind one interface; ``open_store`` picks one by name.
+
+The engines are listed in ``registry`` (one ``register_engine`` line each); a new engine is one
+module here plus its line there.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pspf.errors import ConfigError, NotFound, StoreLocked
 from pspf.state_stores.base import Durability, StateStore, StoreTransaction, TxStatus
 from pspf.state_stores.memory import MemoryStore
+from pspf.state_stores.registry import Engine, engines, file_engine, file_engines, register_engine
 from pspf.state_stores.sqlite import SQLiteStore
 
 __all__ = [
     "Durability",
+    "Engine",
     "MemoryStore",
     "SQLiteStore",
     "StateStore",
     "StoreTransaction",
     "TxStatus",
+    "engines",
+    "file_engines",
     "missing_state",
     "open_globals_readonly",
     "open_globals_store",
     "open_store",
+    "register_engine",
     "stored_globals",
     "stored_partitions",
 ]
 
-_SUFFIX = {"sqlite": ".sqlite", "rocksdb": ".rocksdb"}
 #: Worker processes that may share a state dir, each with its own store of the global tables.
 GLOBALS_SLOTS = 64
 
 
 def store_path(directory: Path, engine: str, group: str, partition: int) -> Path:
     """Where the store of (group, partition) lives under the state directory."""
-    if engine not in _SUFFIX:
-        raise ConfigError(f"unknown state store engine {engine!r}; choose one of {sorted(_SUFFIX)}")
-    return Path(directory) / group / f"p{partition}{_SUFFIX[engine]}"
+    return Path(directory) / group / f"p{partition}{_suffix(engine)}"
+
+
+def _suffix(engine: str) -> str:
+    suffix = file_engine(engine).suffix
+    assert suffix is not None  # file_engine() names only engines with files
+    return suffix
 
 
 def open_store(
@@ -75,7 +88,7 @@ def open_globals_store(
 
 def _globals_path(directory: Path | str, engine: str, group: str, slot: int) -> Path:
     """Where the global table store of one worker slot of ``group`` lives under the state directory."""
-    return store_path(Path(directory), engine, group, 0).with_name(f"globals-{slot}{_SUFFIX[engine]}")
+    return store_path(Path(directory), engine, group, 0).with_name(f"globals-{slot}{_suffix(engine)}")
 
 
 def stored_globals(engine: str, directory: Path | str, group: str) -> list[Path]:
@@ -94,19 +107,16 @@ def open_globals_readonly(engine: str, path: Path) -> StateStore:
 
 
 def _open(engine: str, path: Path, durability: Durability, readonly: bool) -> StateStore:
-    if engine == "rocksdb":
-        try:
-            from pspf.state_stores.rocksdb import RocksDBStore
-        except ImportError:
-            raise ConfigError("the rocksdb store needs rocksdict: pip install 'pspf[rocksdb]'") from None
-        return RocksDBStore(path, durability=durability, readonly=readonly)
-    return SQLiteStore(path, durability=durability, readonly=readonly)
+    store_class: Any = file_engine(engine).load()  # a file engine's class takes (path, durability, readonly)
+    store: StateStore = store_class(path, durability=durability, readonly=readonly)
+    return store
 
 
 def stored_partitions(engine: str, directory: Path | str, group: str) -> list[int]:
     """The partitions of ``group`` that have a store under ``directory``."""
     folder = Path(directory) / group
-    suffix = _SUFFIX.get(engine, "")
+    found_engine = engines().get(engine)
+    suffix = (found_engine.suffix if found_engine else None) or ""
     if not folder.is_dir():
         return []
     found = [p.name[1 : -len(suffix)] for p in folder.glob(f"p*{suffix}")]
@@ -123,7 +133,7 @@ def missing_state(engine: str, directory: Path | str, group: str, partition: int
     text = f"no {engine} state for app {group!r}{which} under {directory}"
     others = [
         other
-        for other in _SUFFIX
+        for other in file_engines()
         if other != engine
         and (
             stored_partitions(other, directory, group)

@@ -11,7 +11,9 @@ command mixins; importers use ``Broker`` and the records re-exported here, never
 - ``publishing``: producers' and the outbox's writes, sinks' chunks, the memory guard;
 - ``admin``: topics, apps, groups, stream positions, the DLQ and outbox-replay requests;
 - ``moving``: a repartition's copies into staged keys and the renames that swap them in;
-- ``records``: the entry shapes, records and limits they share.
+- ``records``: the entry shapes, records and limits they share;
+- ``counts``: not a family but the one rule over them, ``partition_count``: the partition count
+  of a topic now, with the layout guard and the apps' records.
 
 Replies stay bytes (never ``decode_responses``) so a binary value cannot poison a batch, the
 protocol is pinned to RESP2 because the stream replies are parsed here, and redis-py's own retries
@@ -25,6 +27,7 @@ from __future__ import annotations
 from pspf.broker.acknowledging import BACKUP_LOG_LENGTH, Acknowledging, AckRequest, BackupUpdate, log_data
 from pspf.broker.admin import Admin
 from pspf.broker.connection import Connection
+from pspf.broker.counts import TopicCount, partition_count
 from pspf.broker.moving import Moving
 from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
 from pspf.broker.reading import ReadAhead, Reading
@@ -62,7 +65,9 @@ __all__ = [
     "SentCalls",
     "ServerInfo",
     "StreamInfo",
+    "TopicCount",
     "log_data",
+    "partition_count",
     "refused_layout",
 ]
 

@@ -57,6 +57,20 @@ class Admin(Connection):
             )
         return int(raw)
 
+    def reader_counts(self, topic: str) -> dict[str, int]:
+        """The partition count each app that reads ``topic`` was built for, by its record (one round trip)."""
+        with self.translate_errors():
+            apps = sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))
+            pipe = self.client.pipeline(transaction=False)
+            for app in apps:
+                pipe.hmget(keys.app_key(app), ["topics", "partitions"])
+            records = pipe.execute()
+        return {
+            app: int(built)
+            for app, (read, built) in zip(apps, records, strict=True)
+            if read is not None and built is not None and topic in _text(read).split(",")
+        }
+
     def list_topics(self) -> list[str]:
         with self.translate_errors():
             return sorted(_text(t) for t in self.client.smembers(keys.TOPICS_KEY))

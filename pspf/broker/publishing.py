@@ -20,8 +20,8 @@ from redis.exceptions import NoScriptError
 
 from pspf import keys
 from pspf.broker.connection import Connection, packed
-from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text
-from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull, NotFound, StateError
+from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
+from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -169,59 +169,6 @@ class Publishing(Connection):
         if isinstance(reply, BaseException):
             raise reply
         return int(reply[0])
-
-    def settled_layout(
-        self, topic: str, wait_s: float, hint: str, stale: str | None = None, deadline: float | None = None
-    ) -> tuple[int, str]:
-        """A topic's partition count and layout once no repartition of it runs (and not ``stale``).
-
-        Producers call it to learn a topic and after a partition refused their layout: it waits
-        ``wait_s`` at most (or until ``deadline``, ``time.monotonic()``), then fails (BrokerError,
-        ending with ``hint``) naming the topic; so does a layout the partitions refuse although
-        the record gives it.
-        """
-        if deadline is None:
-            deadline = time.monotonic() + wait_s
-        while True:
-            partitions, layout, moving = self.topic_layout(topic)
-            if not moving and layout != stale:
-                self._check_readers(topic, partitions)
-                return partitions, layout
-            if time.monotonic() >= deadline:
-                if not moving:
-                    raise BrokerError(
-                        f"topic {topic!r}: its partitions refuse layout {layout!r}, which its record "
-                        f"gives, and no repartition of it runs; {hint}"
-                    )
-                raise BrokerError(
-                    f"topic {topic!r} is being repartitioned and was not done within {wait_s:g}s; {hint}"
-                )
-            time.sleep(0.1)
-
-    def _check_readers(self, topic: str, partitions: int) -> None:
-        """Refuse a count the apps reading ``topic`` were not built for, as their workers do.
-
-        The topic record's count is what the layout guards trust; an app's record keeps the count
-        its state was built for. They differ only when the record was changed behind PSPF's back
-        (a repartition switches both), and writing then puts keys where no state holds them.
-        """
-        with self.translate_errors():
-            apps = sorted(_text(a) for a in self.client.smembers(keys.APPS_KEY))
-            pipe = self.client.pipeline(transaction=False)
-            for app in apps:
-                pipe.hmget(keys.app_key(app), ["topics", "partitions"])
-            records = pipe.execute()
-        for app, (read, built) in zip(apps, records, strict=True):
-            if read is None or built is None or topic not in _text(read).split(","):
-                continue
-            if int(built) != partitions:
-                raise StateError(
-                    f"topic {topic!r} has {partitions} partitions by its record, but app {app!r} "
-                    f"was built for {int(built)} partitions: the count was changed behind PSPF's "
-                    "back (a topic deleted and created again, or its record edited). Keys would "
-                    f"land in partitions whose state does not hold them, so nothing more is written. "
-                    f"Set the count back to {int(built)} (or create the topic again with it)"
-                )
 
     def published_up_to(self, producer: str, targets: Sequence[tuple[str, int]]) -> list[int]:
         """The last sequence number each target partition recorded for a producer (0: none)."""

@@ -15,6 +15,6 @@ use are re-exported here.
 
 from __future__ import annotations
 
-from pspf.repartition.run import Plan, Repartition, dry_run, make_plan, settled_counts
+from pspf.repartition.run import Plan, Repartition, dry_run, make_plan
 
-__all__ = ["Plan", "Repartition", "dry_run", "make_plan", "settled_counts"]
+__all__ = ["Plan", "Repartition", "dry_run", "make_plan"]

@@ -97,19 +97,6 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     return plan
 
 
-def settled_counts(broker: Broker, topics: list[str]) -> dict[str, int]:
-    """Each topic's partition count; ConfigError while a repartition of one runs (a worker waits)."""
-    counts: dict[str, int] = {}
-    for topic in topics:
-        counts[topic], _, moving = broker.topic_layout(topic)
-        if moving:
-            raise ConfigError(
-                f"topic {topic!r} is being repartitioned: start the app once "
-                f"`pspf topic repartition {topic} --resume` has finished it"
-            )
-    return counts
-
-
 def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
     members = sorted(m.consumer for m in live_members(broker, app))
     held = broker.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])

@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from pspf import keys
-from pspf.broker import Broker
+from pspf.broker import Broker, partition_count
 from pspf.codec import KEY, VALUE
 from pspf.errors import ConfigError
 from pspf.settings import RedisSettings, mask_url
@@ -135,7 +135,7 @@ def sink_options(options: dict[str, str], schema: StructType) -> SinkOptions:
         raise ConfigError(f"marker_ttl_s must be a positive number of seconds, not {ttl!r}")
     wait_s = _positive_seconds(options.get("repartition_wait_s", str(_DEFAULT_REPARTITION_WAIT_S)))
     with connected(url) as broker:
-        partitions, layout = broker.settled_layout(topic, wait_s, _WAIT_HINT)
+        partitions, layout = partition_count(broker, topic, wait_s=wait_s, hint=_WAIT_HINT)
     return SinkOptions(
         url=url,
         topic=topic,
@@ -310,8 +310,13 @@ class _Chunks:
         wait_s = self.options.repartition_wait_s
         deadline = time.monotonic() + wait_s
         while refused:
-            self.partitions, self.layout = self.broker.settled_layout(
-                self.options.topic, wait_s, _WAIT_HINT, stale=self.layout, deadline=deadline
+            self.partitions, self.layout = partition_count(
+                self.broker,
+                self.options.topic,
+                wait_s=wait_s,
+                hint=_WAIT_HINT,
+                stale=self.layout,
+                deadline=deadline,
             )
             refused = self._send(self._routed(_unflattened(refused), itertools.count()), None)
         return True

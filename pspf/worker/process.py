@@ -29,7 +29,7 @@ import msgspec
 
 from pspf import keys, state_stores
 from pspf.app import App
-from pspf.broker import Broker
+from pspf.broker import Broker, partition_count
 from pspf.cycle.processor import BatchProcessor
 from pspf.errors import (
     BrokerDataLost,
@@ -54,7 +54,6 @@ from pspf.ownership.owning import (
     check_partition_count,
 )
 from pspf.ownership.standby import Standby
-from pspf.repartition.run import settled_counts
 from pspf.settings import Settings
 from pspf.tables.global_tables import GlobalTables
 from pspf.tables.lookups import check_table_partitions
@@ -276,7 +275,10 @@ class Worker:
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
         eviction_checked = self.broker.check_eviction()
-        counts = settled_counts(self.broker, self.app.topics)
+        counts = {
+            topic: partition_count(self.broker, topic, app=self.app.name).partitions
+            for topic in self.app.topics
+        }
         check_table_partitions(self.app.name, list(self.app.tables), counts)
         if len(set(counts.values())) > 1:
             raise ConfigError(

@@ -24,19 +24,20 @@ from pspf.keys import (
     STORE_NAMESPACES,
     StreamId,
 )
-from pspf.state_stores import MemoryStore, StateStore, open_store
+from pspf.state_stores import StateStore, engines, open_store
 from pspf.state_stores.base import field, split_field
 
-ENGINES = ["memory", "sqlite", "rocksdb"]
-FILE_ENGINES = ["sqlite", "rocksdb"]
+#: The engines PSPF ships, from the registry (the JSON engine of the tests is not one to load into).
+SHIPPED = {name: engine for name, engine in engines().items() if engine.store_class.startswith("pspf.")}
+ENGINES = list(SHIPPED)
+FILE_ENGINES = [name for name, engine in SHIPPED.items() if engine.suffix is not None]
 IDENTITY = (BACKUP_NAMESPACE, BACKUP_IDENTITY)
 
 
 @pytest.fixture(params=ENGINES)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    s: StateStore = (
-        MemoryStore() if request.param == "memory" else open_store(request.param, tmp_path, "g", 0)
-    )
+    engine = SHIPPED[request.param]
+    s: StateStore = engine.load()() if engine.suffix is None else open_store(engine.name, tmp_path, "g", 0)
     yield s
     s.close()
 

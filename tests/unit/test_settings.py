@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from pspf import App, Worker
+from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.settings import (
     BrokerAddress,
@@ -15,6 +18,7 @@ from pspf.settings import (
     mask_url,
     parse_broker_url,
 )
+from pspf.state_stores import register_engine, registry
 
 
 def test_defaults() -> None:
@@ -268,3 +272,24 @@ def test_default_state_dir_is_the_user_data_dir_wherever_the_command_runs(
     # the variable and the flag still win
     assert Settings.load(environ={"PSPF_STATE_DIR": "/env"}).state.dir == "/env"
     assert Settings.load({"PSPF_STATE_DIR": "/flag"}, environ={"PSPF_STATE_DIR": "/env"}).state.dir == "/flag"
+
+
+@pytest.fixture
+def json_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The JSON engine of the tests registered for one test, the registry as it was after it."""
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry.engines()))
+    register_engine("json", "tests.support.json_store:JsonStore", suffix=".json")
+    yield
+
+
+def test_store_engines_are_the_registered_ones(json_engine: None) -> None:
+    """PSPF_STORE and --store take what the registry lists, with the same words for a bad value."""
+    assert Settings.load(environ={"PSPF_STORE": "json"}).state.engine == "json"
+    assert Settings.load(environ={"PSPF_STORE": "rocksdb"}).state.engine == "rocksdb"
+    with pytest.raises(ConfigError, match=r"^invalid PSPF_STORE=memory: invalid enum value 'memory'$"):
+        Settings.load(environ={"PSPF_STORE": "memory"})  # registered, but keeps nothing on disk
+    with pytest.raises(ConfigError, match=r"^invalid --store nosuch: invalid enum value 'nosuch'$"):
+        Settings.load({"PSPF_STORE": "nosuch"}, environ={}, spelled={"PSPF_STORE": "--store"})
+    result = CliRunner().invoke(cli, ["run", "--store", "nosuch", "x:app"])
+    assert result.exit_code == 2
+    assert "'nosuch' is not one of 'sqlite', 'rocksdb', 'json'" in result.output

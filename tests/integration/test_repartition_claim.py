@@ -19,6 +19,7 @@ from pspf.keys import partition_for, stream_key, topic_key
 from pspf.service import Service
 from tests.conftest import Names, RedisServer, pspf_command, standalone_only, subprocess_env
 from tests.integration.failures_support import summing_app
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -136,6 +137,12 @@ def test_a_repartition_out_of_memory_halfway_is_aborted_and_the_topic_is_as_it_w
         assert [k for k in client.scan_iter(match="pspf:repartition:*")] == []
         assert client.hget(topic_key(topic), "moving") is None
         assert run_cli(url, topic, "--abort").returncode == 4  # nothing left to undo
+        # The staged keys' memory may be freed in the background (lazyfree): wait for it to be
+        # back under the limit, then writes fit again.
+        limit = int(client.config_get("maxmemory")["maxmemory"])
+        wait_until(
+            lambda: int(client.info("memory")["used_memory"]) < limit, 30, "the abort's memory to be freed"
+        )
         client.set("a-write-fits-again", "1")
         with Producer(settings=settings) as producer:  # not sealed any more
             for n in range(40_000, 40_100):

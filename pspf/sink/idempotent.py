@@ -13,6 +13,9 @@ A commit that writes no record (every entry of the batch failed) writes no objec
 changed in the bookkeeping is kept in memory, and a crash before its acknowledgement reads those
 entries again, as for any commit that did not happen.
 
+The target is not fenced: a worker paused past its lease TTL with a batch in hand may still
+write it after its successor started, under other bounds (``docs/how-to/sinks.md`` says so).
+
 A new idempotent sink implements ``IdempotentSink.target`` and ``IdempotentPartition``; the
 consumer machinery (group, leases, work sharing, DLQ, metrics) is ``Sink``'s, shared with the
 transactional tier.

@@ -69,7 +69,7 @@ def test_a_refused_entry_goes_to_the_dlq_and_the_others_are_written_once(
     topic = make_topic(1)
     for n in range(40):
         rclient.xadd(stream_key(topic, 0), {"key": f"k{n}", "value": msgspec.json.encode({"n": n})})
-    sink = PickyDirSink(tmp_path / "out")
+    sink = PickyDirSink(tmp_path / "out", name=f"sink-{topic}")
     summary = sink.run(topic, make_settings(PSPF_BATCH_SIZE=7), until_idle=True)
     assert summary.handled == 39 and summary.dead_lettered == 1
     written = sorted(r["value"]["n"] for r in delivered(tmp_path / "out"))

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     sink: Sink = getattr(importlib.import_module(module), name)(**json.loads(kwargs))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     summary = sink.run(topic, Settings.load(), until_idle="--until-idle" in argv[3:])
-    print(f"handled {summary.handled}", flush=True)
+    print(f"handled {summary.handled} skipped {summary.skipped}", flush=True)
     return 0
 
 

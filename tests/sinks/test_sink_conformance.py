@@ -182,6 +182,7 @@ def test_random_sigkills_leave_every_entrys_effect_in_the_target_exactly_once(
             if process.proc.poll() is None:
                 process.kill9()
     delivered = target.delivered()
-    print(f"{kills} kills, {before} of {len(producer.sent)} delivered before the last run")
+    final_line = final.log.read_text().splitlines()[-1]  # "handled N skipped M": M read again, done
+    print(f"{kills} kills, {before} of {len(producer.sent)} delivered before the last run; {final_line}")
     assert len(delivered) == len(set(delivered)), "an entry's effect is in the target twice"
     assert sorted(delivered) == sorted(producer.sent)

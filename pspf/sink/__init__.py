@@ -1,19 +1,48 @@
 """Sinks: deliver a topic into an external store, each entry's effect once; a new sink goes here.
 
-A sink is an ordinary PSPF consumer (a ``Worker`` whose one handler stages each entry) whose
-commits are transactions of the external store: the rows and the checkpoints that cover them
-are written together. The rooms:
+A sink is an ordinary PSPF consumer (a ``Worker`` whose one handler stages each entry), in one of
+two tiers named by their guarantee:
 
-- ``base``: the interface a sink implements (``Sink``, ``SinkPartition``), the records it is
-  given, its store (``SinkStore``) and how refused rows and an unreachable target are handled;
+- transactional (``TransactionalSink``): the rows and the checkpoints that cover them are written
+  in one transaction of the target (PostgreSQL);
+- idempotent (``IdempotentSink``): each batch is one object whose name is deterministic in its
+  entries, written all or nothing, so a rewrite replaces (files, object stores).
+
+The rooms:
+
+- ``base``: what both tiers share (``Sink``: the consumer machinery; ``SinkPartition``,
+  ``SinkStore``; the records; refused rows and an unreachable target) and the transactional tier;
+- ``idempotent``: the idempotent tier (``IdempotentSink``, ``IdempotentPartition``, ``BatchName``);
 - ``postgres``: the PostgreSQL sink (psycopg 3); ``pspf.sink_postgres`` is its public path.
 
-A new sink is one more room beside ``postgres``, written against ``base`` (``docs/how-to/sinks.md``).
-This face re-exports ``base`` only, so importing it needs no database driver.
+A new sink is one more room beside ``postgres``, written against one tier (``docs/how-to/sinks.md``).
+This face re-exports ``base`` and ``idempotent`` only, so importing it needs no database driver.
 """
 
 from __future__ import annotations
 
-from pspf.sink.base import RowsRefused, Sink, SinkPartition, SinkRecord, SinkRefused, SinkStore, Updates
+from pspf.sink.base import (
+    RowsRefused,
+    Sink,
+    SinkPartition,
+    SinkRecord,
+    SinkRefused,
+    SinkStore,
+    TransactionalSink,
+    Updates,
+)
+from pspf.sink.idempotent import BatchName, IdempotentPartition, IdempotentSink
 
-__all__ = ["RowsRefused", "Sink", "SinkPartition", "SinkRecord", "SinkRefused", "SinkStore", "Updates"]
+__all__ = [
+    "BatchName",
+    "IdempotentPartition",
+    "IdempotentSink",
+    "RowsRefused",
+    "Sink",
+    "SinkPartition",
+    "SinkRecord",
+    "SinkRefused",
+    "SinkStore",
+    "TransactionalSink",
+    "Updates",
+]

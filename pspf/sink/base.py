@@ -1,4 +1,9 @@
-"""Sinks: deliver a topic into an external transactional store, each entry's effect once.
+"""Sinks: deliver a topic into an external store, each entry's effect once; the transactional tier.
+
+Sinks come in two tiers named by their guarantee. A transactional sink (``TransactionalSink``,
+here) writes its rows and its checkpoints in one transaction of the target; an idempotent sink
+(``IdempotentSink``, in ``pspf.sink.idempotent``) writes batches under names that are
+deterministic in the entries they hold, so a rewrite replaces. Both are this ``Sink``.
 
 A sink is an ordinary PSPF consumer (its own group, leases, work sharing, the DLQ, metrics and
 ``pspf lag``): a ``Worker`` running an app whose one handler stages each entry as a
@@ -29,7 +34,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -97,10 +102,16 @@ class SinkPartition(ABC):
 
 
 class Sink(ABC):
-    """An external store a topic is delivered into; ``PostgresSink`` is one."""
+    """An external store a topic is delivered into: the consumer machinery both tiers share.
+
+    Subclass ``TransactionalSink`` or ``IdempotentSink`` (the tier says the guarantee); a direct
+    subclass of ``Sink`` is held to the transactional contract.
+    """
 
     #: the sink's consumer group: its own position in the topic, its own DLQ decisions
     name: str
+    #: the guarantee the sink's target gives (``transactional`` or ``idempotent``)
+    tier: ClassVar[str] = "transactional"
 
     @abstractmethod
     def prepare(self) -> None:
@@ -167,6 +178,16 @@ class Sink(ABC):
     def run(self, topic: str, settings: Settings, until_idle: bool = False) -> RunSummary:
         """Deliver ``topic`` until stopped (or, with ``until_idle``, until nothing is left)."""
         return self.worker(topic, settings).run(until_idle=until_idle)
+
+
+class TransactionalSink(Sink):
+    """The transactional tier: rows and checkpoints in ONE transaction of the target.
+
+    ``partition(n)`` returns a ``SinkPartition`` whose ``claim`` reads the checkpoints back at
+    takeover and whose ``commit`` writes the rows with them (``PostgresSink`` is one).
+    """
+
+    tier: ClassVar[str] = "transactional"
 
 
 class SinkStore(MemoryStore):

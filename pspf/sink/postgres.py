@@ -42,7 +42,7 @@ from pspf.errors import (
 )
 from pspf.keys import StreamId, check_name
 from pspf.settings import mask_url
-from pspf.sink.base import RowsRefused, Sink, SinkPartition, SinkRecord, SinkRefused, Updates
+from pspf.sink.base import RowsRefused, SinkPartition, SinkRecord, SinkRefused, TransactionalSink, Updates
 
 try:
     import psycopg
@@ -99,7 +99,7 @@ _ORDER = "(split_part({0}.entry_id, '-', 1)::bigint, split_part({0}.entry_id, '-
 _REFUSALS = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
 
 
-class PostgresSink(Sink):
+class PostgresSink(TransactionalSink):
     """Deliver a topic into the table ``table`` of the PostgreSQL database at ``dsn``.
 
     ``name`` is the sink's consumer group (default ``sink-postgres-<table>``). The table is

@@ -49,7 +49,6 @@ from pspf.service import (
     parse_read_start,
 )
 
-
 #: The most entries one read of a topic returns: a page to look at, not an export.
 MAX_READ = 1000
 

@@ -9,7 +9,8 @@ command mixins; importers use ``Broker`` and the records re-exported here, never
 - ``acknowledging``: the fenced acknowledgement with its state backup update, leases,
   memberships, the backup's reads and rewrites;
 - ``publishing``: producers' and the outbox's writes, sinks' chunks, the memory guard;
-- ``admin``: topics, apps, groups, stream positions, the DLQ and outbox-replay requests;
+- ``admin``: topics, apps, groups, stream positions;
+- ``requests``: the DLQ's entries and moves, outbox-replay requests;
 - ``moving``: a repartition's copies into staged keys and the renames that swap them in;
 - ``records``: the entry shapes, records and limits they share;
 - ``counts``: not a family but the one rule over them, ``partition_count``: the partition count
@@ -44,6 +45,7 @@ from pspf.broker.records import (
     ServerInfo,
     StreamInfo,
 )
+from pspf.broker.requests import Requests
 
 __all__ = [
     "BACKUP_LOG_LENGTH",
@@ -72,5 +74,5 @@ __all__ = [
 ]
 
 
-class Broker(Reading, Acknowledging, Publishing, Admin, Moving):
+class Broker(Reading, Acknowledging, Publishing, Admin, Requests, Moving):
     """A connection pool to one Redis or Valkey server and the commands PSPF sends it."""

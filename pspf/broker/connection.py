@@ -222,6 +222,10 @@ class Connection:
 
     def close(self) -> None:
         self.client.close()
+        # Behind Sentinel the client's pool asks the sentinels through clients of its own.
+        pool = getattr(self.client, "connection_pool", None)
+        for sentinel in getattr(getattr(pool, "sentinel_manager", None), "sentinels", ()):
+            sentinel.close()
 
     def _on(self, key: str) -> redis.Redis:
         """The client of the server that holds ``key``: the server itself unless it is a cluster.

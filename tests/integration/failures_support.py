@@ -10,6 +10,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.failures import DeadLetter
 from pspf.keys import FAILURES_NAMESPACE, StreamId, dlq_key, stream_key
 from pspf.partition.batch import iter_state
+from pspf.service import Service
 from pspf.state_stores import open_store
 from pspf.worker import RunSummary
 
@@ -132,3 +133,20 @@ class WorkerThread:
         self.check()
         assert self.summary is not None
         return self.summary
+
+
+#: The keys the summing app's tests spread entries over: ``k{n % KEYS}``.
+KEYS = 37
+
+
+def totals(n_to: int) -> dict[str, int]:
+    """What the summing app holds per key after the entries n = 0 .. n_to-1 over ``KEYS`` keys."""
+    found: dict[str, int] = {}
+    for n in range(n_to):
+        found[f"k{n % KEYS}"] = found.get(f"k{n % KEYS}", 0) + n
+    return found
+
+
+def state_of(service: Service, app: str) -> dict[str, int]:
+    """Each key's ``total`` as the service reads it."""
+    return {f"k{k}": service.state_get(app, f"k{k}")["total"] for k in range(KEYS)}

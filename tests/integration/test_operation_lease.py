@@ -15,22 +15,9 @@ from pspf.keys import app_key
 from pspf.ownership.operation_lease import exclusive, operation_key
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
-from tests.integration.failures_support import summing_app
+from tests.integration.failures_support import KEYS, state_of, summing_app, totals
 
 pytestmark = pytest.mark.integration
-
-KEYS = 37
-
-
-def totals(n_to: int) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for n in range(n_to):
-        found[f"k{n % KEYS}"] = found.get(f"k{n % KEYS}", 0) + n
-    return found
-
-
-def state_of(service: Service, app: str) -> dict[str, int]:
-    return {f"k{k}": service.state_get(app, f"k{k}")["total"] for k in range(KEYS)}
 
 
 @pytest.mark.parametrize(

@@ -18,23 +18,10 @@ from pspf.codec import KEY, VALUE
 from pspf.keys import partition_for, stream_key, topic_key
 from pspf.service import Service
 from tests.conftest import Names, RedisServer, pspf_command, standalone_only, subprocess_env
-from tests.integration.failures_support import summing_app
+from tests.integration.failures_support import KEYS, state_of, summing_app, totals
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
-
-KEYS = 37
-
-
-def totals(n_to: int) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for n in range(n_to):
-        found[f"k{n % KEYS}"] = found.get(f"k{n % KEYS}", 0) + n
-    return found
-
-
-def state_of(service: Service, app: str) -> dict[str, int]:
-    return {f"k{k}": service.state_get(app, f"k{k}")["total"] for k in range(KEYS)}
 
 
 def entries_by_partition(rclient: redis.Redis, topic: str, count: int) -> list[int]:

@@ -27,7 +27,7 @@ import msgspec
 
 from pspf import keys
 from pspf.broker import Broker
-from pspf.errors import BrokerError, ConfigError, NotFound, UnderWay
+from pspf.errors import BrokerError, BrokerOutOfMemory, ConfigError, NotFound, UnderWay
 from pspf.ownership.operation_lease import Renewal
 from pspf.repartition.run import STAGED, Plan, make_plan, plan_key, recorded, unseal
 
@@ -249,9 +249,29 @@ def abort(broker: Broker, topic: str, ttl_ms: int) -> Plan:
                 "server is out of memory, raise its maxmemory first)"
             )
     delete_staged(broker, plan)
-    unseal(broker, plan)
+    _once_memory_is_freed(lambda: unseal(broker, plan), topic)
     broker.delete_keys([abort_key(t) for t in plan.topics])
     return plan
+
+
+def _once_memory_is_freed(write: Callable[[], None], topic: str, seconds: float = 30.0) -> None:
+    """Run ``write``, again while the server stays over its maxmemory for up to ``seconds``.
+
+    A server may free what a DEL dropped in the background (lazyfree, Valkey's default), so the
+    abort's first writes after its deletes can still meet the limit for a moment.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            write()
+            return
+        except BrokerOutOfMemory as exc:
+            if time.monotonic() >= deadline:
+                raise BrokerOutOfMemory(
+                    f"{exc}; the abort deleted the staged copies but the server stayed full for "
+                    f"{seconds:.0f}s: free memory and run `pspf topic repartition {topic} --abort` again"
+                ) from exc
+            time.sleep(0.2)
 
 
 def aborting_plan(broker: Broker, topic: str) -> Plan | None:

@@ -25,13 +25,21 @@ place (``Connection.translate_errors``) into PSPF's error types.
 
 from __future__ import annotations
 
-from pspf.broker.acknowledging import BACKUP_LOG_LENGTH, Acknowledging, AckRequest, BackupUpdate, log_data
+from pspf.broker.acknowledging import (
+    BACKUP_LOG_LENGTH,
+    AckInFlight,
+    Acknowledging,
+    AckRequest,
+    BackupUpdate,
+    log_data,
+)
 from pspf.broker.admin import Admin
+from pspf.broker.ahead import ReadAhead
 from pspf.broker.connection import Connection
 from pspf.broker.counts import TopicCount, partition_count
 from pspf.broker.moving import Moving
 from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
-from pspf.broker.reading import ReadAhead, Reading
+from pspf.broker.reading import Reading
 from pspf.broker.records import (
     CLUSTER_POLL_MS,
     LAG_COUNT_LIMIT,
@@ -53,6 +61,7 @@ __all__ = [
     "LAG_COUNT_LIMIT",
     "MEMORY_CHECK_S",
     "MEMORY_PAUSE_S",
+    "AckInFlight",
     "AckRequest",
     "BackupUpdate",
     "Broker",

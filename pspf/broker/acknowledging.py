@@ -20,8 +20,8 @@ import redis
 
 from pspf import keys
 from pspf.broker.connection import Connection
-from pspf.broker.records import _CLAIM_COUNT, Fields, _text
-from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost
+from pspf.broker.records import _CLAIM_COUNT, Fields, _text, packed
+from pspf.errors import BackupDamaged, BackupWentBack, BrokerError, LeaseLost
 
 #: Updates a state backup's log keeps (about): a store or standby at most this many updates
 #: behind catches up from the log; further behind, it restores the whole backup.
@@ -61,25 +61,110 @@ class AckRequest(NamedTuple):
     backup: BackupUpdate | None = None
 
 
+class AckInFlight:
+    """An acknowledgement sent (``Broker.ack_sent``) whose reply ``result`` reads, once.
+
+    Its connection is its own until then: nothing else may be sent on it before the reply is read.
+    """
+
+    def __init__(
+        self,
+        broker: Acknowledging,
+        requests: Sequence[AckRequest],
+        done: list[tuple[int, int] | LeaseLost] | None = None,
+        connection: Any = None,
+        replies: int = 0,
+        acks: Sequence[int | None] = (),
+    ) -> None:
+        self.broker = broker
+        self.requests = requests
+        self._done = done
+        self._connection = connection
+        self._replies = replies
+        self._acks = acks
+
+    def abandon(self) -> None:
+        """Close the connection unread: the call may have run, or not."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.disconnect()
+            self.broker.client.connection_pool.release(connection)
+
+    def result(self) -> list[tuple[int, int] | LeaseLost]:
+        """Each request's result, as ``Broker.ack`` gives it."""
+        if self._done is not None:
+            return self._done
+        connection, self._connection = self._connection, None
+        if connection is None:
+            raise BrokerError("an acknowledgement sent was already read")
+        broker = self.broker
+        pool = broker.client.connection_pool
+        try:
+            with broker.translate_errors():
+                replies = []
+                for _ in range(self._replies):
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:
+                        replies.append(exc)
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        for reply in replies:  # the first refusal says why (EXEC's own error only follows it)
+            if isinstance(reply, redis.ResponseError):
+                with broker.translate_errors():
+                    raise reply
+        if broker._wait:
+            broker._replicated(replies.pop())
+        done = replies[-1]  # after OK and QUEUED..., EXEC's
+        if done is None:  # a lease or backup changed under us: nothing was applied
+            self._done = broker.ack_scripted(self.requests)
+            return self._done
+        for reply in done:
+            if isinstance(reply, redis.ResponseError):
+                with broker.translate_errors():
+                    raise reply
+        self._done = [(0, 0) if at is None else (int(done[at]), 0) for at in self._acks]
+        return self._done
+
+
 class Acknowledging(Connection):
     """The fenced acknowledgement with its backup update, leases, memberships, and backup reads."""
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
         """Acknowledge several partitions' batches (and update their backups) under their leases.
 
-        Usually one MULTI/EXEC with the leases WATCHed (``_ack_in_transaction``). With DLQ moves,
-        an upload, or a lease not held, each partition's call runs in a Lua call that checks its
-        lease (one pipelined round trip), so one lost lease refuses only that partition's
-        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack
-        when the backup is not where the update follows on: ``BackupUpdate.follows``).
+        Usually one MULTI/EXEC with the leases WATCHed (``ack_sent``). With DLQ moves, an upload,
+        or a lease not held, each partition's call runs in a Lua call that checks its lease (one
+        pipelined round trip), so one lost lease refuses only that partition's acknowledgement.
+        Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack when the
+        backup is not where the update follows on: ``BackupUpdate.follows``).
+        """
+        return self.ack_sent(requests).result()
+
+    def ack_sent(self, requests: Sequence[AckRequest]) -> AckInFlight:
+        """``ack``, its reply read later (``AckInFlight.result``): the worker goes on meanwhile.
+
+        The common acknowledgement (no DLQ moves, no upload, not on a cluster) is a MULTI/EXEC
+        whose leases (and backup metas) are WATCHed and checked first, in one round trip waited
+        for; then MULTI ... EXEC is sent and its reply left to ``result``. EXEC applies nothing
+        if a lease or a backup changed meanwhile; ``result`` then runs the scripts, which say
+        which. A batch's values travel as command arguments, which Redis takes far faster than a
+        script's. Any other acknowledgement runs here, at once.
         """
         if not requests:
-            return []
+            return AckInFlight(self, requests, done=[])
         common = all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests)
         if common and not self.cluster:  # one MULTI cannot span a cluster's partitions
-            done = self._ack_in_transaction(requests)
-            if done is not None:
-                return done
+            sent = self._transaction_sent(requests)
+            if sent is not None:
+                return sent
+        return AckInFlight(self, requests, done=self.ack_scripted(requests))
+
+    def ack_scripted(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
+        """Each partition's acknowledgement in ``lua/ack.lua``, pipelined: one refusal each."""
         results: list[tuple[int, int] | LeaseLost] = []
         calls = [_ack_call(r) for r in requests]
         for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False, then=self._wait):
@@ -98,56 +183,58 @@ class Acknowledging(Connection):
             results.append((int(reply[0]), int(reply[1])))
         return results
 
-    def _ack_in_transaction(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost] | None:
-        """The common acknowledgement (no DLQ moves, no upload) as plain commands in MULTI/EXEC.
+    def _transaction_sent(self, requests: Sequence[AckRequest]) -> AckInFlight | None:
+        """The common acknowledgement's checks, waited for, then its MULTI/EXEC sent (see ``ack_sent``).
 
-        Same effects as ``lua/ack.lua``, fenced the way reads are: the leases (and backup metas)
-        are WATCHed and checked first, so EXEC applies nothing if any of them changed or expired
-        meanwhile. A batch's values travel as command arguments, which Redis takes far faster than
-        a script's. None when a lease is not held or changed: then the script decides, per
-        partition.
+        None when a lease is not held or a backup is not where its update follows on: the
+        scripts decide then, per partition.
         """
         leases = [r.lease_key for r in requests]
         fenced = [r.backup for r in requests if r.backup is not None]
         backup_keys = [key for b in fenced for key in (b.keys.meta, b.keys.values)]
-        with self._raw_connection(cast(redis.Redis, self.client)) as send:
-            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
-            reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
-            reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
-            replies = send(reads)
-            held, heads, marks = replies[1], replies[2 : 2 + len(fenced)], replies[2 + len(fenced) :]
-            identities = [identity for identity, _ in heads]
-            if (
-                any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
-                or any(
-                    b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
-                )
-                or any(
-                    marked and mark != identity for (identity, marked), mark in zip(heads, marks, strict=True)
-                )
-            ):  # the script says which: a lost lease, a backup gone back or damaged
-                send([("UNWATCH",)])
-                return None
-            commands: list[tuple[Any, ...]] = [("MULTI",)]
-            acks: list[int | None] = []
-            prevs = iter(identities)
-            for r in requests:
-                if r.backup is not None:
-                    commands += _backup_commands(r.backup, _text(next(prevs)))
-                acks.append(len(commands) - 1 if r.ids else None)
-                if r.ids:
-                    commands.append(("XACK", r.stream, r.group, *r.ids))
-            replies = send([*commands, ("EXEC",), *([self._wait] if self._wait else [])])
-        if self._wait:
-            self._replicated(replies.pop())
-        done = replies[-1]  # after OK and QUEUED..., EXEC's
-        if done is None:
-            return None  # a lease or backup changed under us: nothing was applied
-        for reply in done:
-            if isinstance(reply, redis.ResponseError):
-                with self.translate_errors():
-                    raise reply
-        return [(0, 0) if at is None else (int(done[at]), 0) for at in acks]
+        pool = self.client.connection_pool
+        with self.translate_errors():
+            connection = pool.get_connection()
+        try:
+            with self.translate_errors():
+                reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
+                reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
+                reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
+                connection.send_packed_command(packed(reads))
+                replies = [connection.read_response() for _ in reads]
+                held, heads, marks = replies[1], replies[2 : 2 + len(fenced)], replies[2 + len(fenced) :]
+                identities = [identity for identity, _ in heads]
+                if (
+                    any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
+                    or any(
+                        b.follows and _text(i) not in b.follows
+                        for b, i in zip(fenced, identities, strict=True)
+                    )
+                    or any(
+                        marked and mark != identity
+                        for (identity, marked), mark in zip(heads, marks, strict=True)
+                    )
+                ):  # the script says which: a lost lease, a backup gone back or damaged
+                    connection.send_packed_command(packed([("UNWATCH",)]))
+                    connection.read_response()
+                    pool.release(connection)
+                    return None
+                commands: list[tuple[Any, ...]] = [("MULTI",)]
+                acks: list[int | None] = []
+                prevs = iter(identities)
+                for r in requests:
+                    if r.backup is not None:
+                        commands += _backup_commands(r.backup, _text(next(prevs)))
+                    acks.append(len(commands) - 1 if r.ids else None)
+                    if r.ids:
+                        commands.append(("XACK", r.stream, r.group, *r.ids))
+                commands += [("EXEC",), *([self._wait] if self._wait else [])]
+                connection.send_packed_command(packed(commands))
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return AckInFlight(self, requests, connection=connection, replies=len(commands), acks=acks)
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Any, cast
 
-import hiredis
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -37,7 +36,8 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from pspf.broker.records import MEMORY_CHECK_S, ServerInfo, _text
+from pspf.broker.ahead import Reader
+from pspf.broker.records import MEMORY_CHECK_S, ServerInfo, _text, packed
 from pspf.errors import (
     AuthenticationFailed,
     BrokerError,
@@ -148,14 +148,6 @@ def _raw_stream_replies(client: redis.Redis) -> None:
         client.response_callbacks.pop(command, None)
 
 
-def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
-    """Commands packed into ONE buffer: one write, so the server wakes once for the whole call.
-
-    (redis-py writes each packed item with a ``sendall`` of its own.)
-    """
-    return [b"".join([hiredis.pack_command(command) for command in commands])]
-
-
 def _script(name: str) -> str:
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
@@ -219,8 +211,11 @@ class Connection:
         self._repartition_claim = self.client.register_script(_script("repartition_claim"))
         self._repartition_abort = self.client.register_script(_script("repartition_abort"))
         self._read_loaded = False
+        #: the connection of the reads sent ahead, kept out of the pool (``pspf.broker.ahead``)
+        self.reader = Reader(getattr(self.client, "connection_pool", None))  # none on a cluster
 
     def close(self) -> None:
+        self.reader.close()
         self.client.close()
         # Behind Sentinel the client's pool asks the sentinels through clients of its own.
         pool = getattr(self.client, "connection_pool", None)

@@ -7,7 +7,10 @@ them. Replies stay bytes until these parsers (or a family's method) turn them in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import hiredis
 
 from pspf import codec
 
@@ -104,3 +107,11 @@ def _entries(raw: list[Any]) -> list[RawEntry]:
         else:
             append((entry_id, codec.entry_fields_of(flat)))
     return parsed
+
+
+def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
+    """Commands packed into ONE buffer: one write, so the server wakes once for the whole call.
+
+    (redis-py writes each packed item with a ``sendall`` of its own.)
+    """
+    return [b"".join([hiredis.pack_command(command) for command in commands])]

@@ -415,7 +415,7 @@ class WorkerMetrics(ProcessorHooks):
             for partition in sorted(partitions):
                 for topic in self.topics:
                     stream = keys.stream_key(topic, partition)
-                    found[(topic, partition)] = self.broker.group_position(stream, self.app)
+                    found[(topic, partition)] = self.broker.topics.group_position(stream, self.app)
         except BrokerError as exc:
             log.debug("metrics: cannot read group positions: %s", exc)
             return None

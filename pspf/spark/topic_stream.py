@@ -95,7 +95,7 @@ def plan_stream_read(options: dict[str, str]) -> StreamOptions:
         raise ConfigError(f"starting must be earliest or latest, not {options['starting']!r}")
     most = positive_option(options, "max_entries_per_trigger", None)
     with connected(url) as broker:
-        partitions = broker.topic_partitions(topic)
+        partitions = broker.topics.topic_partitions(topic)
     return StreamOptions(
         url, topic, partitions, starting, most, flag_option(options, "fail_on_data_loss", True)
     )

@@ -125,7 +125,7 @@ def fill_direct(url: str, topic: str, app: str, n_keys: int, value_bytes: int) -
         broker.leases.release_leases([(lease, value)])
         token = value.rpartition("|")[2]
         backup_key, meta_key = keys.backup_key(topic, 0, app), keys.backup_meta_key(topic, 0, app)
-        client = broker.client
+        client = broker.conn.client
         client.delete(backup_key, meta_key)
         pipe = client.pipeline(transaction=False)
         queued = 0

@@ -69,7 +69,7 @@ class Producer:
         self._layouts: dict[str, tuple[int, str]] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
         #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
-        self.repartition_wait_s = self.broker.repartition_wait_s
+        self.repartition_wait_s = self.broker.conn.repartition_wait_s
         self.sent = 0
 
     def send(

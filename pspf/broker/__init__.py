@@ -1,8 +1,8 @@
 """Every round trip PSPF makes to Redis or Valkey, one method each, in families of a ``Broker``.
 
-A ``Broker`` is the connection (``connection``: the client of the URL's topology, error
-translation, the server checks, the raw pipelined round trips, ``close``) and one object per
-family of calls, each holding that connection (``conn``), as redis-py groups its commands:
+A ``Broker`` is its connection (``broker.conn``, ``connection``: the client of the URL's topology,
+error translation, the server checks, the raw pipelined round trips) and one object per family
+of calls, each holding that connection, as redis-py groups its commands:
 
 - ``broker.reading`` (``reading``): fenced reads, reads sent ahead, waiting for new entries,
   pending lists and claims;
@@ -93,16 +93,23 @@ __all__ = [
 ]
 
 
-class Broker(Connection):
-    """A connection pool to one Redis or Valkey server and the commands PSPF sends it, by family."""
+class Broker:
+    """A connection pool to one Redis or Valkey server (``conn``) and the commands PSPF sends it, by family.
+
+    Composed, not inherited: the families hold the connection and the broker holds them all, so
+    nothing refers back to the broker and one dropped unclosed is freed (its sockets closed) at once.
+    """
 
     def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
-        super().__init__(settings, socket_timeout_s)
-        self.reading = Reading(self)
-        self.acks = Acknowledging(self)
-        self.leases = Leasing(self)
-        self.publishing = Publishing(self, (settings.memory_slow_at, settings.memory_fail_at))
-        self.topics = Topics(self)
-        self.apps = Apps(self, self.topics)
-        self.requests = Requests(self)
-        self.moving = Moving(self)
+        self.conn = conn = Connection(settings, socket_timeout_s)
+        self.reading = Reading(conn)
+        self.acks = Acknowledging(conn)
+        self.leases = Leasing(conn)
+        self.publishing = Publishing(conn, (settings.memory_slow_at, settings.memory_fail_at))
+        self.topics = Topics(conn)
+        self.apps = Apps(conn, self.topics)
+        self.requests = Requests(conn)
+        self.moving = Moving(conn)
+
+    def close(self) -> None:
+        self.conn.close()

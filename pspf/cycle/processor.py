@@ -19,7 +19,7 @@ the module that holds it:
    the new checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
    (attempts, parked entries, dead-letter decisions), and what time did in the batch
    (``timekeeping``: windows stream time closed, scheduled callbacks, expired state);
-6. acknowledge (``batch.Durability``, through ``Broker.ack``): ONE atomic call acknowledges
+6. acknowledge (``batch.Durability``, through ``Acknowledging.ack``): ONE atomic call acknowledges
    every stream's batch, updates the partitions' state backups and moves dead entries to the
    DLQ, under the leases (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that
    checks its lease token); it happens only after step 5 returned; then the outbox rows of the

@@ -410,8 +410,8 @@ class WorkerMetrics(ProcessorHooks):
         found: dict[tuple[str, int], GroupPosition] = {}
         try:
             if not partitions:
-                with self.broker.translate_errors():
-                    self.broker.client.ping()
+                with self.broker.conn.translate_errors():
+                    self.broker.conn.client.ping()
             for partition in sorted(partitions):
                 for topic in self.topics:
                     stream = keys.stream_key(topic, partition)

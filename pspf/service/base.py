@@ -86,7 +86,7 @@ def stream_entries(
 ) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
     """Every entry of one stream (a DLQ, or a partition's), after ``after``, in id order.
 
-    ``Broker.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
+    ``Requests.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
     """
     start = "-" if after is None or after == keys.ZERO_ID else str(after.next())
     while True:

@@ -110,7 +110,7 @@ class Topics(ServiceBase):
     def health(self) -> Health:
         """Whether Redis answers, and how fast."""
         started = time.perf_counter()
-        info = self.broker.check_server()
+        info = self.broker.conn.check_server()
         elapsed_ms = (time.perf_counter() - started) * 1000
         return Health(status="ok", redis_version=info.version, latency_ms=elapsed_ms, server=info.name)
 

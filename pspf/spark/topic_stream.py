@@ -192,8 +192,8 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for p in behind:
                 stream = keys.stream_key(self.options.topic, int(p))
                 after = StreamId.parse(begin[p].id)
-                with broker.translate_errors(stream):
-                    page = broker.client.xrange(stream, str(after.next()), ends[p].id, share)
+                with broker.conn.translate_errors(stream):
+                    page = broker.conn.client.xrange(stream, str(after.next()), ends[p].id, share)
                 if len(page) == share:
                     added = begin[p].added
                     ends[p] = Position(page[-1][0].decode(), None if added is None else added + share)

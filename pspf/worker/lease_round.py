@@ -280,7 +280,7 @@ class LeaseRound:
 
     def check_policy(self) -> None:
         """Stop (EvictingPolicy, exit 3) on a server that may evict keys; warn once where unchecked."""
-        if not self.broker.check_eviction() and not self._policy_unchecked:
+        if not self.broker.conn.check_eviction() and not self._policy_unchecked:
             self._policy_unchecked = True
             log.warning("weaker guarantee: cannot read the server's maxmemory-policy; eviction is unchecked")
 

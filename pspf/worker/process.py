@@ -271,10 +271,10 @@ class Worker:
         No thread starts here (``run`` starts the lease keeper): a test that drives the lease
         rounds step by step (``lease_round.step()``) calls this, then ``shutdown``.
         """
-        info = self.broker.check_server()
+        info = self.broker.conn.check_server()
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
-        eviction_checked = self.broker.check_eviction()
+        eviction_checked = self.broker.conn.check_eviction()
         counts = {
             topic: partition_count(self.broker.topics, topic, app=self.app.name).partitions
             for topic in self.app.topics
@@ -338,7 +338,7 @@ class Worker:
         stored = state_stores.stored_partitions(state.engine, state.dir, self.app.name)
         if stored:
             raise BrokerDataLost(
-                f"the server at {self.broker.url} has no record of app {self.app.name!r}, but "
+                f"the server at {self.broker.conn.url} has no record of app {self.app.name!r}, but "
                 f"{state.dir} holds its stores of partitions {stored}: Redis lost its data (a "
                 f"restart without persistence, a flush, eviction) or the app was deleted there. "
                 f"{adopt_remedy(self.app.name)}; to start the app anew, delete its stores "

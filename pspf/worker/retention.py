@@ -1,6 +1,6 @@
 """Retention: trimming a topic's streams without removing an entry anyone still needs.
 
-A topic's retention is stored with the topic (``Broker.topic_retention``): a maximum age and/or a
+A topic's retention is stored with the topic (``Topics.topic_retention``): a maximum age and/or a
 maximum length of each partition's stream, and a replay window. Trimming a partition removes the
 entries older than the trim point (``XTRIM MINID``), which is the earlier of
 

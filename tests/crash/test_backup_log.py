@@ -220,13 +220,13 @@ def test_the_transaction_and_the_script_log_an_update_alike(
         assert broker.acks.ack([AckRequest(stream, app, lease, "mine", [ids[0]], dlq, backup=first)]) == [
             (1, 0)
         ]
-        if not broker.cluster:
+        if not broker.conn.cluster:
             assert (calls("exec") - execs, calls("evalsha") - scripts) == (1, 0)
         dead = [(ids[2], {b"error": b"boom"})]
         assert broker.acks.ack([AckRequest(stream, app, lease, "mine", [ids[1]], dlq, dead, second)]) == [
             (1, 1)
         ]
-        if not broker.cluster:
+        if not broker.conn.cluster:
             assert calls("evalsha") > scripts
 
         updates = LogReader(broker.acks, backup_keys.log, b"0-0", "").read()

@@ -256,11 +256,11 @@ class LeaseSampler:
         self._thread = threading.Thread(target=self._run, name="lease-sampler", daemon=True)
 
     def _read(self) -> Sample:
-        if self.broker.cluster:  # the leases are on several nodes: the app's node's time, then them
+        if self.broker.conn.cluster:  # the leases are on several nodes: the app's node's time, then them
             server_ms = self.broker.leases.members(self.app)[0]
             values = self.broker.leases.lease_values(self.keys)
         else:  # the server's time and every lease in one atomic step
-            pipe = self.broker.client.pipeline(transaction=True)
+            pipe = self.broker.conn.client.pipeline(transaction=True)
             pipe.time()
             pipe.mget(self.keys)
             (seconds, micros), raw = pipe.execute()

@@ -119,7 +119,7 @@ def test_lag_shows_checkpoint_lag_pending_and_owner_per_partition(
         assert [d["owner"] for d in owned["detail"]] == [None, "host-a/123/ab"]
         assert owned["owners"] == ["host-a/123/ab"]
     finally:
-        b.client.delete(keys.lease_key(o.topic, 1, o.app))
+        b.conn.client.delete(keys.lease_key(o.topic, 1, o.app))
         b.close()
 
     table = o("lag", o.app)
@@ -241,7 +241,7 @@ def test_replay_is_refused_while_a_worker_holds_leases(ops: Callable[[int], Ops]
         assert refused.exit_code == 6
         assert "host-b/9/cd" in one_line_error(refused) and "stop it first" in refused.output
     finally:
-        b.client.delete(keys.lease_key(o.topic, 0, o.app))
+        b.conn.client.delete(keys.lease_key(o.topic, 0, o.app))
         b.close()
     assert o.lag() == before  # nothing moved
     assert o.state("u1") == {"total": 1, "count": 1}

@@ -1,6 +1,6 @@
 """The restore's read of a state backup: the broker's HSCAN pages and ``backup.restore`` in a real server.
 
-``Broker.backup_values`` asks for the next page before it hands one over, so a scan holds a
+``Acknowledging.backup_values`` asks for the next page before it hands one over, so a scan holds a
 connection with a reply on its way: a scan closed early (a restore told to stop) or failed must
 never give that connection to the next command, or that command would read the scan's reply.
 """

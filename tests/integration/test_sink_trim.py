@@ -1,4 +1,4 @@
-"""The sink's trimming (``Broker.add_chunks`` with ``maxlen``/``minid``) stops at the groups' floor.
+"""The sink's trimming (``Publishing.add_chunks`` with ``maxlen``/``minid``) stops at the groups' floor.
 
 The floor of a stream is the lowest, over its consumer groups, of each group's oldest pending id,
 or its last-delivered-id when nothing is pending. These call the Lua script directly, without

@@ -25,8 +25,7 @@ class FakeBroker:
     def __init__(self) -> None:
         self.lag: dict[str, int] = {}
         self.down = False
-        self.client = self
-        self.topics = self
+        self.conn = self.client = self.topics = self
         self.pings = 0
 
     @contextmanager

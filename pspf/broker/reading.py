@@ -27,13 +27,19 @@ from pspf.keys import StreamId
 log = logging.getLogger(__name__)
 
 
-class Reading(Connection):
+class Reading:
     """Fenced reads of new entries, reads sent ahead, waiting for entries, pending lists and claims."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._read = conn.register("read")
+        self._last_ids = conn.register("last_ids")
+        self._read_loaded = False
 
     def oldest_pending(self, stream: str, group: str) -> bytes | None:
         """The id of the group's oldest pending entry in the stream (None when nothing is pending)."""
-        with self.translate_errors(stream):
-            summary = self.client.xpending(stream, group)
+        with self.conn.translate_errors(stream):
+            summary = self.conn.client.xpending(stream, group)
         return cast(bytes | None, summary.get("min"))
 
     def read_group(
@@ -49,8 +55,8 @@ class Reading(Connection):
         if block_ms is not None:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", *streams.keys(), *streams.values()]
-        with self.translate_errors():
-            reply = self._on(next(iter(streams))).execute_command(*args)  # type: ignore[no-untyped-call]
+        with self.conn.translate_errors():
+            reply = self.conn.on(next(iter(streams))).execute_command(*args)  # type: ignore[no-untyped-call]
         if not reply:
             return []
         return [(stream, _entries(entries)) for stream, entries in reply]
@@ -63,8 +69,8 @@ class Reading(Connection):
         One pipelined XRANGE per stream (on a cluster, per node); streams with nothing new are left out.
         """
         streams = list(positions)
-        with self.translate_errors(", ".join(streams)):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(", ".join(streams)):
+            pipe = self.conn.client.pipeline(transaction=False)
             for stream in streams:
                 after = positions[stream]
                 pipe.xrange(stream, "-" if after is None else str(after.next()), "+", count)
@@ -76,8 +82,8 @@ class Reading(Connection):
 
         One pipelined XREVRANGE per stream; empty streams are left out.
         """
-        with self.translate_errors(", ".join(streams)):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(", ".join(streams)):
+            pipe = self.conn.client.pipeline(transaction=False)
             for stream in streams:
                 pipe.xrevrange(stream, "+", "-", count)
             replies = pipe.execute()
@@ -98,12 +104,12 @@ class Reading(Connection):
         On a cluster, where one MULTI cannot span partitions, each partition's read is a Lua call
         that checks its lease (``lua/read.lua``), pipelined per node.
         """
-        if self.cluster:
+        if self.conn.cluster:
             return self._read_new_scripted(group, consumer, streams, count)
         lease_keys = [lease for _, lease, _ in streams]
         with (
-            self.translate_errors(", ".join(s for s, _, _ in streams)),
-            self.client.pipeline(transaction=True) as pipe,
+            self.conn.translate_errors(", ".join(s for s, _, _ in streams)),
+            self.conn.client.pipeline(transaction=True) as pipe,
         ):
             while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
                 pipe.watch(*lease_keys)
@@ -127,14 +133,14 @@ class Reading(Connection):
                     continue  # the leases are read again: a moved one is lost then
         if reply:
             return lost, [(stream, _entries(raw)) for stream, raw in reply], {}
-        (last,) = self._eval_pipelined(self._last_ids, [(held, [])])
+        (last,) = self.conn.eval_pipelined(self._last_ids, [(held, [])])
         return lost, [], {s: bytes(found) for s, found in zip(held, last, strict=True)}
 
     def _read_new_scripted(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
         calls = [([stream, lease], [group, consumer, count, value]) for stream, lease, value in streams]
-        return _fenced_reads([s for s, _, _ in streams], self._eval_pipelined(self._read, calls))
+        return _fenced_reads([s for s, _, _ in streams], self.conn.eval_pipelined(self._read, calls))
 
     def read_ahead(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
@@ -147,12 +153,12 @@ class Reading(Connection):
         """
         if not self._read_loaded:  # else the first read ahead finds no script and is read again
             self.load_read_script()
-        pool = self.client.connection_pool
+        pool = self.conn.client.connection_pool
         commands: list[tuple[Any, ...]] = [
             ("EVALSHA", self._read.sha, 2, stream, lease, group, consumer, count, value)
             for stream, lease, value in streams
         ]
-        with self.translate_errors():
+        with self.conn.translate_errors():
             connection = pool.get_connection()
             try:
                 connection.send_packed_command(packed(commands))
@@ -164,8 +170,8 @@ class Reading(Connection):
 
     def load_read_script(self) -> None:
         """Load ``lua/read.lua`` into the server's script cache (a read sent ahead cannot load it)."""
-        with self.translate_errors():
-            self.client.script_load(self._read.script)
+        with self.conn.translate_errors():
+            self.conn.client.script_load(self._read.script)
         self._read_loaded = True
 
     def wait_for_new(self, last_ids: dict[str, bytes], block_ms: int) -> None:
@@ -175,14 +181,14 @@ class Reading(Connection):
         cluster, where one XREAD cannot span partitions, the streams are looked at every
         ``CLUSTER_POLL_MS`` instead (one XREAD per partition, pipelined: a round trip per node).
         """
-        if not self.cluster or len({self.client.keyslot(s) for s in last_ids}) <= 1:
-            with self.translate_errors():
-                self.client.xread(dict(last_ids), count=1, block=block_ms)
+        if not self.conn.cluster or len({self.conn.client.keyslot(s) for s in last_ids}) <= 1:
+            with self.conn.translate_errors():
+                self.conn.client.xread(dict(last_ids), count=1, block=block_ms)
             return
         deadline = time.monotonic() + block_ms / 1000
         while True:
-            with self.translate_errors():
-                pipe = self.client.pipeline(transaction=False)
+            with self.conn.translate_errors():
+                pipe = self.conn.client.pipeline(transaction=False)
                 for stream, after in last_ids.items():
                     pipe.xread({stream: after}, count=1)
                 if any(pipe.execute()) or time.monotonic() >= deadline:
@@ -191,8 +197,8 @@ class Reading(Connection):
 
     def delivery_counts(self, stream: str, group: str, ids: Sequence[bytes]) -> dict[bytes, int]:
         """How often each of these pending entries was delivered (one XPENDING each, pipelined)."""
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
             for entry_id in ids:
                 pipe.xpending_range(stream, group, entry_id, entry_id, 1)
             replies = pipe.execute()
@@ -213,8 +219,8 @@ class Reading(Connection):
         deleted = 0
         cursor: bytes | str = b"0-0"
         while True:
-            with self.translate_errors():
-                reply = self._on(stream).execute_command(  # type: ignore[no-untyped-call]
+            with self.conn.translate_errors():
+                reply = self.conn.on(stream).execute_command(  # type: ignore[no-untyped-call]
                     "XAUTOCLAIM",
                     stream,
                     group,
@@ -247,10 +253,10 @@ class Reading(Connection):
         found: list[PendingEntry] = []
         start, last = "-", "+" if end is None else str(end)
         while True:
-            with self.translate_errors(stream):
+            with self.conn.translate_errors(stream):
                 rows = cast(
                     list[dict[str, Any]],
-                    self.client.xpending_range(
+                    self.conn.client.xpending_range(
                         stream, group, start, last, _CLAIM_COUNT, idle=min_idle_ms or None
                     ),
                 )
@@ -278,8 +284,8 @@ class Reading(Connection):
         if after is not None and end <= after:
             return False
         start = "-" if after is None else str(after.next())
-        with self.translate_errors(stream):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(stream):
+            pipe = self.conn.client.pipeline(transaction=False)
             pipe.xrange(stream, start, str(end), count=_CLAIM_COUNT)
             pipe.xpending_range(stream, group, start, str(end), _CLAIM_COUNT)
             entries, pending = pipe.execute()
@@ -300,8 +306,8 @@ class Reading(Connection):
         claimed: list[bytes] = []
         for start in range(0, len(ids), _CLAIM_COUNT):
             chunk = ids[start : start + _CLAIM_COUNT]
-            with self.translate_errors(stream):
-                claimed += self._on(stream).execute_command(  # type: ignore[no-untyped-call]
+            with self.conn.translate_errors(stream):
+                claimed += self.conn.on(stream).execute_command(  # type: ignore[no-untyped-call]
                     "XCLAIM", stream, group, consumer, min_idle_ms, *chunk, "JUSTID"
                 )
         return claimed
@@ -311,8 +317,8 @@ class Reading(Connection):
     ) -> list[tuple[bytes, int]]:
         """Own pending entries after ``after`` with their delivery counts, without delivering."""
         start = "-" if after == keys.ZERO_ID else str(after.next())
-        with self.translate_errors():
-            rows = self.client.xpending_range(stream, group, start, "+", count, consumer)
+        with self.conn.translate_errors():
+            rows = self.conn.client.xpending_range(stream, group, start, "+", count, consumer)
         return [(row["message_id"], int(row["times_delivered"])) for row in cast(list[dict[str, Any]], rows)]
 
     def claim_entries(
@@ -325,7 +331,7 @@ class Reading(Connection):
         owner, and every such delivery would make them look more like poison.
         """
         lease_key, lease_value = lease
-        with self.translate_errors(stream), self._on(stream).pipeline(transaction=True) as pipe:
+        with self.conn.translate_errors(stream), self.conn.on(stream).pipeline(transaction=True) as pipe:
             while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
                 pipe.watch(lease_key)  # type: ignore[no-untyped-call]
                 if _text(pipe.get(lease_key)) != lease_value:
@@ -342,15 +348,15 @@ class Reading(Connection):
 
 
 class ReadAhead:
-    """A fenced read sent ahead (``Broker.read_ahead``); its connection is its own until then.
+    """A fenced read sent ahead (``Reading.read_ahead``); its connection is its own until then.
 
     What it delivered is pending for this consumer either way: ``take`` returns it as
     ``read_new`` would, ``drop`` only says which entries they were (to be read again from the
     pending list, in order), ``abandon`` closes the connection without reading.
     """
 
-    def __init__(self, broker: Reading, connection: Any, streams: list[str]) -> None:
-        self.broker = broker
+    def __init__(self, reading: Reading, connection: Any, streams: list[str]) -> None:
+        self.reading = reading
         self.streams = streams
         self._connection = connection
 
@@ -362,7 +368,7 @@ class ReadAhead:
         """
         replies = self._replies()
         if any(isinstance(reply, NoScriptError) for reply in replies):
-            self.broker.load_read_script()
+            self.reading.load_read_script()
             return None
         return _fenced_reads(self.streams, replies)
 
@@ -386,7 +392,7 @@ class ReadAhead:
             raise BrokerError("a read sent ahead was already read")
         replies: list[Any] = []
         try:
-            with self.broker.translate_errors():
+            with self.reading.conn.translate_errors():
                 for _ in self.streams:
                     try:
                         replies.append(connection.read_response())
@@ -402,14 +408,14 @@ class ReadAhead:
         return replies
 
     def _release(self) -> None:
-        self.broker.client.connection_pool.release(self._connection)
+        self.reading.conn.client.connection_pool.release(self._connection)
         self._connection = None
 
 
 def _fenced_reads(
     streams: Sequence[str], replies: Sequence[Any]
 ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
-    """``lua/read.lua``'s replies as ``Broker.read_new`` returns them: lost, read, last ids."""
+    """``lua/read.lua``'s replies as ``Reading.read_new`` returns them: lost, read, last ids."""
     lost: list[str] = []
     read: list[tuple[bytes, list[RawEntry]]] = []
     last: dict[str, bytes] = {}

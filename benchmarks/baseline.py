@@ -99,7 +99,9 @@ def preload(url: str, topic: str, plain_stream: str | None, orders: list[tuple[s
             return
         for start in range(0, len(orders), PRELOAD_CHUNK):
             chunk = orders[start : start + PRELOAD_CHUNK]
-            broker.add_entries([(plain_stream, {b"key": u.encode(), b"value": v}) for u, v in chunk])
+            broker.publishing.add_entries(
+                [(plain_stream, {b"key": u.encode(), b"value": v}) for u, v in chunk]
+            )
     finally:
         service.close()
 

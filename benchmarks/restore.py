@@ -120,12 +120,12 @@ def fill_direct(url: str, topic: str, app: str, n_keys: int, value_bytes: int) -
         service.create_topic(topic, 1)
         # A real lease for the token of the identity, given up again: the restore takes its own.
         lease, fence = keys.lease_key(topic, 0, app), keys.fence_key(topic, 0, app)
-        value = broker.acquire_lease(lease, fence, "bench-filler/1/x", 10_000)
+        value = broker.leases.acquire_lease(lease, fence, "bench-filler/1/x", 10_000)
         assert value is not None
-        broker.release_leases([(lease, value)])
+        broker.leases.release_leases([(lease, value)])
         token = value.rpartition("|")[2]
         backup_key, meta_key = keys.backup_key(topic, 0, app), keys.backup_meta_key(topic, 0, app)
-        client = broker.client
+        client = broker.conn.client
         client.delete(backup_key, meta_key)
         pipe = client.pipeline(transaction=False)
         queued = 0
@@ -188,7 +188,7 @@ def fill_worker(url: str, topic: str, app: str, n_keys: int, value_bytes: int) -
     if summary.handled != n_keys:
         raise SystemExit(f"the fill worker handled {summary.handled} entries, expected {n_keys}")
     broker = Broker(settings.redis)
-    meta = broker.backup_meta(keys.backup_meta_key(topic, 0, app))
+    meta = broker.acks.backup_meta(keys.backup_meta_key(topic, 0, app))
     broker.close()
     return {"identity": meta[BACKUP_IDENTITY], "checkpoint": meta[f"cp:{topic}"]}
 
@@ -205,7 +205,7 @@ def restore_child(args: argparse.Namespace) -> None:
     broker = Broker(settings.redis)
     topic, app = args.topic, args.app
     lease, fence = keys.lease_key(topic, 0, app), keys.fence_key(topic, 0, app)
-    value = broker.acquire_lease(lease, fence, f"bench-restore/{os.getpid()}/x", LEASE_TTL_MS)
+    value = broker.leases.acquire_lease(lease, fence, f"bench-restore/{os.getpid()}/x", LEASE_TTL_MS)
     if value is None:
         raise SystemExit("the partition's lease is held by someone else")
     profiler = None
@@ -216,7 +216,7 @@ def restore_child(args: argparse.Namespace) -> None:
     try:
         opened = time.perf_counter()
         store = open_store(args.store, args.state_dir, app, 0)
-        backup = PartitionBackup(broker, app, topic, 0, lease, value)
+        backup = PartitionBackup(broker.acks, app, topic, 0, lease, value)
         if profiler is not None:
             profiler.enable()
         done = backup.reconcile(store, [topic])
@@ -228,7 +228,7 @@ def restore_child(args: argparse.Namespace) -> None:
         rss_peak = max_rss_mb()
         check = verify(args, broker)
     finally:
-        broker.release_leases([(lease, value)])
+        broker.leases.release_leases([(lease, value)])
         broker.close()
     print(
         json.dumps(
@@ -249,7 +249,7 @@ def verify(args: argparse.Namespace, broker: Broker) -> dict[str, Any]:
     """Count the restored keys, compare sampled values, identity and checkpoint with the backup."""
     from pspf.state_stores import open_store
 
-    meta = broker.backup_meta(keys.backup_meta_key(args.topic, 0, args.app))
+    meta = broker.acks.backup_meta(keys.backup_meta_key(args.topic, 0, args.app))
     rng = random.Random(args.seed)
     sample = sorted({rng.randrange(args.keys) for _ in range(SPOT_CHECKS)} | {0, args.keys - 1})
     with open_store(args.store, args.state_dir, args.app, 0, readonly=True) as store:

@@ -38,7 +38,7 @@ BACKUP_NAMESPACE = "__backup"
 BACKUP_IDENTITY = "identity"
 #: The backup's values hash holds its identity too, under this field, set in the same call as its
 #: meta's: a values hash deleted or evicted on its own is noticed before anything is written to
-#: it. Readers of the values skip it (``Broker.backup_values``).
+#: it. Readers of the values skip it (``Acknowledging.backup_values``).
 BACKUP_MARK = f"{BACKUP_NAMESPACE}\x00{BACKUP_IDENTITY}".encode()
 #: Meta field: the values hash carries ``BACKUP_MARK`` (a backup from before it does not).
 BACKUP_MARKED = "marked"

@@ -69,7 +69,7 @@ class Producer:
         self._layouts: dict[str, tuple[int, str]] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
         #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
-        self.repartition_wait_s = self.broker.repartition_wait_s
+        self.repartition_wait_s = self.broker.conn.repartition_wait_s
         self.sent = 0
 
     def send(
@@ -121,7 +121,7 @@ class Producer:
     def _learn(self, topic: str, stale: str | None = None) -> None:
         """Read the topic's count and layout; wait while a repartition of it runs (bounded)."""
         partitions, layout = partition_count(
-            self.broker,
+            self.broker.topics,
             topic,
             wait_s=self.repartition_wait_s,
             hint="nothing queued was lost: flush again later",
@@ -153,7 +153,7 @@ class Producer:
             pending = self._buffer[topic]
             while pending:
                 routed = self._routed(topic, pending)
-                written = self.broker.add_in_layout(topic, self._layouts[topic][1], routed)
+                written = self.broker.publishing.add_in_layout(topic, self._layouts[topic][1], routed)
                 pending = [f for partition, ids in written.items() if ids is None for f in routed[partition]]
                 done = sum(len(routed[p]) for p, ids in written.items() if ids is not None)
                 self.sent += done

@@ -219,7 +219,7 @@ def make_topic(redis_url: str, names: Names) -> Callable[[int], str]:
     def make(partitions: int = 1) -> str:
         name = names.topic()
         broker = Broker(Settings.load({"PSPF_BROKER": redis_url}, environ={}).redis)
-        broker.create_topic(name, partitions)
+        broker.topics.create_topic(name, partitions)
         broker.close()
         return name
 

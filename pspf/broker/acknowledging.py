@@ -5,8 +5,8 @@ A batch's acknowledgement, its dead entries' moves to the DLQ and its partition'
 partition's lease is held and the backup is where the update follows on (``BackupUpdate.follows``):
 one MULTI/EXEC with the leases and backup metas WATCHed in the common case, else ``lua/ack.lua``
 per partition, which refuses only the partition whose lease is lost. ``_backup_commands`` and
-``lua/ack.lua`` must keep the same effects. Also here: the leases and memberships that fence these
-calls, and the reads and rewrites of a state backup.
+``lua/ack.lua`` must keep the same effects. Also here: the reads and rewrites of a state backup.
+The leases that fence these calls are taken and kept in ``leases``.
 """
 
 from __future__ import annotations
@@ -69,26 +69,26 @@ class AckInFlight:
 
     def __init__(
         self,
-        broker: Acknowledging,
+        family: Acknowledging,
         requests: Sequence[AckRequest],
         done: list[tuple[int, int] | LeaseLost] | None = None,
         connection: Any = None,
         replies: int = 0,
-        acks: Sequence[int | None] = (),
+        positions: Sequence[int | None] = (),
     ) -> None:
-        self.broker = broker
+        self.family = family
         self.requests = requests
         self._done = done
         self._connection = connection
         self._replies = replies
-        self._acks = acks
+        self._positions = positions
 
     def abandon(self) -> None:
         """Close the connection unread: the call may have run, or not."""
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.disconnect()
-            self.broker.client.connection_pool.release(connection)
+            self.family.conn.client.connection_pool.release(connection)
 
     def result(self) -> list[tuple[int, int] | LeaseLost]:
         """Each request's result, as ``Broker.ack`` gives it."""
@@ -97,10 +97,10 @@ class AckInFlight:
         connection, self._connection = self._connection, None
         if connection is None:
             raise BrokerError("an acknowledgement sent was already read")
-        broker = self.broker
-        pool = broker.client.connection_pool
+        conn = self.family.conn
+        pool = conn.client.connection_pool
         try:
-            with broker.translate_errors():
+            with conn.translate_errors():
                 replies = []
                 for _ in range(self._replies):
                     try:
@@ -114,24 +114,28 @@ class AckInFlight:
             pool.release(connection)
         for reply in replies:  # the first refusal says why (EXEC's own error only follows it)
             if isinstance(reply, redis.ResponseError):
-                with broker.translate_errors():
+                with conn.translate_errors():
                     raise reply
-        if broker._wait:
-            broker._replicated(replies.pop())
+        if conn.ack_wait:
+            conn.replicated(replies.pop())
         done = replies[-1]  # after OK and QUEUED..., EXEC's
         if done is None:  # a lease or backup changed under us: nothing was applied
-            self._done = broker.ack_scripted(self.requests)
+            self._done = self.family.ack_scripted(self.requests)
             return self._done
         for reply in done:
             if isinstance(reply, redis.ResponseError):
-                with broker.translate_errors():
+                with conn.translate_errors():
                     raise reply
-        self._done = [(0, 0) if at is None else (int(done[at]), 0) for at in self._acks]
+        self._done = [(0, 0) if at is None else (int(done[at]), 0) for at in self._positions]
         return self._done
 
 
-class Acknowledging(Connection):
-    """The fenced acknowledgement with its backup update, leases, memberships, and backup reads."""
+class Acknowledging:
+    """The fenced acknowledgement with its backup update, and the backup's reads and rewrites."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._ack = conn.register("ack")
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
         """Acknowledge several partitions' batches (and update their backups) under their leases.
@@ -157,7 +161,7 @@ class Acknowledging(Connection):
         if not requests:
             return AckInFlight(self, requests, done=[])
         common = all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests)
-        if common and not self.cluster:  # one MULTI cannot span a cluster's partitions
+        if common and not self.conn.cluster:  # one MULTI cannot span a cluster's partitions
             sent = self._transaction_sent(requests)
             if sent is not None:
                 return sent
@@ -167,7 +171,9 @@ class Acknowledging(Connection):
         """Each partition's acknowledgement in ``lua/ack.lua``, pipelined: one refusal each."""
         results: list[tuple[int, int] | LeaseLost] = []
         calls = [_ack_call(r) for r in requests]
-        for reply in self._eval_pipelined(self._ack, calls, raise_on_error=False, then=self._wait):
+        for reply in self.conn.eval_pipelined(
+            self._ack, calls, raise_on_error=False, then=self.conn.ack_wait
+        ):
             if isinstance(reply, redis.ResponseError):
                 if str(reply).startswith("LEASE_LOST"):
                     results.append(LeaseLost(str(reply)))
@@ -178,7 +184,7 @@ class Acknowledging(Connection):
                 if str(reply).startswith("BACKUP_DAMAGED"):
                     results.append(BackupDamaged(str(reply)))
                     continue
-                with self.translate_errors():
+                with self.conn.translate_errors():
                     raise reply
             results.append((int(reply[0]), int(reply[1])))
         return results
@@ -192,11 +198,11 @@ class Acknowledging(Connection):
         leases = [r.lease_key for r in requests]
         fenced = [r.backup for r in requests if r.backup is not None]
         backup_keys = [key for b in fenced for key in (b.keys.meta, b.keys.values)]
-        pool = self.client.connection_pool
-        with self.translate_errors():
+        pool = self.conn.client.connection_pool
+        with self.conn.translate_errors():
             connection = pool.get_connection()
         try:
-            with self.translate_errors():
+            with self.conn.translate_errors():
                 reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
                 reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
                 reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
@@ -228,105 +234,31 @@ class Acknowledging(Connection):
                     acks.append(len(commands) - 1 if r.ids else None)
                     if r.ids:
                         commands.append(("XACK", r.stream, r.group, *r.ids))
-                commands += [("EXEC",), *([self._wait] if self._wait else [])]
+                commands += [("EXEC",), *([self.conn.ack_wait] if self.conn.ack_wait else [])]
                 connection.send_packed_command(packed(commands))
         except BaseException:
             connection.disconnect()
             pool.release(connection)
             raise
-        return AckInFlight(self, requests, connection=connection, replies=len(commands), acks=acks)
-
-    # -- leases ---------------------------------------------------------------------------------
-
-    def acquire_lease(self, lease_key: str, fence_key: str, owner: str, ttl_ms: int) -> str | None:
-        """Take a free lease; its value (owner and fencing token), or None when it is held."""
-        with self.translate_errors():
-            value = self._lease_acquire(keys=[lease_key, fence_key], args=[owner, ttl_ms])
-        return None if value is None else bytes(value).decode()
-
-    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_ms: int) -> list[bool]:
-        """Extend leases (key, value) in one round trip; False where a lease is lost."""
-        calls = [([key], [value, ttl_ms]) for key, value in leases]
-        return [bool(r) for r in self._eval_pipelined(self._lease_renew, calls)]
-
-    def release_leases(self, leases: Sequence[tuple[str, str]]) -> None:
-        """Give leases up so a standby takes the partitions at once."""
-        self._eval_pipelined(self._lease_release, [([key], [value]) for key, value in leases])
-
-    def lease_values(self, lease_keys: Sequence[str]) -> list[str | None]:
-        """Each lease's value (``consumer/pid/nonce|token``), None where it is free."""
-        with self.translate_errors():
-            if not lease_keys:
-                values = []
-            elif self.cluster:  # the leases of several partitions are in several slots
-                values = self.client.mget_nonatomic(lease_keys)
-            else:
-                values = self.client.mget(lease_keys)
-        return [None if v is None else _text(v) for v in values]
-
-    def lease_holders(self, lease_keys: Sequence[str]) -> list[str | None]:
-        """The owner part of each lease's value (``consumer/pid/nonce``), None where it is free."""
-        return [None if v is None else v.rpartition("|")[0] for v in self.lease_values(lease_keys)]
-
-    # -- members --------------------------------------------------------------------------------
-
-    def member_heartbeat(
-        self, app: str, member: str, ttl_ms: int, info: bytes, stay: bool = True
-    ) -> tuple[int, bool, list[tuple[str, int, int, bytes]]]:
-        """Renew (or end) a worker's membership; the server's time, whether it was a member, the live.
-
-        Each member as (id, joined ms, expiry ms, info), in id order. "Was a member": its entries
-        were there and unexpired before this call.
-        """
-        member_keys = [keys.members_key(app), keys.joined_key(app), keys.member_info_key(app)]
-        with self.translate_errors(member_keys[0]):
-            reply = self._member_heartbeat(
-                keys=member_keys, args=[member, ttl_ms, info, "1" if stay else "0"]
-            )
-        now, present, rest = int(reply[0]), int(reply[1]) == 1, reply[2:]
-        return (
-            now,
-            present,
-            [
-                (_text(rest[i]), int(float(rest[i + 1])), int(float(rest[i + 2])), bytes(rest[i + 3]))
-                for i in range(0, len(rest), 4)
-            ],
-        )
-
-    def members(self, app: str) -> tuple[int, list[tuple[str, int, int, bytes]]]:
-        """The server's time and the live members as ``member_heartbeat`` gives them (a read only)."""
-        with self.translate_errors(keys.members_key(app)):
-            pipe = self._on(keys.members_key(app)).pipeline(transaction=True)
-            pipe.time()
-            pipe.zrange(keys.members_key(app), 0, -1, withscores=True)
-            pipe.zrange(keys.joined_key(app), 0, -1, withscores=True)
-            pipe.hgetall(keys.member_info_key(app))
-            (seconds, micros), expiries, joined, info = pipe.execute()
-        now = int(seconds) * 1000 + int(micros) // 1000
-        since = {_text(m): int(score) for m, score in joined}
-        return now, [
-            (_text(m), since.get(_text(m), now), int(expiry), bytes(info.get(m, b"{}")))
-            for m, expiry in expiries
-            if expiry > now
-        ]
+        return AckInFlight(self, requests, connection=connection, replies=len(commands), positions=acks)
 
     # -- state backup ---------------------------------------------------------------------------
 
     def backup_meta(self, meta_key: str) -> dict[str, str]:
         """A backup's identity and checkpoints (``cp:TOPIC``); empty when there is no backup."""
-        with self.translate_errors(meta_key):
-            raw = self.client.hgetall(meta_key)
+        with self.conn.translate_errors(meta_key):
+            raw = self.conn.client.hgetall(meta_key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
     def set_backup_field(self, meta_key: str, name: str, value: str) -> None:
         """Record a fact about a backup in its meta (its partition count)."""
-        with self.translate_errors(meta_key):
-            self.client.hset(meta_key, name, value)
+        with self.conn.translate_errors(meta_key):
+            self.conn.client.hset(meta_key, name, value)
 
     def backup_head(self, backup: keys.BackupKeys) -> tuple[dict[str, str], bytes | None]:
         """A backup's meta and the id of its log's last entry, read in one atomic step."""
-        with self.translate_errors(backup.meta):
-            pipe = self._on(backup.meta).pipeline(transaction=True)
+        with self.conn.translate_errors(backup.meta):
+            pipe = self.conn.on(backup.meta).pipeline(transaction=True)
             pipe.hgetall(backup.meta)
             pipe.xrevrange(backup.log, "+", "-", count=1)
             raw, last = pipe.execute()
@@ -334,8 +266,8 @@ class Acknowledging(Connection):
 
     def backup_log(self, log_key: str, after: bytes, count: int) -> list[tuple[bytes, Fields]]:
         """Up to ``count`` log entries after the id ``after``, oldest first."""
-        with self.translate_errors(log_key):
-            reply = cast(list[Any], self.client.xread({log_key: after}, count=count))
+        with self.conn.translate_errors(log_key):
+            reply = cast(list[Any], self.conn.client.xread({log_key: after}, count=count))
         return [(bytes(entry_id), fields) for _, entries in reply for entry_id, fields in entries]
 
     def backup_log_before(self, log_key: str, before: bytes | None, count: int) -> list[tuple[bytes, Fields]]:
@@ -347,8 +279,10 @@ class Acknowledging(Connection):
             if parsed == keys.ZERO_ID:
                 return []
             top = str(parsed.previous())
-        with self.translate_errors(log_key):
-            entries = cast(list[tuple[bytes, Fields]], self.client.xrevrange(log_key, top, "-", count=count))
+        with self.conn.translate_errors(log_key):
+            entries = cast(
+                list[tuple[bytes, Fields]], self.conn.client.xrevrange(log_key, top, "-", count=count)
+            )
         return [(bytes(entry_id), fields) for entry_id, fields in entries]
 
     def backup_values(
@@ -359,9 +293,9 @@ class Acknowledging(Connection):
         The next page is asked for before a page is handed over, so the server finds it while
         the caller stores this one; a scan closed early drops its connection (a reply is due).
         """
-        node = self._on(key)
+        node = self.conn.on(key)
         tail = (b"COUNT", count) if match is None else (b"MATCH", match, b"COUNT", count)
-        with self.translate_errors(key):
+        with self.conn.translate_errors(key):
             connection = node.connection_pool.get_connection()
 
         def ask(cursor: bytes) -> None:
@@ -369,10 +303,10 @@ class Acknowledging(Connection):
             connection.send_packed_command([command])  # type: ignore[no-untyped-call]
 
         try:
-            with self.translate_errors(key):
+            with self.conn.translate_errors(key):
                 ask(b"0")
             while True:
-                with self.translate_errors(key):
+                with self.conn.translate_errors(key):
                     cursor, flat = connection.read_response()
                     if cursor != b"0":
                         ask(cursor)
@@ -392,8 +326,8 @@ class Acknowledging(Connection):
             node.connection_pool.release(connection)
 
     def backup_value(self, key: str, field: bytes) -> bytes | None:
-        with self.translate_errors(key):
-            value = cast(bytes | None, self.client.hget(key, field))
+        with self.conn.translate_errors(key):
+            value = cast(bytes | None, self.conn.client.hget(key, field))
         return value
 
     def rewind_backup(
@@ -413,8 +347,8 @@ class Acknowledging(Connection):
             return False
         prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
         gone = [f for page in self.backup_values(backup.values) for f, _ in page if f.startswith(prefixes)]
-        with self.translate_errors(backup.values):
-            pipe = self._on(backup.values).pipeline(transaction=True)
+        with self.conn.translate_errors(backup.values):
+            pipe = self.conn.on(backup.values).pipeline(transaction=True)
             for start in range(0, len(gone), _CLAIM_COUNT):
                 pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
             pipe.hset(backup.values, mapping={**values, keys.BACKUP_MARK: identity.encode()})  # type: ignore[dict-item]
@@ -429,8 +363,8 @@ class Acknowledging(Connection):
         return True
 
     def delete_backup(self, backup: keys.BackupKeys) -> None:
-        with self.translate_errors(backup.values):
-            self.client.delete(*backup)
+        with self.conn.translate_errors(backup.values):
+            self.conn.client.delete(*backup)
 
 
 def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:

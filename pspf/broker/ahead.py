@@ -73,15 +73,15 @@ class Reader:
 
 
 class ReadAhead:
-    """A fenced read sent ahead (``Broker.read_ahead``); the reader's connection waits for its reply.
+    """A fenced read sent ahead (``Reading.read_ahead``); the reader's connection waits for its reply.
 
     What it delivered is pending for this consumer either way: ``take`` returns it as
     ``read_new`` would, ``drop`` only says which entries they were (to be read again from the
     pending list, in order), ``abandon`` closes the connection without reading.
     """
 
-    def __init__(self, broker: Reading, streams: list[tuple[str, str, str]], armed: bool) -> None:
-        self.broker = broker
+    def __init__(self, reading: Reading, streams: list[tuple[str, str, str]], armed: bool) -> None:
+        self.reading = reading
         self.streams = [stream for stream, _, _ in streams]
         self.leases = [lease for _, lease, _ in streams]
         self.armed = armed
@@ -89,7 +89,7 @@ class ReadAhead:
 
     @staticmethod
     def commands(
-        broker: Reading,
+        reading: Reading,
         group: str,
         consumer: str,
         streams: Sequence[tuple[str, str, str]],
@@ -103,7 +103,7 @@ class ReadAhead:
             read = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS")
             commands: list[tuple[Any, ...]] = [("MULTI",), (*read, *names, *[">"] * len(names)), ("EXEC",)]
         else:
-            sha = broker._read.sha
+            sha = reading._read.sha
             commands = [("UNWATCH",)]
             for stream, lease, value in streams:
                 commands.append(("EVALSHA", sha, 2, stream, lease, group, consumer, count, value))
@@ -129,16 +129,16 @@ class ReadAhead:
         """Close the connection unread: what the read delivered stays pending for this consumer."""
         if self._unread:
             self._unread = False
-            self.broker.reader.close()
+            self.reading.reader.close()
 
     def _replies(self) -> Reply | None:
         if not self._unread:
             raise BrokerError("a read sent ahead was already read")
         self._unread = False
-        reader = self.broker.reader
+        reader = self.reading.reader
         connection = reader.connection
         try:
-            with self.broker.translate_errors():
+            with self.reading.conn.translate_errors():
                 replies = [_response(connection) for _ in range(self._count())]
                 reader.watching(self.leases, _raised(replies[-1]))
                 _raised(replies[-2])
@@ -163,13 +163,13 @@ class ReadAhead:
 
     def _scripted(self, replies: list[Any]) -> Reply | None:
         if any(isinstance(reply, NoScriptError) for reply in replies):
-            self.broker.load_read_script()
+            self.reading.load_read_script()
             return None
         return fenced_reads(self.streams, [_raised(reply) for reply in replies])
 
 
 def fenced_reads(streams: Sequence[str], replies: Sequence[Any]) -> Reply:
-    """``lua/read.lua``'s replies as ``Broker.read_new`` returns them: lost, read, last ids."""
+    """``lua/read.lua``'s replies as ``Reading.read_new`` returns them: lost, read, last ids."""
     lost: list[str] = []
     read: list[tuple[bytes, list[RawEntry]]] = []
     last: dict[str, bytes] = {}

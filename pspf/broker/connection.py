@@ -10,7 +10,7 @@ PSPF's error types; every other family runs its commands inside it.
 What lives here: the client of the URL's topology (a server, a cluster, a Sentinel's master),
 the routing of keys to a cluster's nodes, the checks of what the server offers, the Lua scripts
 (``pspf/lua/``, registered once per broker), and the pipelined raw sends
-(``_eval_pipelined``, ``_raw_connection``) that carry a batch in one round trip.
+(``eval_pipelined``, ``raw_connection``) that carry a batch in one round trip.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from pspf.broker.ahead import Reader
-from pspf.broker.records import MEMORY_CHECK_S, ServerInfo, _text, packed
+from pspf.broker.records import ServerInfo, _text, packed
 from pspf.errors import (
     AuthenticationFailed,
     BrokerError,
@@ -168,10 +167,10 @@ def local_server_hint(address: BrokerAddress) -> str:
 
 
 class Connection:
-    """A connection pool to one Redis or Valkey server, its scripts, and the raw round trips.
+    """A connection pool to one Redis or Valkey server and the raw round trips.
 
-    The base of every family of the broker: they send their commands through ``client`` (or
-    ``_on(key)`` for a transaction on one partition), inside ``translate_errors``.
+    Every family of the broker holds one (``conn``) and sends its commands through ``client``
+    (or ``on(key)`` for a transaction on one partition), inside ``translate_errors``.
     """
 
     def __init__(self, settings: RedisSettings, socket_timeout_s: float = 30.0) -> None:
@@ -188,41 +187,24 @@ class Connection:
             raise self._unreachable(exc) from exc
         self._slots_stale = False
         #: sent after each acknowledging call on its connection (``PSPF_WAIT_REPLICAS``)
-        self._wait: tuple[Any, ...] = (
+        self.ack_wait: tuple[Any, ...] = (
             ("WAIT", settings.wait_replicas, settings.wait_timeout_ms) if settings.wait_replicas else ()
         )
-        self._memory_limits = (settings.memory_slow_at, settings.memory_fail_at)
-        #: (when last read, highest share of maxmemory in use over the servers)
-        self._memory: tuple[float, float] = (-MEMORY_CHECK_S, 0.0)
-        self._slowed = False
-        if not self.cluster:  # a cluster's node clients are set so in _on
+        if not self.cluster:  # a cluster's node clients are set so in on
             _raw_stream_replies(self.client)
-        self._ack = self.client.register_script(_script("ack"))
-        self._redrive = self.client.register_script(_script("redrive"))
-        self._sink_write = self.client.register_script(_script("sink_write"))
-        self._lease_acquire = self.client.register_script(_script("lease_acquire"))
-        self._lease_renew = self.client.register_script(_script("lease_renew"))
-        self._lease_release = self.client.register_script(_script("lease_release"))
-        self._member_heartbeat = self.client.register_script(_script("member_heartbeat"))
-        self._publish = self.client.register_script(_script("publish"))
-        self._add = self.client.register_script(_script("add"))
-        self._read = self.client.register_script(_script("read"))
-        self._last_ids = self.client.register_script(_script("last_ids"))
-        self._repartition_claim = self.client.register_script(_script("repartition_claim"))
-        self._repartition_abort = self.client.register_script(_script("repartition_abort"))
-        self._read_loaded = False
-        #: the connection of the reads sent ahead, kept out of the pool (``pspf.broker.ahead``)
-        self.reader = Reader(getattr(self.client, "connection_pool", None))  # none on a cluster
+
+    def register(self, name: str) -> Script:
+        """The Lua script ``pspf/lua/NAME.lua``, registered with this client (no round trip)."""
+        return self.client.register_script(_script(name))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self.reader.close()
         self.client.close()
         # Behind Sentinel the client's pool asks the sentinels through clients of its own.
         pool = getattr(self.client, "connection_pool", None)
         for sentinel in getattr(getattr(pool, "sentinel_manager", None), "sentinels", ()):
             sentinel.close()
 
-    def _on(self, key: str) -> redis.Redis:
+    def on(self, key: str) -> redis.Redis:
         """The client of the server that holds ``key``: the server itself unless it is a cluster.
 
         Transactions and the replies parsed here (streams) go through it: on a cluster node they
@@ -244,7 +226,7 @@ class Connection:
             return [(cast(redis.Redis, self.client), list(range(len(keys_))))]
         groups: dict[int, tuple[redis.Redis, list[int]]] = {}
         for i, key in enumerate(keys_):
-            node = self._on(key)
+            node = self.on(key)
             groups.setdefault(id(node), (node, []))[1].append(i)
         return list(groups.values())
 
@@ -317,7 +299,7 @@ class Connection:
         versions: list[str] = []
         names: list[str] = []
         warnings: list[str] = []
-        for server in self._servers():
+        for server in self.servers():
             with self.translate_errors():
                 info = server.info("server")
                 if server.execute_command("COMMAND", "INFO", "XAUTOCLAIM") in ([None], [], None):  # type: ignore[no-untyped-call]
@@ -339,7 +321,7 @@ class Connection:
         renamed or refused by an ACL the policy is unchecked.
         """
         checked = True
-        for server in self._servers():
+        for server in self.servers():
             try:
                 with self.translate_errors():
                     reply = server.config_get("maxmemory-policy")
@@ -359,16 +341,16 @@ class Connection:
                 )
         return checked
 
-    def _servers(self) -> list[redis.Redis]:
+    def servers(self) -> list[redis.Redis]:
         """Every server PSPF's keys live on: the one, or a cluster's primaries."""
         if not self.cluster:
             return [cast(redis.Redis, self.client)]
         with self.translate_errors():
             return [node.redis_connection for node in self.client.get_primaries()]
 
-    def _replicated(self, replicas: int) -> None:
+    def replicated(self, replicas: int) -> None:
         """Say when fewer replicas than asked for have an acknowledging call (WAIT's reply)."""
-        wanted, timeout_ms = self._wait[1:]
+        wanted, timeout_ms = self.ack_wait[1:]
         if replicas < wanted:
             log.warning(
                 "only %s of %s replicas have the last acknowledgement after %s ms: a fail-over now "
@@ -378,7 +360,7 @@ class Connection:
                 timeout_ms,
             )
 
-    def _eval_pipelined(
+    def eval_pipelined(
         self,
         script: Script,
         calls: Sequence[tuple[list[Any], list[Any]]],
@@ -424,16 +406,16 @@ class Connection:
     ) -> list[Any]:
         """Send the calls to one server in one write; their replies (error replies returned, not raised)."""
         commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls]
-        with self._raw_connection(node) as send:
+        with self.raw_connection(node) as send:
             replies = send([*commands, *([then] if then else [])], keep_errors=True)
         if then:
             if then[0] == "WAIT" and isinstance(replies[-1], int):
-                self._replicated(replies[-1])
+                self.replicated(replies[-1])
             replies.pop()
         return replies
 
     @contextmanager
-    def _raw_connection(self, node: redis.Redis) -> Iterator[Callable[..., list[Any]]]:
+    def raw_connection(self, node: redis.Redis) -> Iterator[Callable[..., list[Any]]]:
         """A pooled connection's ``send(commands, keep_errors=False)``: one write, then every reply.
 
         Packed by hiredis directly: these calls carry a batch's values (thousands of arguments),
@@ -464,7 +446,7 @@ class Connection:
             finally:
                 pool.release(connection)
 
-    def _error(self, reply: Any) -> Any:
+    def reply_or_error(self, reply: Any) -> Any:
         """A reply, or the PSPF error of an error reply."""
         if not isinstance(reply, redis.ResponseError):
             return reply

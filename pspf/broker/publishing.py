@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError
 from pspf import keys
 from pspf.broker.connection import Connection
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, packed
-from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull, NotFound
+from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,19 @@ def refused_layout(reply: object) -> str | None:
     return None
 
 
-class Publishing(Connection):
+class Publishing:
     """Producers' and the outbox's writes, held back near the servers' maxmemory."""
+
+    def __init__(self, conn: Connection, memory_limits: tuple[float, float]) -> None:
+        self.conn = conn
+        #: (``memory_slow_at``, ``memory_fail_at``): shares of maxmemory
+        self._memory_limits = memory_limits
+        #: (when last read, highest share of maxmemory in use over the servers)
+        self._memory: tuple[float, float] = (-MEMORY_CHECK_S, 0.0)
+        self._slowed = False
+        self._publish = conn.register("publish")
+        self._add = conn.register("add")
+        self._sink_write = conn.register("sink_write")
 
     def guard_memory(self) -> None:
         """Producers' brake: pause near the servers' maxmemory, and refuse (MemoryFull) at it.
@@ -66,8 +77,8 @@ class Publishing(Connection):
         checked, used = self._memory
         if used > 0 or time.monotonic() - checked >= MEMORY_CHECK_S:  # with a limit, before each write
             used = 0.0
-            for server in self._servers():
-                with self.translate_errors():
+            for server in self.conn.servers():
+                with self.conn.translate_errors():
                     info = server.info("memory")
                 limit = int(info.get("maxmemory", 0))
                 if limit:
@@ -76,7 +87,7 @@ class Publishing(Connection):
         slow_at, fail_at = self._memory_limits
         if used >= fail_at:
             raise MemoryFull(
-                f"the server at {self.url} uses {used:.0%} of its maxmemory: producing stops before it "
+                f"the server at {self.conn.url} uses {used:.0%} of its maxmemory: producing stops before it "
                 f"evicts or refuses writes (PSPF_MEMORY_FAIL_AT={fail_at}); let the apps catch up and "
                 "trim the topics (pspf topic trim), or give the server more memory"
             )
@@ -84,7 +95,7 @@ class Publishing(Connection):
             if not self._slowed:  # said once per stretch
                 log.warning(
                     "the server at %s uses %.0f%% of its maxmemory: producing slows down",
-                    self.url,
+                    self.conn.url,
                     100 * used,
                 )
             self._slowed = True
@@ -101,8 +112,8 @@ class Publishing(Connection):
         server's maxmemory (``guard_memory``).
         """
         self.guard_memory()
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
             for stream, fields in entries:
                 pipe.xadd(
                     stream,
@@ -133,7 +144,7 @@ class Publishing(Connection):
             calls.append(([keys.stream_key(topic, partition), keys.layout_key(topic, partition)], args))
         # EVALSHA straight into the pipeline (one per node): redis-py's script objects would send
         # SCRIPT EXISTS, which an ACL user may lack, and a cluster pipeline refuses them.
-        replies = self._eval_pipelined(self._add, calls, raise_on_error=False)
+        replies = self.conn.eval_pipelined(self._add, calls, raise_on_error=False)
         found: dict[int, list[bytes] | None] = {}
         for partition, reply in zip(partitions, replies, strict=True):
             if refused_layout(reply) is not None:
@@ -143,16 +154,6 @@ class Publishing(Connection):
             else:
                 found[partition] = list(reply)
         return found
-
-    def topic_layout(self, topic: str) -> tuple[int, str, bool]:
-        """A topic's partition count, layout generation and whether a repartition of it runs."""
-        with self.translate_errors():
-            raw = self.client.hmget(keys.topic_key(topic), ["partitions", "layout", "moving"])
-        if raw[0] is None:
-            raise NotFound(
-                f"topic {topic!r} does not exist; create it with `pspf topic create {topic} --partitions N`"
-            )
-        return int(raw[0]), (raw[1] or b"0").decode(), raw[2] is not None
 
     def publish(self, topic: str, partition: int, producer: str, rows: Sequence[tuple[int, Fields]]) -> int:
         """Append a producer's rows to a topic partition, each at most once; how many were new.
@@ -172,8 +173,8 @@ class Publishing(Connection):
 
     def published_up_to(self, producer: str, targets: Sequence[tuple[str, int]]) -> list[int]:
         """The last sequence number each target partition recorded for a producer (0: none)."""
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
             for target in targets:
                 pipe.hget(keys.producers_key(*target), producer)
             return [int(v or 0) for v in pipe.execute()]
@@ -201,15 +202,15 @@ class Publishing(Connection):
             for call in calls
             for t in (call.target,)
         ]
-        if self.cluster:
+        if self.conn.cluster:
             try:
-                replies = self._eval_pipelined(self._publish, scripted, raise_on_error=False)
+                replies = self.conn.eval_pipelined(self._publish, scripted, raise_on_error=False)
             except BrokerError as exc:
                 return SentCalls.failed(len(calls), exc)
-            return SentCalls(self, None, scripted, [self._error(r) for r in replies])
-        pool = self.client.connection_pool
+            return SentCalls(self, None, scripted, [self.conn.reply_or_error(r) for r in replies])
+        pool = self.conn.client.connection_pool
         try:
-            with self.translate_errors():
+            with self.conn.translate_errors():
                 connection = pool.get_connection()
                 try:
                     connection.send_packed_command(
@@ -249,21 +250,21 @@ class Publishing(Connection):
             calls.append(
                 (names if marker is None else [*names, marker], [layout, marker_ttl_s, maxlen, minid, *flat])
             )
-        replies = self._eval_pipelined(self._sink_write, calls, raise_on_error=False)
+        replies = self.conn.eval_pipelined(self._sink_write, calls, raise_on_error=False)
         added: dict[int, int | None] = {}
         for partition, reply in zip(partitions, replies, strict=True):
             if refused_layout(reply) is not None:
                 added[partition] = None
                 continue
             if isinstance(reply, redis.ResponseError):
-                with self.translate_errors():
+                with self.conn.translate_errors():
                     raise reply
             added[partition] = int(reply)
         return added
 
 
 class SentCalls:
-    """Publishing calls sent (``Broker.send_publish``); their connection is theirs until read.
+    """Publishing calls sent (``Publishing.send_publish``); their connection is theirs until read.
 
     ``replies`` gives one reply per call, or the PSPF error of the call: a call that did not run
     because the server had lost its scripts is sent again then; calls whose replies cannot be read
@@ -272,12 +273,12 @@ class SentCalls:
 
     def __init__(
         self,
-        broker: Publishing | None,
+        publishing: Publishing | None,
         connection: Any,
         calls: list[tuple[list[Any], list[Any]]],
         replies: list[Any] | None = None,
     ) -> None:
-        self.broker = broker
+        self.publishing = publishing
         self._connection = connection
         self._calls = calls
         self._replies = replies
@@ -289,12 +290,13 @@ class SentCalls:
     def replies(self) -> list[Any]:
         if self._replies is not None:
             return self._replies
-        broker, connection = self.broker, self._connection
-        assert broker is not None and connection is not None
+        publishing, connection = self.publishing, self._connection
+        assert publishing is not None and connection is not None
+        conn = publishing.conn
         self._connection = None
         replies: list[Any] = []
         try:
-            with broker.translate_errors():
+            with conn.translate_errors():
                 for _ in self._calls:
                     try:
                         replies.append(connection.read_response())
@@ -304,25 +306,25 @@ class SentCalls:
             connection.disconnect()
             replies += [exc] * (len(self._calls) - len(replies))
         finally:
-            broker.client.connection_pool.release(connection)
+            conn.client.connection_pool.release(connection)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             try:
-                again = broker._eval_pipelined(
-                    broker._publish, [self._calls[i] for i in missing], raise_on_error=False
+                again = conn.eval_pipelined(
+                    publishing._publish, [self._calls[i] for i in missing], raise_on_error=False
                 )
             except BrokerError as exc:
                 again = [exc] * len(missing)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
-        self._replies = [broker._error(reply) for reply in replies]
+        self._replies = [conn.reply_or_error(reply) for reply in replies]
         return self._replies
 
     def abandon(self) -> None:
         """Close the connection unread (the calls may or may not have run)."""
-        if self._connection is not None and self.broker is not None:
+        if self._connection is not None and self.publishing is not None:
             self._connection.disconnect()
-            self.broker.client.connection_pool.release(self._connection)
+            self.publishing.conn.client.connection_pool.release(self._connection)
             self._connection = None
             self._replies = [BrokerUnavailable("the connection of the publishing calls was closed")] * len(
                 self._calls

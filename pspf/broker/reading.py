@@ -18,7 +18,7 @@ from typing import Any, cast
 import redis
 
 from pspf import keys
-from pspf.broker.ahead import ReadAhead, fenced_reads
+from pspf.broker.ahead import ReadAhead, Reader, fenced_reads
 from pspf.broker.connection import Connection
 from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text
 from pspf.keys import StreamId
@@ -26,13 +26,21 @@ from pspf.keys import StreamId
 log = logging.getLogger(__name__)
 
 
-class Reading(Connection):
+class Reading:
     """Fenced reads of new entries, reads sent ahead, waiting for entries, pending lists and claims."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._read = conn.register("read")
+        self._last_ids = conn.register("last_ids")
+        self._read_loaded = False
+        #: the connection of the reads sent ahead, kept out of the pool (``pspf.broker.ahead``)
+        self.reader = Reader(getattr(conn.client, "connection_pool", None))  # none on a cluster
 
     def oldest_pending(self, stream: str, group: str) -> bytes | None:
         """The id of the group's oldest pending entry in the stream (None when nothing is pending)."""
-        with self.translate_errors(stream):
-            summary = self.client.xpending(stream, group)
+        with self.conn.translate_errors(stream):
+            summary = self.conn.client.xpending(stream, group)
         return cast(bytes | None, summary.get("min"))
 
     def read_group(
@@ -48,8 +56,8 @@ class Reading(Connection):
         if block_ms is not None:
             args += ["BLOCK", block_ms]
         args += ["STREAMS", *streams.keys(), *streams.values()]
-        with self.translate_errors():
-            reply = self._on(next(iter(streams))).execute_command(*args)  # type: ignore[no-untyped-call]
+        with self.conn.translate_errors():
+            reply = self.conn.on(next(iter(streams))).execute_command(*args)  # type: ignore[no-untyped-call]
         if not reply:
             return []
         return [(stream, _entries(entries)) for stream, entries in reply]
@@ -62,8 +70,8 @@ class Reading(Connection):
         One pipelined XRANGE per stream (on a cluster, per node); streams with nothing new are left out.
         """
         streams = list(positions)
-        with self.translate_errors(", ".join(streams)):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(", ".join(streams)):
+            pipe = self.conn.client.pipeline(transaction=False)
             for stream in streams:
                 after = positions[stream]
                 pipe.xrange(stream, "-" if after is None else str(after.next()), "+", count)
@@ -75,8 +83,8 @@ class Reading(Connection):
 
         One pipelined XREVRANGE per stream; empty streams are left out.
         """
-        with self.translate_errors(", ".join(streams)):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(", ".join(streams)):
+            pipe = self.conn.client.pipeline(transaction=False)
             for stream in streams:
                 pipe.xrevrange(stream, "+", "-", count)
             replies = pipe.execute()
@@ -97,12 +105,12 @@ class Reading(Connection):
         On a cluster, where one MULTI cannot span partitions, each partition's read is a Lua call
         that checks its lease (``lua/read.lua``), pipelined per node.
         """
-        if self.cluster:
+        if self.conn.cluster:
             return self._read_new_scripted(group, consumer, streams, count)
         lease_keys = [lease for _, lease, _ in streams]
         with (
-            self.translate_errors(", ".join(s for s, _, _ in streams)),
-            self.client.pipeline(transaction=True) as pipe,
+            self.conn.translate_errors(", ".join(s for s, _, _ in streams)),
+            self.conn.client.pipeline(transaction=True) as pipe,
         ):
             while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
                 pipe.watch(*lease_keys)
@@ -126,14 +134,14 @@ class Reading(Connection):
                     continue  # the leases are read again: a moved one is lost then
         if reply:
             return lost, [(stream, _entries(raw)) for stream, raw in reply], {}
-        (last,) = self._eval_pipelined(self._last_ids, [(held, [])])
+        (last,) = self.conn.eval_pipelined(self._last_ids, [(held, [])])
         return lost, [], {s: bytes(found) for s, found in zip(held, last, strict=True)}
 
     def _read_new_scripted(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
         calls = [([stream, lease], [group, consumer, count, value]) for stream, lease, value in streams]
-        return fenced_reads([s for s, _, _ in streams], self._eval_pipelined(self._read, calls))
+        return fenced_reads([s for s, _, _ in streams], self.conn.eval_pipelined(self._read, calls))
 
     def read_ahead(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
@@ -148,7 +156,7 @@ class Reading(Connection):
         if not armed and not self._read_loaded:  # else the first read ahead finds no script
             self.load_read_script()
         commands = ReadAhead.commands(self, group, consumer, streams, count, armed)
-        with self.translate_errors():
+        with self.conn.translate_errors():
             try:
                 self.reader.send(commands)
             except BaseException:
@@ -158,8 +166,8 @@ class Reading(Connection):
 
     def load_read_script(self) -> None:
         """Load ``lua/read.lua`` into the server's script cache (a read sent ahead cannot load it)."""
-        with self.translate_errors():
-            self.client.script_load(self._read.script)
+        with self.conn.translate_errors():
+            self.conn.client.script_load(self._read.script)
         self._read_loaded = True
 
     def wait_for_new(self, last_ids: dict[str, bytes], block_ms: int) -> None:
@@ -169,14 +177,14 @@ class Reading(Connection):
         cluster, where one XREAD cannot span partitions, the streams are looked at every
         ``CLUSTER_POLL_MS`` instead (one XREAD per partition, pipelined: a round trip per node).
         """
-        if not self.cluster or len({self.client.keyslot(s) for s in last_ids}) <= 1:
-            with self.translate_errors():
-                self.client.xread(dict(last_ids), count=1, block=block_ms)
+        if not self.conn.cluster or len({self.conn.client.keyslot(s) for s in last_ids}) <= 1:
+            with self.conn.translate_errors():
+                self.conn.client.xread(dict(last_ids), count=1, block=block_ms)
             return
         deadline = time.monotonic() + block_ms / 1000
         while True:
-            with self.translate_errors():
-                pipe = self.client.pipeline(transaction=False)
+            with self.conn.translate_errors():
+                pipe = self.conn.client.pipeline(transaction=False)
                 for stream, after in last_ids.items():
                     pipe.xread({stream: after}, count=1)
                 if any(pipe.execute()) or time.monotonic() >= deadline:
@@ -185,8 +193,8 @@ class Reading(Connection):
 
     def delivery_counts(self, stream: str, group: str, ids: Sequence[bytes]) -> dict[bytes, int]:
         """How often each of these pending entries was delivered (one XPENDING each, pipelined)."""
-        with self.translate_errors():
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
             for entry_id in ids:
                 pipe.xpending_range(stream, group, entry_id, entry_id, 1)
             replies = pipe.execute()
@@ -207,8 +215,8 @@ class Reading(Connection):
         deleted = 0
         cursor: bytes | str = b"0-0"
         while True:
-            with self.translate_errors():
-                reply = self._on(stream).execute_command(  # type: ignore[no-untyped-call]
+            with self.conn.translate_errors():
+                reply = self.conn.on(stream).execute_command(  # type: ignore[no-untyped-call]
                     "XAUTOCLAIM",
                     stream,
                     group,
@@ -241,10 +249,10 @@ class Reading(Connection):
         found: list[PendingEntry] = []
         start, last = "-", "+" if end is None else str(end)
         while True:
-            with self.translate_errors(stream):
+            with self.conn.translate_errors(stream):
                 rows = cast(
                     list[dict[str, Any]],
-                    self.client.xpending_range(
+                    self.conn.client.xpending_range(
                         stream, group, start, last, _CLAIM_COUNT, idle=min_idle_ms or None
                     ),
                 )
@@ -272,8 +280,8 @@ class Reading(Connection):
         if after is not None and end <= after:
             return False
         start = "-" if after is None else str(after.next())
-        with self.translate_errors(stream):
-            pipe = self.client.pipeline(transaction=False)
+        with self.conn.translate_errors(stream):
+            pipe = self.conn.client.pipeline(transaction=False)
             pipe.xrange(stream, start, str(end), count=_CLAIM_COUNT)
             pipe.xpending_range(stream, group, start, str(end), _CLAIM_COUNT)
             entries, pending = pipe.execute()
@@ -294,8 +302,8 @@ class Reading(Connection):
         claimed: list[bytes] = []
         for start in range(0, len(ids), _CLAIM_COUNT):
             chunk = ids[start : start + _CLAIM_COUNT]
-            with self.translate_errors(stream):
-                claimed += self._on(stream).execute_command(  # type: ignore[no-untyped-call]
+            with self.conn.translate_errors(stream):
+                claimed += self.conn.on(stream).execute_command(  # type: ignore[no-untyped-call]
                     "XCLAIM", stream, group, consumer, min_idle_ms, *chunk, "JUSTID"
                 )
         return claimed
@@ -305,8 +313,8 @@ class Reading(Connection):
     ) -> list[tuple[bytes, int]]:
         """Own pending entries after ``after`` with their delivery counts, without delivering."""
         start = "-" if after == keys.ZERO_ID else str(after.next())
-        with self.translate_errors():
-            rows = self.client.xpending_range(stream, group, start, "+", count, consumer)
+        with self.conn.translate_errors():
+            rows = self.conn.client.xpending_range(stream, group, start, "+", count, consumer)
         return [(row["message_id"], int(row["times_delivered"])) for row in cast(list[dict[str, Any]], rows)]
 
     def claim_entries(
@@ -319,7 +327,7 @@ class Reading(Connection):
         owner, and every such delivery would make them look more like poison.
         """
         lease_key, lease_value = lease
-        with self.translate_errors(stream), self._on(stream).pipeline(transaction=True) as pipe:
+        with self.conn.translate_errors(stream), self.conn.on(stream).pipeline(transaction=True) as pipe:
             while True:  # a lease renewed meanwhile (the keeper's thread) breaks the WATCH: again
                 pipe.watch(lease_key)  # type: ignore[no-untyped-call]
                 if _text(pipe.get(lease_key)) != lease_value:

@@ -1,8 +1,8 @@
 """The broker's shared vocabulary: entry shapes, the records its reads return, limits, parsers.
 
-Everything here is plain data or a pure function: no round trip, no client. Every family of the
-broker (connection, reading, acknowledging, publishing, admin) may import it; it imports none of
-them. Replies stay bytes until these parsers (or a family's method) turn them into text.
+Everything here is plain data or a pure function: no round trip, no client. The connection and
+every family of the broker may import it; it imports none of them. Replies stay bytes until
+these parsers (or a family's method) turn them into text.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ Fields = dict[bytes, bytes]
 RawEntry = tuple[bytes, Fields | None]
 
 _CLAIM_COUNT = 1000
-#: How often a worker idle on a cluster looks for new entries (``Broker.wait_for_new``).
+#: How often a worker idle on a cluster looks for new entries (``Reading.wait_for_new``).
 CLUSTER_POLL_MS = 20
-#: How often producers look whether a server without maxmemory got one (``Broker.guard_memory``);
+#: How often producers look whether a server without maxmemory got one (``Publishing.guard_memory``);
 #: with one, they read its memory use before each write.
 MEMORY_CHECK_S = 5.0
 #: The longest pause a producer takes per write when the server nears its maxmemory.

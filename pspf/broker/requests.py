@@ -19,8 +19,12 @@ from pspf.broker.connection import Connection
 from pspf.broker.records import Fields
 
 
-class Requests(Connection):
+class Requests:
     """The DLQ's entries and moves, and outbox-replay requests."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._redrive = conn.register("redrive")
 
     # -- DLQ ------------------------------------------------------------------------------------
 
@@ -28,26 +32,26 @@ class Requests(Connection):
         self, dlq: str, start: str = "-", end: str = "+", count: int | None = None
     ) -> list[tuple[bytes, Fields]]:
         """DLQ entries in id order."""
-        with self.translate_errors():
-            return list(self.client.xrange(dlq, start, end, count))
+        with self.conn.translate_errors():
+            return list(self.conn.client.xrange(dlq, start, end, count))
 
     def redrive(self, dlq: str, stream: str, dlq_id: bytes, fields: Fields) -> bytes | None:
         """Move one DLQ entry back to ``stream`` as ``fields``; None when it was gone already."""
         args = [dlq_id, *(x for pair in fields.items() for x in pair)]
-        with self.translate_errors():
+        with self.conn.translate_errors():
             new_id = self._redrive(keys=[dlq, stream], args=args)
         return None if new_id is None else bytes(new_id)
 
     def dlq_delete(self, dlq: str, ids: Sequence[bytes]) -> int:
-        with self.translate_errors():
-            return int(self.client.xdel(dlq, *ids)) if ids else 0
+        with self.conn.translate_errors():
+            return int(self.conn.client.xdel(dlq, *ids)) if ids else 0
 
     # -- outbox replay requests ---------------------------------------------------------------
 
     def request_outbox_replay(self, app: str, partition: int, ids: Sequence[int]) -> None:
         """Ask the owner of a partition to replay outbox rows (added to a request still waiting)."""
         key = keys.outbox_replay_key(app)
-        with self.translate_errors(key), self._on(key).pipeline(transaction=True) as pipe:
+        with self.conn.translate_errors(key), self.conn.on(key).pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
@@ -66,14 +70,14 @@ class Requests(Connection):
         if not partitions:
             return {}
         key = keys.outbox_replay_key(app)
-        with self.translate_errors(key):
-            found = cast(list[bytes | None], self.client.hmget(key, [str(p) for p in partitions]))
+        with self.conn.translate_errors(key):
+            found = cast(list[bytes | None], self.conn.client.hmget(key, [str(p) for p in partitions]))
         return {p: raw for p, raw in zip(partitions, found, strict=True) if raw}
 
     def finish_outbox_replay(self, app: str, partition: int, request: bytes, outcome: bytes) -> None:
         """Record what a replay request did and drop it, unless a newer request replaced it meanwhile."""
         key = keys.outbox_replay_key(app)
-        with self.translate_errors(key), self._on(key).pipeline(transaction=True) as pipe:
+        with self.conn.translate_errors(key), self.conn.on(key).pipeline(transaction=True) as pipe:
             pipe.watch(key)  # type: ignore[no-untyped-call]
             if pipe.hget(key, str(partition)) != request:
                 pipe.unwatch()
@@ -86,8 +90,8 @@ class Requests(Connection):
 
     def outbox_replay_outcomes(self, app: str, partitions: Sequence[int]) -> dict[int, bytes | None]:
         """Per partition: None while its request waits, else what its owner did (raw JSON)."""
-        with self.translate_errors(keys.outbox_replay_key(app)):
-            pipe = self._on(keys.outbox_replay_key(app)).pipeline(transaction=True)
+        with self.conn.translate_errors(keys.outbox_replay_key(app)):
+            pipe = self.conn.on(keys.outbox_replay_key(app)).pipeline(transaction=True)
             pipe.hmget(keys.outbox_replay_key(app), [str(p) for p in partitions])
             pipe.hmget(keys.outbox_replayed_key(app), [str(p) for p in partitions])
             waiting, done = pipe.execute()

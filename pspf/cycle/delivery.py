@@ -5,10 +5,10 @@ connection) reads them from its pending list before anything new. An entry whose
 says an earlier attempt may have crashed the worker is read alone, with nothing else delivered in
 that cycle, so a poison entry cannot drag its batch-mates' counts up with it; one delivered more
 than ``max_deliveries`` times with no recorded outcome is poison. Parked entries are claimed
-again when due. New entries are read in one XREADGROUP under the leases (``Broker.read_new``).
+again when due. New entries are read in one XREADGROUP under the leases (``Reading.read_new``).
 
 Reading ahead: after a full batch of new entries, the next read is sent at once and its reply
-taken by the next cycle (``Broker.read_ahead``), so the server builds the next batch while the
+taken by the next cycle (``Reading.read_ahead``), so the server builds the next batch while the
 handlers run on this one. It is taken only when the next cycle reads exactly the same streams
 under the same leases; otherwise it is dropped: what it delivered is pending here, and each of its
 streams re-reads its pending list, in id order, as after a failure (those deliveries count as
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from pspf import codec, keys
-from pspf.broker import Broker, Fields, RawEntry, ReadAhead
+from pspf.broker import Fields, RawEntry, ReadAhead, Reading, Topics
 from pspf.cycle.execution import Entry
 from pspf.cycle.ordering import CrossTopicOrder
 from pspf.errors import ConfigError, DecodeError
@@ -59,7 +59,8 @@ class Delivery:
 
     def __init__(
         self,
-        broker: Broker,
+        reading: Reading,
+        topics: Topics,
         group: str,
         consumer: str,
         batch_size: int,
@@ -69,7 +70,9 @@ class Delivery:
         streams: dict[str, StreamCursor],
         tables: frozenset[str] = frozenset(),
     ) -> None:
-        self.broker = broker
+        self.reading = reading
+        #: the streams' last ids (a check that their tails are not lost)
+        self.topics = topics
         self.group = group
         self.consumer = consumer
         self.batch_size = batch_size
@@ -80,7 +83,7 @@ class Delivery:
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
         #: id order across each partition's topics (apps with tables; see ``pspf.cycle.ordering``)
-        self.order = None if not tables else CrossTopicOrder(broker, tables, owned, batch_size)
+        self.order = None if not tables else CrossTopicOrder(reading, tables, owned, batch_size)
 
     @property
     def reading_ahead(self) -> bool:
@@ -120,7 +123,7 @@ class Delivery:
         if ahead is None:  # a read ahead dropped just now sent its streams back to their pending lists
             live = [stream for stream in live if self.streams[stream[0]].pending_after is None]
         if live:
-            lost_now, replies, last_ids = ahead or self.broker.read_new(
+            lost_now, replies, last_ids = ahead or self.reading.read_new(
                 self.group, self.consumer, live, self.batch_size
             )
             lost += lost_now
@@ -130,12 +133,15 @@ class Delivery:
                 order.complete = {s for s, _, _ in live if s not in lost_now and s not in full}
             self._check_tails(new, last_ids)
             out += new
-            if not self.broker.cluster and any(len(r.entries) >= self.batch_size for r in new):
+            if not self.reading.conn.cluster and any(len(r.entries) >= self.batch_size for r in new):
                 held = [stream for stream in live if stream[0] not in lost_now]
-                self._ahead = self.broker.read_ahead(self.group, self.consumer, held, self.batch_size), held
+                self._ahead = (
+                    self.reading.read_ahead(self.group, self.consumer, held, self.batch_size),
+                    held,
+                )
             waiting = order is not None and any(c.held is not None for c in ready)
             if block and wait_ms > 0 and not out and not waiting and last_ids:  # BLOCK 0: for ever
-                self.broker.wait_for_new(last_ids, wait_ms)
+                self.reading.wait_for_new(last_ids, wait_ms)
         if order is not None:
             out = order.with_held(out, ready)
         return out, lost
@@ -239,7 +245,7 @@ class Delivery:
         for read in new:
             checkpoint = read.cursor.checkpoint
             if checkpoint is not None and StreamId.parse(read.entries[0][0]) <= checkpoint:
-                check_tail(read.cursor.stream, self.broker.last_id(read.cursor.stream), checkpoint)
+                check_tail(read.cursor.stream, self.topics.last_id(read.cursor.stream), checkpoint)
 
     def _pending_window(self, cursor: StreamCursor) -> list[tuple[bytes, int]]:
         """The next own pending entries and their delivery counts (XPENDING delivers nothing).
@@ -247,7 +253,7 @@ class Delivery:
         Parked entries are left out: their count must not grow while they wait.
         """
         assert cursor.pending_after is not None
-        window = self.broker.pending_counts(
+        window = self.reading.pending_counts(
             cursor.stream, self.group, self.consumer, cursor.pending_after, self.batch_size
         )
         if not window:
@@ -282,7 +288,7 @@ class Delivery:
 
     def _claim_pending(self, cursor: StreamCursor, window: list[tuple[bytes, int]]) -> list[Read] | None:
         ids = [entry_id for entry_id, _ in window]
-        found = self.broker.claim_entries(
+        found = self.reading.claim_entries(
             cursor.stream, self.group, self.consumer, ids, (cursor.lease_key, cursor.lease_value)
         )
         if found is None:
@@ -308,7 +314,7 @@ class Delivery:
                 due = owned.due(cursor.topic, now_ms, self.batch_size)
                 if not due:
                     continue
-                entries = self.broker.claim_entries(
+                entries = self.reading.claim_entries(
                     cursor.stream, self.group, self.consumer, due, (cursor.lease_key, cursor.lease_value)
                 )
                 if entries is None:
@@ -322,7 +328,7 @@ class Delivery:
                     )
                     owned.forget_failure(cursor.topic, entry_id)
                 if entries:
-                    counts = self.broker.delivery_counts(
+                    counts = self.reading.delivery_counts(
                         cursor.stream, self.group, [entry_id for entry_id, _ in entries]
                     )
                     out.append(Read(cursor, entries, counts, self._poison(cursor, counts), due=True))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from pspf.keys import ZERO_ID, StreamId
 
 if TYPE_CHECKING:
-    from pspf.broker import Broker
+    from pspf.broker import Reading
     from pspf.partition.batch import StreamOutcome
     from pspf.partition.owned import OwnedPartition, Read, StreamCursor
     from pspf.tables.table import TableWrites
@@ -47,9 +47,9 @@ class CrossTopicOrder:
     """Keeps one cycle's reads of each partition in id order across its topics."""
 
     def __init__(
-        self, broker: Broker, tables: frozenset[str], owned: dict[int, OwnedPartition], batch_size: int
+        self, reading: Reading, tables: frozenset[str], owned: dict[int, OwnedPartition], batch_size: int
     ) -> None:
-        self.broker = broker
+        self.reading = reading
         self.tables = tables
         self.owned = owned
         self.batch_size = batch_size
@@ -97,7 +97,7 @@ class CrossTopicOrder:
         others = [c for c in self.owned[cursor.partition].streams.values() if c is not cursor]
         if not others:
             return True
-        heads = dict(self.broker.read_after({c.stream: c.checkpoint for c in others}, 1))
+        heads = dict(self.reading.read_after({c.stream: c.checkpoint for c in others}, 1))
         for other in others:
             head = heads.get(other.stream)
             if not head:

@@ -19,7 +19,7 @@ the module that holds it:
    the new checkpoints, the outbox rows of what the handlers emitted and the retry bookkeeping
    (attempts, parked entries, dead-letter decisions), and what time did in the batch
    (``timekeeping``: windows stream time closed, scheduled callbacks, expired state);
-6. acknowledge (``batch.Durability``, through ``Broker.ack``): ONE atomic call acknowledges
+6. acknowledge (``batch.Durability``, through ``Acknowledging.ack``): ONE atomic call acknowledges
    every stream's batch, updates the partitions' state backups and moves dead entries to the
    DLQ, under the leases (a MULTI/EXEC with the leases WATCHed, or a Lua call per stream that
    checks its lease token); it happens only after step 5 returned; then the outbox rows of the
@@ -87,14 +87,15 @@ class BatchProcessor:
         self.consumer = consumer
         self.policies = policies
         self.hooks = hooks or ProcessorHooks()
-        self.emitter = Emitter(broker, app.name)
-        self.relay = Relay(broker, consumer, outbox or OutboxSettings(), self.emitter, self.hooks)
+        self.emitter = Emitter(broker.topics, app.name)
+        self.relay = Relay(broker.publishing, consumer, outbox or OutboxSettings(), self.emitter, self.hooks)
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}
         if app.timers:  # a read waits no longer than a timer period (one it overruns runs late)
             block_ms = max(1, min([block_ms, *(t.every_ms for t in app.timers)]))
         self.delivery = Delivery(
-            broker,
+            broker.reading,
+            broker.topics,
             app.name,
             consumer,
             batch_size,
@@ -108,7 +109,7 @@ class BatchProcessor:
         # Decided once: after the app's code and any ``opentelemetry-instrument`` set-up ran.
         tracing = configured(app.name)
         self.attempts = Attempts(app, consumer, self.emitter, policies, tracing)
-        self.durability = Durability(broker, app.name, self.hooks, tracing, sends=broker)
+        self.durability = Durability(broker.acks, app.name, self.hooks, tracing, sends=broker.acks)
         #: the app's tables, once the worker knows the partition count (``start_tables``)
         self.lookups: Lookups | None = None
 
@@ -256,7 +257,7 @@ class BatchProcessor:
 
     def apply_outbox_replays(self) -> None:
         """Apply operators' outbox replay requests for the owned partitions (``pspf outbox replay``)."""
-        requests = self.broker.outbox_replay_requests(self.app.name, sorted(self.owned))
+        requests = self.broker.requests.outbox_replay_requests(self.app.name, sorted(self.owned))
         for partition, raw in requests.items():
             owned = self.owned[partition]
             try:
@@ -270,7 +271,9 @@ class BatchProcessor:
                 log.warning("outbox replay partition=%s not confirmed: %s", partition, refused[1])
                 continue
             outcome = {"requested": ids, "replayed": replayed, "at_ms": int(time.time() * 1000)}
-            self.broker.finish_outbox_replay(self.app.name, partition, raw, msgspec.json.encode(outcome))
+            self.broker.requests.finish_outbox_replay(
+                self.app.name, partition, raw, msgspec.json.encode(outcome)
+            )
             log.info(
                 "outbox replay partition=%s: %s of %s requested rows back to pending",
                 partition,

@@ -410,12 +410,12 @@ class WorkerMetrics(ProcessorHooks):
         found: dict[tuple[str, int], GroupPosition] = {}
         try:
             if not partitions:
-                with self.broker.translate_errors():
-                    self.broker.client.ping()
+                with self.broker.conn.translate_errors():
+                    self.broker.conn.client.ping()
             for partition in sorted(partitions):
                 for topic in self.topics:
                     stream = keys.stream_key(topic, partition)
-                    found[(topic, partition)] = self.broker.group_position(stream, self.app)
+                    found[(topic, partition)] = self.broker.topics.group_position(stream, self.app)
         except BrokerError as exc:
             log.debug("metrics: cannot read group positions: %s", exc)
             return None

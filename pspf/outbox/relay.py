@@ -58,7 +58,7 @@ from pspf.outbox.rows import (
 )
 
 if TYPE_CHECKING:
-    from pspf.broker import Broker
+    from pspf.broker import Publishing
     from pspf.outbox.emit import Emitter
     from pspf.settings import OutboxSettings
 
@@ -87,14 +87,14 @@ class Relay:
 
     def __init__(
         self,
-        broker: Broker,
+        publishing: Publishing,
         name: str,
         settings: OutboxSettings,
         emitter: Emitter,
         hooks: RelayHooks | None = None,
         clock: Callable[[], int] = now_ms,
     ) -> None:
-        self.broker = broker
+        self.publishing = publishing
         self.name = name
         self.settings = settings
         #: the worker's emitter: the layout each target topic's rows are routed in
@@ -119,7 +119,7 @@ class Relay:
             claims = self._claim(outbox, work) if outbox.marked else {}
             call_hook(self.hooks.on_outbox_claimed, outbox.partition, sum(len(items) for _, items in work))
             calls = self._calls(outbox, work)
-            sent = self.broker.send_publish(outbox.producer, [call for call, _ in calls])
+            sent = self.publishing.send_publish(outbox.producer, [call for call, _ in calls])
             outbox.sending = Sending(sent, [(call.target, items) for call, items in calls], claims)
         self._prune(outbox)
         return published, failed
@@ -158,7 +158,7 @@ class Relay:
         appended in sequence order, so every row at or below the record was.
         """
         targets = [target for target in outbox.queues if target[0] == topic]
-        records = self.broker.published_up_to(outbox.producer, targets) if targets else []
+        records = self.publishing.published_up_to(outbox.producer, targets) if targets else []
         now = self.clock()
         published: list[tuple[Target, list[Item]]] = []
         claims: dict[int, int] = {}
@@ -209,7 +209,7 @@ class Relay:
     def _calls(
         self, outbox: PartitionOutbox, work: list[tuple[Target, list[Item]]]
     ) -> list[tuple[PublishCall, list[Item]]]:
-        """The publishing calls of a step, each with its rows: ``Broker.send_publish``'s calls.
+        """The publishing calls of a step, each with its rows: ``Publishing.send_publish``'s calls.
 
         One call per target and PUBLISH_CHUNK rows, also split where rows' shape changes (a call's
         rows share their field names and source topic); a call after the first to a target names

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from pspf.broker import Broker
+from pspf.broker import Connection, Leasing
 from pspf.errors import BrokerError, BrokerOutOfMemory, BrokerUnavailable
 from pspf.keys import lease_key
 from pspf.ownership.membership import VANISHED_WITHIN, Membership
@@ -70,8 +70,10 @@ class LeaseKeeper:
         self.ttl_s = leases.ttl_ms / 1000
         self.deadline_s = self.ttl_s * DEADLINE
         timeout = min(redis.connect_timeout_s, self.deadline_s)
-        self.broker = Broker(msgspec.structs.replace(redis, connect_timeout_s=timeout), self.deadline_s)
-        self.leases = PartitionLeases(self.broker, leases.group, leases.topics, leases.owner, leases.ttl_ms)
+        #: a connection of its own, for the lease calls only
+        self.conn = Connection(msgspec.structs.replace(redis, connect_timeout_s=timeout), self.deadline_s)
+        self.leasing = Leasing(self.conn)
+        self.leases = PartitionLeases(self.leasing, leases.group, leases.topics, leases.owner, leases.ttl_ms)
         self.membership = membership
         self.stall_s = stall_s
         self._lock = threading.Lock()
@@ -99,7 +101,7 @@ class LeaseKeeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.deadline_s * 4 + 1)
-        self.broker.close()
+        self.conn.close()
 
     def beat(self, away_s: float = 0.0) -> None:
         """The worker's loop came round: renew for ``stall_s`` more (plus ``away_s``, a known wait)."""
@@ -141,7 +143,7 @@ class LeaseKeeper:
             (p, lease_key(topic, p, self.leases.group), v) for p in recent for topic, v in held[p].items()
         ]
         try:
-            values = self.broker.lease_values([key for _, key, _ in pairs])
+            values = self.leasing.lease_values([key for _, key, _ in pairs])
         except BrokerUnavailable:
             return []  # cannot tell now: the renewals find them lost (or not) soon
         return sorted({p for (p, _, v), now_v in zip(pairs, values, strict=True) if now_v != v})
@@ -216,7 +218,7 @@ class LeaseKeeper:
                         self._lost.append(Lost(partition, leases, since, unreachable, self.ttl_s))
                     else:
                         self._confirmed[partition] = asked
-            self.membership.heartbeat(self.broker)
+            self.membership.heartbeat(self.leasing)
             return lost
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pspf.broker import Broker
+from pspf.broker import Leasing
 
 if TYPE_CHECKING:
     from pspf.tables.lookups import Lookups
@@ -121,8 +121,8 @@ def assign(members: list[tuple[str, str]], partitions: int) -> dict[int, str]:
 class Membership:
     """One worker's membership in its app, and its target partitions."""
 
-    def __init__(self, broker: Broker, app: str, member: str, consumer: str, ttl_ms: int) -> None:
-        self.broker = broker
+    def __init__(self, leasing: Leasing, app: str, member: str, consumer: str, ttl_ms: int) -> None:
+        self.leasing = leasing
         self.app = app
         self.member = member
         self.ttl_ms = ttl_ms
@@ -147,8 +147,8 @@ class Membership:
         #: earlier runs of this worker already named (``earlier_runs``)
         self._named: set[str] = set()
 
-    def heartbeat(self, broker: Broker | None = None) -> list[Member]:
-        """Renew this worker's membership (through ``broker``, else the worker's); the live members.
+    def heartbeat(self, leasing: Leasing | None = None) -> list[Member]:
+        """Renew this worker's membership (through ``leasing``, else the worker's); the live members.
 
         A membership gone before its TTL could run out since the last renewal was evicted or
         deleted under the worker: that is an error. One that expired because the worker did not
@@ -156,7 +156,7 @@ class Membership:
         joins again.
         """
         asked = time.monotonic()
-        now, present, found = (broker or self.broker).member_heartbeat(
+        now, present, found = (leasing or self.leasing).member_heartbeat(
             self.app, self.member, self.ttl_ms, self._info
         )
         replied = time.monotonic()
@@ -228,7 +228,7 @@ class Membership:
             return self._replied_at + (min(others) - self._now) / 1000
 
     def leave(self) -> None:
-        self.broker.member_heartbeat(self.app, self.member, self.ttl_ms, self._info, stay=False)
+        self.leasing.member_heartbeat(self.app, self.member, self.ttl_ms, self._info, stay=False)
 
     def target(self, partitions: int) -> set[int]:
         """The partitions this worker should own now (after a ``heartbeat``)."""
@@ -251,9 +251,9 @@ class Membership:
         return mine
 
 
-def live_members(broker: Broker, app: str) -> list[Member]:
+def live_members(leasing: Leasing, app: str) -> list[Member]:
     """The live members of an app, read without joining."""
-    _, found = broker.members(app)
+    _, found = leasing.members(app)
     return [_member(*row) for row in found]
 
 

@@ -64,7 +64,7 @@ class Renewal:
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_ms / 3000):
             try:
-                renewed = self.broker.renew_leases(self.leases, self.ttl_ms)
+                renewed = self.broker.leases.renew_leases(self.leases, self.ttl_ms)
             except BrokerError as exc:
                 log.warning("renewing the leases %s failed: %s", [k for k, _ in self.leases], exc)
                 continue
@@ -78,8 +78,8 @@ def exclusive(broker: Broker, app: str, what: str, ttl_ms: int) -> Iterator[None
     """Hold ``app``'s operation lease while the block runs; refuse (``UnderWay``) while another holds it."""
     key = operation_key(app)
     value = f"{what} by {this_process()}|{uuid.uuid4().hex[:12]}"
-    if not broker.set_if_absent(key, value, ttl_ms):
-        holder = broker.lease_holders([key])[0] or "another operation"
+    if not broker.moving.set_if_absent(key, value, ttl_ms):
+        holder = broker.leases.lease_holders([key])[0] or "another operation"
         raise UnderWay(
             f"{holder} is under way on app {app!r}: wait for it to end (if that process is gone, "
             f"its lease lapses {ttl_ms / 1000:g}s after it stopped)"
@@ -90,7 +90,7 @@ def exclusive(broker: Broker, app: str, what: str, ttl_ms: int) -> Iterator[None
         yield
     finally:
         renewal.stop()
-        broker.release_leases([(key, value)])
+        broker.leases.release_leases([(key, value)])
 
 
 class _Operator(Protocol):

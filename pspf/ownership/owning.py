@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from pspf import keys
-from pspf.broker import Broker, StreamInfo
+from pspf.broker import Broker, Leasing, StreamInfo
 from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
@@ -51,8 +51,8 @@ class Takeable(NamedTuple):
 class PartitionLeases:
     """Acquires, renews and releases the leases of one group's partitions."""
 
-    def __init__(self, broker: Broker, group: str, topics: list[str], owner: str, ttl_ms: int) -> None:
-        self.broker = broker
+    def __init__(self, leasing: Leasing, group: str, topics: list[str], owner: str, ttl_ms: int) -> None:
+        self.leasing = leasing
         self.group = group
         self.topics = topics
         self.owner = owner
@@ -62,7 +62,7 @@ class PartitionLeases:
         """Take the partition's lease on every topic, or none of them."""
         held: Leases = {}
         for topic in self.topics:
-            value = self.broker.acquire_lease(
+            value = self.leasing.acquire_lease(
                 keys.lease_key(topic, partition, self.group),
                 keys.fence_key(topic, partition, self.group),
                 self.owner,
@@ -82,7 +82,7 @@ class PartitionLeases:
         the partition until it expires. It is released here, so it can be taken again now.
         """
         pairs = [(p, keys.lease_key(topic, p, self.group)) for p in partitions for topic in self.topics]
-        values = self.broker.lease_values([key for _, key in pairs])
+        values = self.leasing.lease_values([key for _, key in pairs])
         orphans: list[tuple[str, str]] = []
         busy: set[int] = set()
         holders: set[str] = set()
@@ -97,7 +97,7 @@ class PartitionLeases:
                 holders.add(holder)
         if orphans:
             log.warning("releasing leases of ours that a timed-out call took: %s", [k for k, _ in orphans])
-            self.broker.release_leases(orphans)
+            self.leasing.release_leases(orphans)
         return Takeable([p for p in partitions if p not in busy], holders)
 
     def renew(self, held: dict[int, Leases]) -> list[int]:
@@ -107,23 +107,23 @@ class PartitionLeases:
             for partition, leases in held.items()
             for topic, value in leases.items()
         ]
-        renewed = self.broker.renew_leases([(key, value) for _, key, value in pairs], self.ttl_ms)
+        renewed = self.leasing.renew_leases([(key, value) for _, key, value in pairs], self.ttl_ms)
         return sorted({partition for (partition, _, _), ok in zip(pairs, renewed, strict=True) if not ok})
 
     def holders(self, partition: int) -> set[str]:
         """The owner ids holding the partition's leases now (empty when they are all free)."""
-        found = self.broker.lease_holders([keys.lease_key(t, partition, self.group) for t in self.topics])
+        found = self.leasing.lease_holders([keys.lease_key(t, partition, self.group) for t in self.topics])
         return {holder for holder in found if holder}
 
     def held_by(self, holder: str, partitions: int) -> list[int]:
         """The partitions (of ``partitions``) of which ``holder`` holds a lease."""
         pairs = [(p, keys.lease_key(t, p, self.group)) for p in range(partitions) for t in self.topics]
-        found = self.broker.lease_holders([key for _, key in pairs])
+        found = self.leasing.lease_holders([key for _, key in pairs])
         return sorted({p for (p, _), h in zip(pairs, found, strict=True) if h == holder})
 
     def release(self, partition: int, leases: Leases) -> None:
         if leases:
-            self.broker.release_leases(
+            self.leasing.release_leases(
                 [(keys.lease_key(topic, partition, self.group), value) for topic, value in leases.items()]
             )
 
@@ -248,7 +248,7 @@ class Partitions:
         if recorded is None or int(recorded) == count or not self.backup:
             self._check_count(recorded, count, "its store")
             return
-        meta = self.broker.backup_meta(keys.backup_keys(self.topics[0], partition, self.group).meta)
+        meta = self.broker.acks.backup_meta(keys.backup_keys(self.topics[0], partition, self.group).meta)
         if meta.get(BACKUP_PARTITIONS) != str(count):
             self._check_count(recorded, count, "its store")
             return
@@ -267,7 +267,9 @@ class Partitions:
         marks = {
             cursor: [
                 pending.id
-                for pending in self.broker.pending_entries(cursor.stream, self.group, cursor.checkpoint)
+                for pending in self.broker.reading.pending_entries(
+                    cursor.stream, self.group, cursor.checkpoint
+                )
                 if pending.consumer not in owned.consumers
             ]
             for cursor in owned.streams.values()
@@ -276,7 +278,7 @@ class Partitions:
         owned.mark_foreign(marks, self.consumer)
         _flushed(owned)  # the marks and our name, in the backup before anything is claimed
         for cursor in owned.streams.values():
-            claimed, _ = self.broker.claim_idle(cursor.stream, self.group, self.consumer, 0)
+            claimed, _ = self.broker.reading.claim_idle(cursor.stream, self.group, self.consumer, 0)
             if claimed:
                 log.info(
                     "claimed %s pending entries of earlier consumers stream=%s (%s never applied here)",
@@ -299,10 +301,10 @@ class Partitions:
         """
         topic = self.topics[0]
         if not self.backup:
-            delete_backup(self.broker, topic, partition, self.group)
+            delete_backup(self.broker.acks, topic, partition, self.group)
             return None, Restored("off", 0, 0.0)
         backup = PartitionBackup(
-            self.broker,
+            self.broker.acks,
             self.group,
             topic,
             partition,
@@ -333,10 +335,10 @@ class Partitions:
                 )
             done = backup.upload(store, keep_alive)
         else:  # refused when built for another count; one from before counts were kept gets it
-            meta = self.broker.backup_meta(backup.keys.meta)
+            meta = self.broker.acks.backup_meta(backup.keys.meta)
             self._check_count(meta.get(BACKUP_PARTITIONS), count, "its state backup")
             if BACKUP_PARTITIONS not in meta:
-                self.broker.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
+                self.broker.acks.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
         detail = {
             "in sync": "(the store matches it: nothing to restore)",
             "caught up": f"updates={done.amount} (from its log: no full restore)",
@@ -358,10 +360,12 @@ class Partitions:
     ) -> None:
         """Refuse a store the consumer group has moved past: never a silent start from less state."""
         mine = info.groups.get(self.group)
-        start = self.broker.group_start(self.group, topic, partition)
+        start = self.broker.apps.group_start(self.group, topic, partition)
         after = checkpoint if start is None or (checkpoint is not None and checkpoint > start) else start
         delivered = None if mine is None else mine.last_delivered_id
-        if delivered is None or not self.broker.acknowledged_after(stream, self.group, after, delivered):
+        if delivered is None or not self.broker.reading.acknowledged_after(
+            stream, self.group, after, delivered
+        ):
             return
         fix = (
             "start the worker with the state directory that holds this partition's store, or "
@@ -385,7 +389,7 @@ class Partitions:
         entries after the checkpoint must still be processed. With the state backup gone as
         well (``backup_lost``), Redis lost the app's data: nothing can show the store is current.
         """
-        info = self.broker.stream_info(stream)
+        info = self.broker.topics.stream_info(stream)
         check_tail(stream, info.last_id, checkpoint)
         if self.group not in info.groups and backup_lost:
             # A worker creates the groups of every partition before it takes any: the app ran here.
@@ -409,7 +413,7 @@ class Partitions:
                 stream,
                 start,
             )
-            self.broker.ensure_group(stream, self.group, start)
+            self.broker.apps.ensure_group(stream, self.group, start)
         return info
 
     def forget_consumers(self, owned: OwnedPartition, after_ms: int) -> list[str]:
@@ -424,9 +428,9 @@ class Partitions:
         kept: set[str] = set()
         deleted: set[str] = set()
         for cursor in owned.streams.values():
-            for name, pending, idle_ms in self.broker.group_consumers(cursor.stream, self.group):
+            for name, pending, idle_ms in self.broker.apps.group_consumers(cursor.stream, self.group):
                 if name != self.consumer and pending == 0 and idle_ms >= after_ms:
-                    self.broker.delete_consumer(cursor.stream, self.group, name)
+                    self.broker.apps.delete_consumer(cursor.stream, self.group, name)
                     deleted.add(name)
                 else:
                     kept.add(name)
@@ -451,7 +455,9 @@ class Partitions:
         for cursor in owned.streams.values():
             idle = [
                 pending
-                for pending in self.broker.pending_entries(cursor.stream, self.group, min_idle_ms=min_idle_ms)
+                for pending in self.broker.reading.pending_entries(
+                    cursor.stream, self.group, min_idle_ms=min_idle_ms
+                )
                 if pending.consumer != self.consumer
             ]
             if not idle:
@@ -467,7 +473,7 @@ class Partitions:
             owned.mark_foreign({cursor: foreign})
             if foreign:
                 _flushed(owned)
-            claimed = self.broker.claim_ids(
+            claimed = self.broker.reading.claim_ids(
                 cursor.stream, self.group, self.consumer, min_idle_ms, [p.id for p in idle]
             )
             log.warning(

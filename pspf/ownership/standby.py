@@ -140,11 +140,11 @@ class Standby:
         store = follower.store
         if follower.reader is None:
             backup = keys.backup_keys(self.topics[0], partition, self.group)
-            adoption = adoption_of(self.broker.backup_meta(backup.meta))
-            follower.reader = locate(self.broker, backup, trusted_identity(store, adoption))
+            adoption = adoption_of(self.broker.acks.backup_meta(backup.meta))
+            follower.reader = locate(self.broker.acks, backup, trusted_identity(store, adoption))
             if follower.reader is None:
                 restored = restore(
-                    self.broker,
+                    self.broker.acks,
                     backup,
                     store,
                     self.topics,

@@ -13,7 +13,7 @@ The contract:
 - Order per batch: the local commit holds the batch's writes, checkpoints and identity; then ONE
   atomic call checks the lease, updates the backup with every write the store journaled since the
   last call, sets the identity, logs the update, acknowledges the batch and moves its dead entries
-  to the DLQ (``Broker.ack``: a MULTI/EXEC under WATCHed leases, or ``lua/ack.lua``). Nothing is
+  to the DLQ (``Acknowledging.ack``: a MULTI/EXEC under WATCHed leases, or ``lua/ack.lua``). Nothing is
   acknowledged before the backup holds the batch's effects, and an ex-owner whose lease moved can
   change none of it.
 - A crash between the two leaves the local store ahead of the backup with the entries still
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from pspf import keys
-from pspf.broker import AckRequest, BackupUpdate, Broker, Fields
+from pspf.broker import Acknowledging, AckRequest, BackupUpdate, Fields
 from pspf.errors import BackupDamaged, BrokerError, LeaseLost, StateError
 from pspf.keys import (
     BACKUP_ADOPTED,
@@ -141,8 +141,8 @@ def _update(entry_id: bytes, entry: _Entry) -> LogUpdate:
 class LogReader:
     """Reads updates from a backup's log after a position, each checked to follow the last."""
 
-    def __init__(self, broker: Broker, log_key: str, after: bytes, identity: str) -> None:
-        self.broker = broker
+    def __init__(self, acks: Acknowledging, log_key: str, after: bytes, identity: str) -> None:
+        self.acks = acks
         self.log_key = log_key
         self.after = after
         #: the identity of the last update read (where the reader stands)
@@ -151,7 +151,7 @@ class LogReader:
     def read(self, count: int = LOG_PAGE) -> list[LogUpdate]:
         """The next updates (none when the log has nothing more yet); LogGap on a break."""
         done: list[LogUpdate] = []
-        for entry_id, fields in self.broker.backup_log(self.log_key, self.after, count):
+        for entry_id, fields in self.acks.backup_log(self.log_key, self.after, count):
             entry = _entry(fields)
             if entry.prev != self.identity:
                 raise LogGap(f"log entry {entry_id.decode()} follows {entry.prev!r}, not {self.identity!r}")
@@ -166,25 +166,25 @@ def meta_checkpoints(meta: dict[str, str]) -> dict[str, StreamId]:
     return {k[3:]: StreamId.parse(v) for k, v in meta.items() if k.startswith("cp:")}
 
 
-def locate(broker: Broker, backup: BackupKeys, identity: str) -> LogReader | None:
+def locate(acks: Acknowledging, backup: BackupKeys, identity: str) -> LogReader | None:
     """A reader of the log from where a store at ``identity`` stands; None when it cannot lead there."""
-    meta, last = broker.backup_head(backup)
+    meta, last = acks.backup_head(backup)
     current = meta.get(BACKUP_IDENTITY, "")
     if not identity or not current:
         return None
     if current == identity:
-        return LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+        return LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
     wanted = _order(identity)
     before: bytes | None = None
     while True:
-        page = broker.backup_log_before(backup.log, before, LOG_PAGE)
+        page = acks.backup_log_before(backup.log, before, LOG_PAGE)
         for entry_id, fields in page:
             entry = _entry(fields)
             if entry.identity == identity:
-                return LogReader(broker, backup.log, entry_id, identity)
+                return LogReader(acks, backup.log, entry_id, identity)
             if entry.prev == identity:
                 return LogReader(
-                    broker, backup.log, str(StreamId.parse(entry_id).previous()).encode(), identity
+                    acks, backup.log, str(StreamId.parse(entry_id).previous()).encode(), identity
                 )
             found = _order(entry.identity)
             if wanted is not None and found is not None and found < wanted:
@@ -215,7 +215,7 @@ def catch_up(store: StateStore, reader: LogReader, until: str | None = None, pag
 
 
 def restore(
-    broker: Broker,
+    acks: Acknowledging,
     backup: BackupKeys,
     store: StateStore,
     topics: Iterable[str],
@@ -231,7 +231,7 @@ def restore(
     reader's updates are applied. A store later than the state adopted after a loss is refused
     (``adoption.refuse_later``; ``owner``, the app and partition, names them in the message).
     """
-    meta, last = broker.backup_head(backup)
+    meta, last = acks.backup_head(backup)
     identity = meta.get(BACKUP_IDENTITY, "")
     if not identity:
         return None
@@ -247,7 +247,7 @@ def restore(
 
     def pages() -> Iterator[list[tuple[bytes, bytes]]]:
         nonlocal values, stopped
-        with closing(broker.backup_values(backup.values, CHUNK)) as scan:
+        with closing(acks.backup_values(backup.values, CHUNK)) as scan:
             for page in scan:
                 if not go_on():
                     stopped = True
@@ -264,25 +264,25 @@ def restore(
     if adoption is not None:  # the store follows the adopted history from now on
         done[(BACKUP_NAMESPACE, BACKUP_ADOPTED)] = adoption.id.encode()
     store.write(done, {})
-    return values, LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+    return values, LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
 
 
 def snapshot(
-    broker: Broker, backup: BackupKeys
+    acks: Acknowledging, backup: BackupKeys
 ) -> tuple[dict[str, StreamId], dict[tuple[str, str], bytes]] | None:
     """A consistent copy of a backup (checkpoints, values) while its owner may write; None: none."""
     for _ in range(3):
-        meta, last = broker.backup_head(backup)
+        meta, last = acks.backup_head(backup)
         identity = meta.get(BACKUP_IDENTITY, "")
         if not identity:
             return None
         checkpoints = meta_checkpoints(meta)
         values: Updates = {
             split_field(raw): value
-            for page in broker.backup_values(backup.values, CHUNK)
+            for page in acks.backup_values(backup.values, CHUNK)
             for raw, value in page
         }
-        reader = LogReader(broker, backup.log, last or str(ZERO_ID).encode(), identity)
+        reader = LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
         try:
             while updates := reader.read():
                 for update in updates:
@@ -303,7 +303,7 @@ class PartitionBackup:
 
     def __init__(
         self,
-        broker: Broker,
+        acks: Acknowledging,
         group: str,
         topic: str,
         partition: int,
@@ -311,7 +311,7 @@ class PartitionBackup:
         lease_value: str,
         partitions: int | None = None,
     ) -> None:
-        self.broker = broker
+        self.acks = acks
         self.group = group
         self.topic = topic
         self.partition = partition
@@ -378,7 +378,7 @@ class PartitionBackup:
         A backup at a later owner's identity (a larger token: the lease expired and moved while
         this worker was cut off) went on, not back: the worker lost the partition, Redis nothing.
         """
-        identity = self.broker.backup_meta(self.keys.meta).get(BACKUP_IDENTITY, "")
+        identity = self.acks.backup_meta(self.keys.meta).get(BACKUP_IDENTITY, "")
         if not self.held or identity in self.held:
             return False
         order, token = _order(identity), self.journal.token
@@ -427,7 +427,7 @@ class PartitionBackup:
         """
         started = time.perf_counter()
         self.store = store
-        meta = self.broker.backup_meta(self.keys.meta)
+        meta = self.acks.backup_meta(self.keys.meta)
         backup_identity = meta.get(BACKUP_IDENTITY, "")
         local_identity = trusted_identity(store, adoption_of(meta))
         if not backup_identity:
@@ -437,7 +437,7 @@ class PartitionBackup:
         self.journal.seq = order[1] if order is not None else 0
         if (
             meta.get(BACKUP_MARKED)
-            and self.broker.backup_value(self.keys.values, BACKUP_MARK) != backup_identity.encode()
+            and self.acks.backup_value(self.keys.values, BACKUP_MARK) != backup_identity.encode()
         ):
             if not _current(local_identity, backup_identity):
                 raise StateError(self._damaged(local_identity, backup_identity))
@@ -445,7 +445,7 @@ class PartitionBackup:
         self.held = {backup_identity}  # the store is made equal to it below
         if local_identity == backup_identity:
             return Restored("in sync", 0, time.perf_counter() - started)
-        reader = locate(self.broker, self.keys, local_identity)
+        reader = locate(self.acks, self.keys, local_identity)
         if reader is not None:
             try:
                 applied = catch_up(store, reader, until=backup_identity)
@@ -458,7 +458,7 @@ class PartitionBackup:
             keep_alive()
             return True
 
-        restored = restore(self.broker, self.keys, store, topics, go_on, owner=(self.group, self.partition))
+        restored = restore(self.acks, self.keys, store, topics, go_on, owner=(self.group, self.partition))
         if restored is None:  # the backup went while we looked: only a stopped app's is deleted
             raise BrokerError(f"the state backup {self.keys.values} vanished during a takeover")
         return Restored("restored", restored[0], time.perf_counter() - started)
@@ -496,7 +496,7 @@ class PartitionBackup:
         self._upload(self.store, lambda: None)
         if not request.ids and not request.dead:
             return (0, 0)
-        (reply,) = self.broker.ack([request._replace(backup=None)])
+        (reply,) = self.acks.ack([request._replace(backup=None)])
         return reply
 
     def _upload(self, store: StateStore, keep_alive: Callable[[], None]) -> int:
@@ -504,7 +504,7 @@ class PartitionBackup:
 
         The backup's adoption record (``pspf.partition.adoption``) stays: the owner's store follows it.
         """
-        adopted = self.broker.backup_meta(self.keys.meta).get(BACKUP_ADOPTED)
+        adopted = self.acks.backup_meta(self.keys.meta).get(BACKUP_ADOPTED)
         stamped: Updates = {}
         self.journal.stamp(stamped)
         identity = stamped[(BACKUP_NAMESPACE, BACKUP_IDENTITY)]
@@ -533,13 +533,13 @@ class PartitionBackup:
             )
         self.held = {identity.decode()}
         if self.partitions is not None:  # the first page emptied the meta
-            self.broker.set_backup_field(self.keys.meta, BACKUP_PARTITIONS, str(self.partitions))
+            self.acks.set_backup_field(self.keys.meta, BACKUP_PARTITIONS, str(self.partitions))
         if adopted is not None:
-            self.broker.set_backup_field(self.keys.meta, BACKUP_ADOPTED, adopted)
+            self.acks.set_backup_field(self.keys.meta, BACKUP_ADOPTED, adopted)
         return sum(len(page) for page in pages) // 2
 
     def _send(self, request: AckRequest) -> None:
-        (reply,) = self.broker.ack([request])
+        (reply,) = self.acks.ack([request])
         if isinstance(reply, BackupDamaged):
             reply = self.repaired(request)
         if isinstance(reply, LeaseLost):
@@ -558,6 +558,6 @@ def _current(local: str, backup: str) -> bool:
     )
 
 
-def delete_backup(broker: Broker, topic: str, partition: int, group: str) -> None:
+def delete_backup(acks: Acknowledging, topic: str, partition: int, group: str) -> None:
     """Forget a partition's backup (it would go stale while the backup is off)."""
-    broker.delete_backup(keys.backup_keys(topic, partition, group))
+    acks.delete_backup(keys.backup_keys(topic, partition, group))

@@ -315,7 +315,7 @@ class PartitionBatch:
 
 
 class Acknowledger(Protocol):
-    """What acknowledging needs of the broker (``Broker.ack``; ``TestApp`` has its own)."""
+    """What acknowledging needs of the broker (``Acknowledging.ack``; ``TestApp`` has its own)."""
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]: ...
 

@@ -67,12 +67,12 @@ def refusal(topic: str, plan: Plan | None, runner: str, ttl_ms: int) -> UnderWay
 
 def under_way(broker: Broker, topic: str, ttl_ms: int) -> UnderWay | None:
     """The refusal while a repartition of ``topic`` is recorded or being aborted, else None."""
-    if broker.hash_fields(abort_key(topic)):
+    if broker.moving.hash_fields(abort_key(topic)):
         return _aborting(topic)
     plan = recorded(broker, topic)
     if plan is None:
         return None
-    return refusal(topic, plan, broker.lease_values([runner_key(topic)])[0] or "", ttl_ms)
+    return refusal(topic, plan, broker.leases.lease_values([runner_key(topic)])[0] or "", ttl_ms)
 
 
 def _aborting(topic: str) -> UnderWay:
@@ -134,16 +134,18 @@ class Claim:
     def give_up(self, failed: bool) -> None:
         """Stop renewing and give the leases up; a new plan that failed before its seal is forgotten."""
         self._renewal.stop()
-        sealed = any(self.broker.topic_layout(t)[2] for t in self.plan.topics)
+        sealed = any(self.broker.topics.topic_layout(t)[2] for t in self.plan.topics)
         release(self.broker, self.plan.topics, self.runner, forget=failed and self.new and not sealed)
 
 
 def release(broker: Broker, topics: list[str], runner: str, forget: bool) -> None:
     """Give up this runner's leases on ``topics``; with ``forget``, the plan it recorded under them too."""
     if forget:
-        mine = broker.lease_values([runner_key(t) for t in topics])
-        broker.delete_keys([plan_key(t) for t, value in zip(topics, mine, strict=True) if value == runner])
-    broker.release_leases([(runner_key(t), runner) for t in topics])
+        mine = broker.leases.lease_values([runner_key(t) for t in topics])
+        broker.moving.delete_keys(
+            [plan_key(t) for t, value in zip(topics, mine, strict=True) if value == runner]
+        )
+    broker.leases.release_leases([(runner_key(t), runner) for t in topics])
 
 
 def runner_name() -> str:
@@ -161,7 +163,7 @@ def take_new(broker: Broker, topic: str, partitions: int, ttl_ms: int) -> Claim:
     encoded = msgspec.json.encode(plan).decode()
     taken: list[str] = []
     for name in plan.topics:
-        status, *rest = broker.claim_repartition(claim_keys(name), encoded, runner, ttl_ms)
+        status, *rest = broker.moving.claim_repartition(claim_keys(name), encoded, runner, ttl_ms)
         if status != "taken":
             release(broker, taken, runner, forget=True)
             raise _held(name, status, rest, ttl_ms)
@@ -200,7 +202,7 @@ def take_recorded(broker: Broker, topic: str, ttl_ms: int) -> Claim:
     """
     plan = recorded(broker, topic)
     if plan is None:
-        if broker.hash_fields(abort_key(topic)):
+        if broker.moving.hash_fields(abort_key(topic)):
             raise _aborting(topic)
         raise NotFound(f"no repartition of topic {topic!r} to resume")
     runner = runner_name()
@@ -208,7 +210,7 @@ def take_recorded(broker: Broker, topic: str, ttl_ms: int) -> Claim:
     deadline = time.monotonic() + ttl_ms / 1000 + 1.0
     for name in plan.topics:
         while True:
-            status, *rest = broker.claim_repartition(claim_keys(name), "", runner, ttl_ms)
+            status, *rest = broker.moving.claim_repartition(claim_keys(name), "", runner, ttl_ms)
             if status == "taken" or status != "held" or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
@@ -236,7 +238,7 @@ def abort(broker: Broker, topic: str, ttl_ms: int) -> Plan:
     deadline = time.monotonic() + ttl_ms / 1000 + 1.0
     for name in plan.topics:
         while True:
-            status, *rest = broker.claim_abort(claim_keys(name))
+            status, *rest = broker.moving.claim_abort(claim_keys(name))
             if status != "held" or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
@@ -250,7 +252,7 @@ def abort(broker: Broker, topic: str, ttl_ms: int) -> Plan:
             )
     delete_staged(broker, plan)
     _once_memory_is_freed(lambda: unseal(broker, plan), topic)
-    broker.delete_keys([abort_key(t) for t in plan.topics])
+    broker.moving.delete_keys([abort_key(t) for t in plan.topics])
     return plan
 
 
@@ -276,7 +278,7 @@ def _once_memory_is_freed(write: Callable[[], None], topic: str, seconds: float 
 
 def aborting_plan(broker: Broker, topic: str) -> Plan | None:
     """The plan an abort of ``topic``'s repartition was undoing when it was interrupted, if any."""
-    raw = broker.hash_fields(abort_key(topic)).get("plan")
+    raw = broker.moving.hash_fields(abort_key(topic)).get("plan")
     return None if raw is None else msgspec.json.decode(raw, type=Plan)
 
 
@@ -289,8 +291,8 @@ def delete_staged(broker: Broker, plan: Plan) -> None:
         for live in (keys.stream_key(t, q), keys.dlq_key(t, q))
     ]
     for app in plan.apps:
-        first = broker.app_topic_list(app)[0]
+        first = broker.apps.app_topic_list(app)[0]
         for q in range(plan.new):
             backup = keys.backup_keys(first, q, app)
             staged += [backup.values + STAGED, backup.meta + STAGED]
-    broker.delete_keys(staged)
+    broker.moving.delete_keys(staged)

@@ -61,15 +61,15 @@ def plan_key(topic: str) -> str:
 def closure(broker: Broker, topic: str) -> tuple[list[str], list[str]]:
     """The topics that move with ``topic`` (read by a common app, transitively) and their apps."""
     readers: dict[str, list[str]] = {}
-    for app in broker.list_apps():
-        for read in broker.app_topic_list(app):
+    for app in broker.apps.list_apps():
+        for read in broker.apps.app_topic_list(app):
             readers.setdefault(read, []).append(app)
     topics, apps, todo = {topic}, set(), [topic]
     while todo:
         for app in readers.get(todo.pop(), []):
             if app not in apps:
                 apps.add(app)
-                for other in broker.app_topic_list(app):
+                for other in broker.apps.app_topic_list(app):
                     if other not in topics:
                         topics.add(other)
                         todo.append(other)
@@ -81,14 +81,14 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     keys.check_name("topic", topic)
     if not 1 <= new <= keys.MAX_PARTITIONS:
         raise ConfigError(f"partitions must be 1 to {keys.MAX_PARTITIONS}, not {new}")
-    old = broker.topic_partitions(topic)
+    old = broker.topics.topic_partitions(topic)
     if new == old:
         raise ConfigError(f"topic {topic!r} has {old} partitions already")
     topics, apps = closure(broker, topic)
     for other in topics:
-        if broker.topic_partitions(other) != old:
+        if broker.topics.topic_partitions(other) != old:
             raise ConfigError(f"topic {other!r}, read with {topic!r}, does not have {old} partitions")
-    layouts = {t: str(int(broker.topic_layout(t)[1]) + 1) for t in topics}
+    layouts = {t: str(int(broker.topics.topic_layout(t)[1]) + 1) for t in topics}
     started = int(time.time() * 1000)
     plan = Plan(topic=topic, topics=topics, apps=apps, old=old, new=new, started_ms=started, layouts=layouts)
     check_stopped(broker, plan)
@@ -98,8 +98,8 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
 
 
 def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
-    members = sorted(m.consumer for m in live_members(broker, app))
-    held = broker.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])
+    members = sorted(m.consumer for m in live_members(broker.leases, app))
+    held = broker.leases.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])
     owners = sorted({owner for owner in held if owner is not None})
     if members or owners:
         raise AppRunning(f"app {app!r} is running ({', '.join(members or owners)}): stop it first")
@@ -107,8 +107,8 @@ def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> 
 
 def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
     """Refuse an app whose state is not all in its backups, or still moving from the last time."""
-    first = broker.app_topic_list(app)[0]
-    sink = broker.app_sink(app)
+    first = broker.apps.app_topic_list(app)[0]
+    sink = broker.apps.app_sink(app)
     if sink is not None:
         raise StateOutOfReach(
             f"app {app!r} is a sink into {sink}: its checkpoints are there, where a repartition cannot "
@@ -118,7 +118,7 @@ def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
         )
     for partition in range(old):
         backup = keys.backup_keys(first, partition, app)
-        if not broker.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
+        if not broker.acks.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
             raise StateOutOfReach(
                 f"app {app!r} has no state backup of partition {partition}: a repartition moves the "
                 "state in the backups (run the app with the state backup on once)"
@@ -130,7 +130,8 @@ def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
                 "entries keys (or delete the app's state: pspf app reset) before repartitioning"
             )
         moving = next(
-            broker.backup_values(backup.values, count=100, match=keys.MOVED_NAMESPACE.encode() + b"*"), []
+            broker.acks.backup_values(backup.values, count=100, match=keys.MOVED_NAMESPACE.encode() + b"*"),
+            [],
         )
         if moving:
             raise ConfigError(
@@ -151,7 +152,7 @@ _KEYLESS = [
 def _keyless_state(broker: Broker, values: str) -> bool:
     """Whether a backup holds state, a window or a schedule of the empty key (keyless entries)."""
     for pattern, namespace in _KEYLESS:
-        for page in broker.backup_values(values, count=1000, match=pattern):
+        for page in broker.acks.backup_values(values, count=1000, match=pattern):
             if any(key_of(namespace, split_field(name)[1]) == "" for name, _ in page):
                 return True
     return False
@@ -181,16 +182,16 @@ _PENDING_WORK = (keys.FAILURES_NAMESPACE, keys.DEAD_NAMESPACE, keys.FOREIGN_NAME
 
 def read_app(broker: Broker, app: str, topics: list[str], old: int) -> AppState:
     """The app's positions and backup values over the old partitions."""
-    read = broker.app_topic_list(app)
+    read = broker.apps.app_topic_list(app)
     state = AppState(app, read[0])
     for partition in range(old):
         backup = keys.backup_keys(read[0], partition, app)
-        meta = broker.backup_meta(backup.meta)
+        meta = broker.acks.backup_meta(backup.meta)
         checkpoints = checkpoints_of(meta)
-        pages = [pair for page in broker.backup_values(backup.values) for pair in page]
+        pages = [pair for page in broker.acks.backup_values(backup.values) for pair in page]
         state.values.append(pages)
         for topic in read:
-            start = broker.group_start(app, topic, partition)
+            start = broker.apps.group_start(app, topic, partition)
             upto = max((c for c in (checkpoints.get(topic), start) if c is not None), default=None)
             if upto is not None:
                 state.handled_to[(topic, partition)] = upto
@@ -232,7 +233,7 @@ class Moved:
 def _entries(broker: Broker, stream: str) -> Iterator[tuple[bytes, Fields]]:
     start = "-"
     while True:
-        page = broker.dlq_range(stream, start, "+", PAGE)
+        page = broker.requests.dlq_range(stream, start, "+", PAGE)
         yield from page
         if len(page) < PAGE:
             return
@@ -269,7 +270,7 @@ class _Staging:
         self.buffers: dict[int, list[tuple[str, Fields]]] = {q: [] for q in range(count)}
         if write:  # a resumed copy starts over; every staged stream exists, an empty one too, so
             for stream in self.streams.values():  # the switch knows one gone was renamed in
-                broker.empty_stream(stream)
+                broker.moving.empty_stream(stream)
 
     def add(self, partition: int, entry_id: StreamId, fields: Fields, old: int, original: str | None) -> None:
         """One entry, with the headers that say where it came from."""
@@ -277,7 +278,7 @@ class _Staging:
             buffer = self.buffers[partition]
             buffer.append((str(entry_id), _with_headers(fields, old, original)))
             if len(buffer) >= PAGE:
-                self.broker.add_with_ids(self.streams[partition], buffer)
+                self.broker.moving.add_with_ids(self.streams[partition], buffer)
                 self.buffers[partition] = []
 
     def finish(self, readers: list[AppState], moved: Moved) -> None:
@@ -286,10 +287,10 @@ class _Staging:
             return
         for q, entries in self.buffers.items():
             if entries:
-                self.broker.add_with_ids(self.streams[q], entries)
+                self.broker.moving.add_with_ids(self.streams[q], entries)
         for app in readers:
             for q, stream in self.streams.items():
-                self.broker.ensure_group(stream, app.name, str(moved.start(app.name, q)))
+                self.broker.apps.ensure_group(stream, app.name, str(moved.start(app.name, q)))
 
 
 def copy_topic(
@@ -301,7 +302,7 @@ def copy_topic(
     """
     moved = Moved()
     staging = _Staging(broker, topic, plan.new, write)
-    readers = [a for a in apps if topic in broker.app_topics(a.name)]
+    readers = [a for a in apps if topic in broker.apps.app_topics(a.name)]
     for entry_id, partition, raw_id, fields in _merged(broker, topic, plan.old):
         key = fields.get(codec.KEY)
         q = keys.partition_for(key, plan.new) if key is not None else spread(raw_id.decode(), plan.new)
@@ -326,7 +327,7 @@ def copy_dlqs(broker: Broker, plan: Plan, topic: str) -> None:
     """Each DLQ entry into the DLQ of its key's new partition (staged): redrives land there."""
     staged = {q: keys.dlq_key(topic, q) + STAGED for q in range(plan.new)}
     for stream in staged.values():
-        broker.empty_stream(stream)
+        broker.moving.empty_stream(stream)
     for partition in range(plan.old):
         batch: dict[int, list[tuple[bytes, Fields]]] = {}
         for dlq_id, fields in _entries(broker, keys.dlq_key(topic, partition)):
@@ -334,13 +335,13 @@ def copy_dlqs(broker: Broker, plan: Plan, topic: str) -> None:
             q = keys.partition_for(key, plan.new) if key is not None else spread(dlq_id.decode(), plan.new)
             batch.setdefault(q, []).append((dlq_id, {**fields, b"source_partition": str(q).encode()}))
         for q, entries in batch.items():
-            broker.add_entries([(staged[q], fields) for _, fields in entries])
+            broker.publishing.add_entries([(staged[q], fields) for _, fields in entries])
 
 
 def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Moved], identity: str) -> None:
     """The app's new backups, staged: its state split by key, its new checkpoints and moved map."""
     parts = split(app.values, plan.new, _entry_keys(moved))
-    read = broker.app_topic_list(app.name)
+    read = broker.apps.app_topic_list(app.name)
     for q, values in enumerate(parts):
         renamed = {_renamed(name, moved): value for name, value in values.items()}
         meta: dict[bytes | str, bytes | str] = {
@@ -366,8 +367,8 @@ def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Move
                 renamed[store_field(keys.MOVED_NAMESPACE, f"{topic}/until")] = str(last).encode()
         renamed[keys.BACKUP_MARK] = identity.encode()
         backup = keys.backup_keys(app.first, q, app.name)
-        broker.replace_hash(backup.values + STAGED, renamed)
-        broker.replace_hash(backup.meta + STAGED, meta)
+        broker.moving.replace_hash(backup.values + STAGED, renamed)
+        broker.moving.replace_hash(backup.meta + STAGED, meta)
 
 
 def _entry_keys(moved: dict[str, Moved]) -> Callable[[str, str], bytes | Gone | None]:
@@ -409,28 +410,30 @@ def _renamed(name: bytes, moved: dict[str, Moved]) -> bytes:
 def seal(broker: Broker, plan: Plan) -> None:
     """From here producers write nothing into the topics: they wait for the switch (``lua/add.lua``)."""
     for topic in plan.topics:
-        broker.set_fields(keys.topic_key(topic), {"moving": "1"})
+        broker.moving.set_fields(keys.topic_key(topic), {"moving": "1"})
         for partition in range(plan.old):
-            broker.set_value(keys.layout_key(topic, partition), "moving")
+            broker.moving.set_value(keys.layout_key(topic, partition), "moving")
 
 
 def unseal(broker: Broker, plan: Plan) -> None:
     """Undo ``seal`` before anything was copied, and forget the plan: the topics stay as they were."""
     for topic in plan.topics:
-        layout = broker.topic_layout(topic)[1]
+        layout = broker.topics.topic_layout(topic)[1]
         for partition in range(plan.old):
-            broker.set_value(keys.layout_key(topic, partition), layout)
-        broker.delete_fields(keys.topic_key(topic), ["moving"])
-    broker.delete_keys([plan_key(topic) for topic in plan.topics])
+            broker.moving.set_value(keys.layout_key(topic, partition), layout)
+        broker.moving.delete_fields(keys.topic_key(topic), ["moving"])
+    broker.moving.delete_keys([plan_key(topic) for topic in plan.topics])
 
 
 def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda step: None) -> None:
     """Swap the staged keys in (idempotent: a resumed switch renames what is left)."""
     for topic in plan.topics:
         for q in range(plan.new):
-            broker.set_value(keys.layout_key(topic, q), plan.layouts[topic])
+            broker.moving.set_value(keys.layout_key(topic, q), plan.layouts[topic])
             for live in (keys.stream_key(topic, q), keys.dlq_key(topic, q)):
-                broker.rename_over(live + STAGED, live)  # a new partition with nothing staged has no key yet
+                broker.moving.rename_over(
+                    live + STAGED, live
+                )  # a new partition with nothing staged has no key yet
             if q == 0:
                 crash_at(f"switched {topic} 0")
         gone = [
@@ -438,22 +441,22 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
             for p in range(plan.new, plan.old)
             for name in (keys.stream_key(topic, p), keys.dlq_key(topic, p))
         ]
-        broker.delete_keys(gone)
+        broker.moving.delete_keys(gone)
         # A retired partition keeps its guard at the new generation: a producer that still routes
         # with the old count is refused there too (an absent guard would read as generation "0").
         # It keeps its producers' records too: a relay routing its rows again skips those they
         # say were published (``Relay._published_before``).
         for p in range(plan.new, plan.old):
-            broker.set_value(keys.layout_key(topic, p), plan.layouts[topic])
-        guards = int(broker.hash_fields(keys.topic_key(topic)).get("guards", "0"))
-        broker.set_fields(keys.topic_key(topic), {"guards": str(max(guards, plan.old))})
+            broker.moving.set_value(keys.layout_key(topic, p), plan.layouts[topic])
+        guards = int(broker.moving.hash_fields(keys.topic_key(topic)).get("guards", "0"))
+        broker.moving.set_fields(keys.topic_key(topic), {"guards": str(max(guards, plan.old))})
     for app in plan.apps:
-        read = broker.app_topic_list(app)
+        read = broker.apps.app_topic_list(app)
         for q in range(plan.new):
             backup = keys.backup_keys(read[0], q, app)
-            broker.rename_over(backup.values + STAGED, backup.values)
-            broker.rename_over(backup.meta + STAGED, backup.meta)
-            broker.delete_keys([backup.log])
+            broker.moving.rename_over(backup.values + STAGED, backup.values)
+            broker.moving.rename_over(backup.meta + STAGED, backup.meta)
+            broker.moving.delete_keys([backup.log])
         old_only = [
             name
             for p in range(plan.new, plan.old)
@@ -463,14 +466,16 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
                 *(keys.fence_key(t, p, app) for t in read),
             )
         ]
-        broker.delete_keys(old_only)
+        broker.moving.delete_keys(old_only)
         record = keys.app_key(app)
-        starts = [name for name in broker.hash_fields(record) if name.startswith("start:")]
-        broker.delete_fields(record, starts)
-        broker.set_fields(record, {"partitions": str(plan.new)})
+        starts = [name for name in broker.moving.hash_fields(record) if name.startswith("start:")]
+        broker.moving.delete_fields(record, starts)
+        broker.moving.set_fields(record, {"partitions": str(plan.new)})
     for topic in plan.topics:  # producers waiting read the new count and layout from here
-        broker.set_fields(keys.topic_key(topic), {"partitions": str(plan.new), "layout": plan.layouts[topic]})
-        broker.delete_fields(keys.topic_key(topic), ["moving"])
+        broker.moving.set_fields(
+            keys.topic_key(topic), {"partitions": str(plan.new), "layout": plan.layouts[topic]}
+        )
+        broker.moving.delete_fields(keys.topic_key(topic), ["moving"])
 
 
 class Repartition:
@@ -490,7 +495,7 @@ class Repartition:
         self.plan.step = step
         encoded = msgspec.json.encode(self.plan).decode()
         for topic in self.plan.topics:
-            self.broker.set_fields(plan_key(topic), {"plan": encoded})
+            self.broker.moving.set_fields(plan_key(topic), {"plan": encoded})
 
     def run(self) -> Plan:
         plan = self.plan
@@ -508,7 +513,7 @@ class Repartition:
         if plan.step == "switching":
             self.crash_at("switch")
             switch(self.broker, plan, self.crash_at)
-            self.broker.delete_keys([plan_key(topic) for topic in plan.topics])
+            self.broker.moving.delete_keys([plan_key(topic) for topic in plan.topics])
             plan.step = "done"
         return plan
 
@@ -548,7 +553,7 @@ def check_stopped(broker: Broker, plan: Plan) -> None:
 
 def recorded(broker: Broker, topic: str) -> Plan | None:
     """The repartition of ``topic`` under way, if any."""
-    raw = broker.hash_fields(plan_key(topic)).get("plan")
+    raw = broker.moving.hash_fields(plan_key(topic)).get("plan")
     return None if raw is None else msgspec.json.decode(raw, type=Plan)
 
 

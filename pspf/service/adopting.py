@@ -51,7 +51,7 @@ class Adopter:
         Returns where the groups start now per topic, or None when the partition is left alone:
         the server holds its state, as late as this store or later.
         """
-        meta = self.broker.backup_meta(keys.backup_keys(self.topics[0], partition, self.app).meta)
+        meta = self.broker.acks.backup_meta(keys.backup_keys(self.topics[0], partition, self.app).meta)
         adoption = adoption_of(meta)
         with self._store(partition, stored) as store:
             mine = store.checkpoints()
@@ -118,7 +118,7 @@ class Adopter:
         try:
             for topic in self.topics:
                 lease = keys.lease_key(topic, partition, self.app)
-                value = self.broker.acquire_lease(
+                value = self.broker.leases.acquire_lease(
                     lease, keys.fence_key(topic, partition, self.app), owner, ttl_ms
                 )
                 if value is None:
@@ -128,7 +128,7 @@ class Adopter:
                 held.append((lease, value))
 
             def keep_alive() -> None:
-                if not all(self.broker.renew_leases(held, ttl_ms)):
+                if not all(self.broker.leases.renew_leases(held, ttl_ms)):
                     raise LeaseLost(
                         f"the lease of app {self.app!r} partition {partition} expired during "
                         "the upload: run adopt again"
@@ -136,15 +136,15 @@ class Adopter:
 
             first = held[0]
             PartitionBackup(
-                self.broker, self.app, self.topics[0], partition, first[0], first[1], self.count
+                self.broker.acks, self.app, self.topics[0], partition, first[0], first[1], self.count
             ).upload(store, keep_alive)
         finally:
             if held:
-                self.broker.release_leases(held)
+                self.broker.leases.release_leases(held)
 
     def _record(self, partition: int, adoption: Adoption) -> None:
         meta = keys.backup_keys(self.topics[0], partition, self.app).meta
-        self.broker.set_backup_field(meta, BACKUP_ADOPTED, adoption.encode())
+        self.broker.acks.set_backup_field(meta, BACKUP_ADOPTED, adoption.encode())
 
     def _move_groups(self, partition: int, mine: dict[str, StreamId]) -> tuple[dict[str, str], bool]:
         """Put the groups at the store's checkpoints and move the streams' last ids past them.
@@ -156,17 +156,17 @@ class Adopter:
         for topic in self.topics:
             stream, start = keys.stream_key(topic, partition), mine.get(topic)
             at = str(start or "0")
-            group = self.broker.stream_info(stream).groups.get(self.app)
+            group = self.broker.topics.stream_info(stream).groups.get(self.app)
             if group is None:
-                self.broker.ensure_group(stream, self.app, at)  # creates the stream
+                self.broker.apps.ensure_group(stream, self.app, at)  # creates the stream
                 changed = True
             elif StreamId.parse(group.last_delivered_id) != StreamId.parse(at):
-                self.broker.reset_group(stream, self.app, at)
+                self.broker.apps.reset_group(stream, self.app, at)
                 changed = True
-            last = self.broker.last_id(stream)
+            last = self.broker.topics.last_id(stream)
             if start is not None and (last is None or StreamId.parse(last) < start):
-                self.broker.move_last_id(stream, str(start))
-            self.broker.record_group_start(self.app, topic, partition, stream)
+                self.broker.topics.move_last_id(stream, str(start))
+            self.broker.apps.record_group_start(self.app, topic, partition, stream)
             starts[topic] = at
         return starts, changed
 
@@ -192,7 +192,8 @@ class Adopter:
         if meta.get(BACKUP_IDENTITY):
             return False
         return all(
-            self.app not in self.broker.stream_info(keys.stream_key(t, partition)).groups for t in self.topics
+            self.app not in self.broker.topics.stream_info(keys.stream_key(t, partition)).groups
+            for t in self.topics
         )
 
     @contextmanager

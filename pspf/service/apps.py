@@ -24,7 +24,7 @@ class Apps(ServiceBase):
 
     def apps(self) -> list[str]:
         """The apps that have run against this broker."""
-        return self.broker.list_apps()
+        return self.broker.apps.list_apps()
 
     def lag(self, app: str, dead_letters: DeadLetterCounts | None = None) -> AppLag:
         """Per topic partition of ``app``: newest id, checkpoint, lag, pending, owner, DLQ entries.
@@ -33,16 +33,16 @@ class Apps(ServiceBase):
         """
         keys.check_name("app", app)
         counts = dead_letters if dead_letters is not None else DeadLetterCounts(self.broker)
-        partitions = self.broker.app_partitions(app)
-        topics = sorted(self.broker.app_topics(app))
+        partitions = self.broker.apps.app_partitions(app)
+        topics = sorted(self.broker.apps.app_topics(app))
         checkpoints = self._checkpoints(app, partitions)
-        owners = self.broker.lease_holders(
+        owners = self.broker.leases.lease_holders(
             [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
         )
         now_ms = time.time() * 1000
         detail = []
         for index, (topic, partition) in enumerate((t, p) for t in topics for p in range(partitions)):
-            position = self.broker.group_position(keys.stream_key(topic, partition), app)
+            position = self.broker.topics.group_position(keys.stream_key(topic, partition), app)
             oldest = position.oldest_pending_id
             checkpoint = checkpoints.get(partition, {}).get(topic)
             detail.append(
@@ -76,7 +76,7 @@ class Apps(ServiceBase):
             consumers=max((d.consumers for d in detail), default=0),
             members=[
                 AppMember.of(m, sorted({d.partition for d in detail if d.owner == m.id}))
-                for m in sorted(live_members(self.broker, app), key=lambda m: (m.joined_ms, m.id))
+                for m in sorted(live_members(self.broker.leases, app), key=lambda m: (m.joined_ms, m.id))
             ],
         )
 
@@ -90,7 +90,7 @@ class Apps(ServiceBase):
             except BrokerUnavailable:
                 raise
             except (BrokerError, NotFound, StateError) as exc:
-                found.append(AppLag.failed(app, sorted(self.broker.app_topics(app)), str(exc)))
+                found.append(AppLag.failed(app, sorted(self.broker.apps.app_topics(app)), str(exc)))
         return found
 
     def _checkpoints(self, app: str, partitions: int) -> dict[int, dict[str, StreamId]]:

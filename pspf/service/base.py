@@ -42,22 +42,22 @@ class ServiceBase:
 
     def _partitions(self, topic: str) -> int:
         """The partition count of a topic named by a user: a malformed name is their mistake."""
-        return self.broker.topic_partitions(keys.check_name("topic", topic))
+        return self.broker.topics.topic_partitions(keys.check_name("topic", topic))
 
     def _app_partitions(self, app: str) -> int:
         """The app's partition count, 0 when it never ran against this broker."""
         try:
-            return self.broker.app_partitions(app)
+            return self.broker.apps.app_partitions(app)
         except NotFound:
             return 0
 
     def _backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
         """The keys of a partition's state backup, None when it has none (the backup is off)."""
-        first = self.broker.app_topic_list(app)[:1]
+        first = self.broker.apps.app_topic_list(app)[:1]
         if not first:
             return None
         backup = keys.backup_keys(first[0], partition, app)
-        return backup if self.broker.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
+        return backup if self.broker.acks.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
 
     def _partition_value(self, app: str, key: str, namespace: str, name: str) -> bytes | None:
         """A value of the store of ``key``'s partition: from its backup in Redis (any machine).
@@ -65,17 +65,17 @@ class ServiceBase:
         Without a backup (it is off), or when the service reads local state, from the partition's
         store here, read without locking it.
         """
-        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.apps.app_partitions(app))
         backup = None if self.local_state else self._backup_keys(app, partition)
         if backup is not None:
-            return self.broker.backup_value(backup.values, field(namespace, name))
+            return self.broker.acks.backup_value(backup.values, field(namespace, name))
         state = self.settings.state
         with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
             return store.get(namespace, name)
 
     def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
         leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
-        held = self.broker.lease_holders(leases)
+        held = self.broker.leases.lease_holders(leases)
         owners = sorted({owner for owner in held if owner is not None})
         if owners:
             raise AppRunning(f"app {app!r} is running ({', '.join(owners)} holds leases): stop it first")
@@ -86,11 +86,11 @@ def stream_entries(
 ) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
     """Every entry of one stream (a DLQ, or a partition's), after ``after``, in id order.
 
-    ``Broker.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
+    ``Requests.dlq_range`` is a plain XRANGE, read ``page_size`` entries at a time.
     """
     start = "-" if after is None or after == keys.ZERO_ID else str(after.next())
     while True:
-        page = broker.dlq_range(stream, start, "+", page_size)
+        page = broker.requests.dlq_range(stream, start, "+", page_size)
         yield from page
         if len(page) < page_size:
             return

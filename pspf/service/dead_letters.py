@@ -46,7 +46,9 @@ class DeadLetters(ServiceBase):
         partition, entry_id = parse_dlq_id(dlq_id)
         if partition >= self._partitions(topic):
             raise NotFound(f"topic {topic!r} has no partition {partition}")
-        page = self.broker.dlq_range(keys.dlq_key(topic, partition), entry_id.decode(), entry_id.decode(), 1)
+        page = self.broker.requests.dlq_range(
+            keys.dlq_key(topic, partition), entry_id.decode(), entry_id.decode(), 1
+        )
         if not page:
             raise NotFound(f"no DLQ entry {dlq_id} in topic {topic!r}")
         return DeadLetterDetail.of(dlq_id, DeadLetter.from_fields(page[0][1]))
@@ -108,7 +110,10 @@ class DeadLetters(ServiceBase):
             if not dry_run:
                 fields = _redrive_fields(record)
                 stream = keys.stream_key(topic, partition)
-                if self.broker.redrive(keys.dlq_key(topic, partition), stream, entry_id, fields) is not None:
+                if (
+                    self.broker.requests.redrive(keys.dlq_key(topic, partition), stream, entry_id, fields)
+                    is not None
+                ):
                     moved += 1
             if progress is not None:
                 progress(1)
@@ -130,7 +135,7 @@ class DeadLetters(ServiceBase):
             for partition, entry_id, _ in selected:
                 by_partition.setdefault(partition, []).append(entry_id)
             for partition, entry_ids in by_partition.items():
-                deleted += self.broker.dlq_delete(keys.dlq_key(topic, partition), entry_ids)
+                deleted += self.broker.requests.dlq_delete(keys.dlq_key(topic, partition), entry_ids)
         return DlqChange(selected=len(selected), changed=deleted, dry_run=dry_run)
 
 

@@ -33,7 +33,7 @@ class OutboxRows(ServiceBase):
             raise NotFound(f"no outbox of app {app!r} in Redis or under {state.dir}")
         for p in partitions:
             if p in backups:
-                pages = self.broker.backup_values(
+                pages = self.broker.acks.backup_values(
                     backups[p].values, match=keys.OUTBOX_NAMESPACE.encode() + b"*"
                 )
                 yield from (
@@ -102,11 +102,11 @@ class OutboxRows(ServiceBase):
         for p, n in selected:
             by_partition.setdefault(p, []).append(n)
         for p, numbers in by_partition.items():
-            self.broker.request_outbox_replay(app, p, numbers)
+            self.broker.requests.request_outbox_replay(app, p, numbers)
         deadline = time.monotonic() + wait_s
         outcomes: dict[int, bytes | None] = {}
         while True:
-            outcomes = self.broker.outbox_replay_outcomes(app, sorted(by_partition))
+            outcomes = self.broker.requests.outbox_replay_outcomes(app, sorted(by_partition))
             if all(outcomes.values()) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)

@@ -85,8 +85,8 @@ class Replaying(ServiceBase):
         and the replay applies it once more the same way, never once per copy.
         """
         keys.check_name("app", app)
-        partitions = self.broker.app_partitions(app)
-        read = sorted(self.broker.app_topics(app))
+        partitions = self.broker.apps.app_partitions(app)
+        read = sorted(self.broker.apps.app_topics(app))
         chosen = self._replay_topics(app, read, topics, keep_state)
         self._refuse_if_running(app, read, partitions)
         self._refuse_moving_forward(app, chosen, partitions, position)
@@ -97,7 +97,7 @@ class Replaying(ServiceBase):
             if not dry_run:
                 self._open_for_marks(app, stores, marks)
                 for stream in streams:
-                    self.broker.reset_group(stream, app, str(position))
+                    self.broker.apps.reset_group(stream, app, str(position))
                 checkpoint = None if position == keys.ZERO_ID else position
                 rewound = {p: {topic: checkpoint for topic in chosen} for p in range(partitions)}
                 clear = BOOKKEEPING | (set() if keep_state else APP_STATE)
@@ -133,9 +133,11 @@ class Replaying(ServiceBase):
             StateOutOfReach: a partition's state is neither in a backup nor in this state dir.
         """
         keys.check_name("app", app)
-        partitions = self.broker.app_partitions(app)
-        topics = self.broker.app_topic_list(app)
-        rebuilt = [] if keep_state or not to_end else [t for t in self.broker.app_tables(app) if t in topics]
+        partitions = self.broker.apps.app_partitions(app)
+        topics = self.broker.apps.app_topic_list(app)
+        rebuilt = (
+            [] if keep_state or not to_end else [t for t in self.broker.apps.app_tables(app) if t in topics]
+        )
         from_start = topics if not to_end else rebuilt
         self._refuse_if_running(app, topics, partitions)
         with self._stores_here(app, topics, partitions) as stores:
@@ -175,14 +177,14 @@ class Replaying(ServiceBase):
         """
         keys.check_name("app", app)
         try:
-            partitions = self.broker.app_partitions(app)
+            partitions = self.broker.apps.app_partitions(app)
         except NotFound:
             return []
-        topics = self.broker.app_topic_list(app)
+        topics = self.broker.apps.app_topic_list(app)
         self._refuse_if_running(app, topics, partitions)
         for topic in topics:
             for partition in range(partitions):
-                self.broker.reset_group(keys.stream_key(topic, partition), app, str(keys.ZERO_ID))
+                self.broker.apps.reset_group(keys.stream_key(topic, partition), app, str(keys.ZERO_ID))
         return topics
 
     def _reset_positions(
@@ -192,7 +194,11 @@ class Replaying(ServiceBase):
         positions = {}
         for topic in topics:
             for partition in range(partitions):
-                last = None if topic in from_start else self.broker.last_id(keys.stream_key(topic, partition))
+                last = (
+                    None
+                    if topic in from_start
+                    else self.broker.topics.last_id(keys.stream_key(topic, partition))
+                )
                 positions[(topic, partition)] = keys.ZERO_ID if last is None else StreamId.parse(last)
         return positions
 
@@ -208,7 +214,7 @@ class Replaying(ServiceBase):
         """Re-create the groups at ``positions``, then rewind the stores and backups to them."""
         rewound: dict[int, Checkpoints] = {p: {} for p in range(partitions)}
         for (topic, partition), at in positions.items():
-            self.broker.reset_group(keys.stream_key(topic, partition), app, str(at))
+            self.broker.apps.reset_group(keys.stream_key(topic, partition), app, str(at))
             rewound[partition][topic] = None if at == keys.ZERO_ID else at
         self._rewind(app, stores, rewound, marks, BOOKKEEPING | (set() if keep_state else APP_STATE))
 
@@ -220,7 +226,7 @@ class Replaying(ServiceBase):
             p
             for p in range(partitions)
             if p not in stores
-            and not self.broker.backup_meta(keys.backup_keys(first, p, app).meta).get(BACKUP_IDENTITY)
+            and not self.broker.acks.backup_meta(keys.backup_keys(first, p, app).meta).get(BACKUP_IDENTITY)
         ]
         if unreachable:
             raise StateOutOfReach(
@@ -233,11 +239,11 @@ class Replaying(ServiceBase):
     def _unhandled(self, app: str, topic: str, partition: int) -> int:
         """Entries of the stream the app's group has pending or not yet delivered."""
         stream = keys.stream_key(topic, partition)
-        info = self.broker.stream_info(stream)
+        info = self.broker.topics.stream_info(stream)
         mine = info.groups.get(app)
         if mine is None:
             return info.length
-        return mine.pending + self.broker.count_after(stream, mine.last_delivered_id)
+        return mine.pending + self.broker.topics.count_after(stream, mine.last_delivered_id)
 
     @contextmanager
     def _stores_here(self, app: str, topics: list[str], partitions: int) -> Iterator[dict[int, StateStore]]:
@@ -320,10 +326,10 @@ class Replaying(ServiceBase):
         partition is next taken. A crash before this leaves the old backups, which a takeover
         restores: the old state with its old checkpoints, as when replay stops before the stores.
         """
-        first = self.broker.app_topic_list(app)[0]
+        first = self.broker.apps.app_topic_list(app)[0]
         for partition, rewound in checkpoints.items():
             values = {field(ns, key): value for (ns, key), value in marks.get(partition, {}).items()}
-            self.broker.rewind_backup(
+            self.broker.acks.rewind_backup(
                 keys.backup_keys(first, partition, app), clear, rewound, values, identity
             )
 
@@ -350,7 +356,7 @@ class Replaying(ServiceBase):
         for topic in topics:
             for partition in range(partitions):
                 # XINFO GROUPS alone: group_position might also count the lag, not needed here.
-                mine = self.broker.stream_info(keys.stream_key(topic, partition)).groups.get(app)
+                mine = self.broker.topics.stream_info(keys.stream_key(topic, partition)).groups.get(app)
                 delivered = None if mine is None else mine.last_delivered_id
                 if delivered is not None and to > StreamId.parse(delivered):
                     raise ConfigError(
@@ -359,10 +365,10 @@ class Replaying(ServiceBase):
                     )
 
     def _entries_after(self, stream: str, position: StreamId) -> int:
-        length = self.broker.stream_info(stream).length
+        length = self.broker.topics.stream_info(stream).length
         if position == keys.ZERO_ID or length == 0:
             return length
-        return self.broker.count_after(stream, str(position))
+        return self.broker.topics.count_after(stream, str(position))
 
 
 def parse_position(

@@ -29,16 +29,16 @@ class Retiring(ServiceBase):
             AppRunning: a worker of the app is a member, or holds a partition's lease.
         """
         keys.check_name("app", app)
-        partitions = self.broker.app_partitions(app)
-        topics = self.broker.app_topic_list(app)
+        partitions = self.broker.apps.app_partitions(app)
+        topics = self.broker.apps.app_topic_list(app)
         if not force:
             self._refuse_if_running(app, topics, partitions)
-            members = live_members(self.broker, app)
+            members = live_members(self.broker.leases, app)
             if members:
                 who = ", ".join(sorted(m.consumer for m in members))
                 raise AppRunning(f"app {app!r} has live workers ({who}): stop them first, or pass --force")
         streams = [keys.stream_key(t, p) for t in topics for p in range(partitions)]
-        groups = [s for s in streams if app in self.broker.stream_info(s).groups]
+        groups = [s for s in streams if app in self.broker.topics.stream_info(s).groups]
         per_partition = [
             name
             for topic in topics
@@ -57,9 +57,9 @@ class Retiring(ServiceBase):
             keys.outbox_replayed_key(app),
             keys.app_key(app),
         ]
-        found = self.broker.existing_keys([*per_partition, *per_app])
+        found = self.broker.topics.existing_keys([*per_partition, *per_app])
         if not dry_run:
-            self.broker.delete_app(app, groups, found)
+            self.broker.apps.delete_app(app, groups, found)
         return AppRemoval(
             app=app, topics=topics, partitions=partitions, groups=groups, keys=found, dry_run=dry_run
         )
@@ -74,8 +74,8 @@ class Retiring(ServiceBase):
             AppRunning: an app reads it.
         """
         keys.check_name("topic", topic)
-        partitions = self.broker.topic_partitions(topic)
-        readers = [app for app in self.broker.list_apps() if topic in self.broker.app_topics(app)]
+        partitions = self.broker.topics.topic_partitions(topic)
+        readers = [app for app in self.broker.apps.list_apps() if topic in self.broker.apps.app_topics(app)]
         if readers:
             raise AppRunning(
                 f"topic {topic!r} is read by app {', '.join(readers)}: retire it first "
@@ -83,7 +83,9 @@ class Retiring(ServiceBase):
             )
         # a repartition leaves a layout guard (and retired partitions' producer records) on each
         # partition the topic ever had ("guards")
-        guarded = max(partitions, int(self.broker.hash_fields(keys.topic_key(topic)).get("guards", "0")))
+        guarded = max(
+            partitions, int(self.broker.moving.hash_fields(keys.topic_key(topic)).get("guards", "0"))
+        )
         names = [
             name
             for partition in range(guarded)
@@ -94,7 +96,7 @@ class Retiring(ServiceBase):
                 keys.layout_key(topic, partition),
             )
         ]
-        found = self.broker.existing_keys([*names, keys.topic_key(topic)])
+        found = self.broker.topics.existing_keys([*names, keys.topic_key(topic)])
         if not dry_run:
-            self.broker.delete_topic(topic, found)
+            self.broker.topics.delete_topic(topic, found)
         return TopicRemoval(topic=topic, partitions=partitions, keys=found, dry_run=dry_run)

@@ -54,12 +54,12 @@ class State(ServiceBase):
         ``state_get``; each with its window's name and topic, and the accumulator so far.
         """
         keys.check_name("app", app)
-        partition = keys.partition_for(codec.encode_text("key", key), self.broker.app_partitions(app))
+        partition = keys.partition_for(codec.encode_text("key", key), self.broker.apps.app_partitions(app))
         backup = None if self.local_state else self._backup_keys(app, partition)
         found: list[tuple[str, bytes]] = []
         if backup is not None:
             pattern = field(keys.WINDOWS_NAMESPACE, "*/" + _glob_escape(key))
-            for page in self.broker.backup_values(backup.values, match=pattern):
+            for page in self.broker.acks.backup_values(backup.values, match=pattern):
                 found += ((split_field(name)[1], raw) for name, raw in page)
         else:
             with open_store(
@@ -99,7 +99,7 @@ class State(ServiceBase):
             if partition in backups:
                 found.extend(
                     name.decode()[len(STATE_NAMESPACE) + 1 :]
-                    for page in self.broker.backup_values(backups[partition].values)
+                    for page in self.broker.acks.backup_values(backups[partition].values)
                     for name, _ in page
                     if name.startswith(head)
                 )
@@ -140,7 +140,7 @@ class State(ServiceBase):
             raise NotFound(self._no_state(app))
         for p in partitions:
             if p in backups:
-                copy = snapshot(self.broker, backups[p])
+                copy = snapshot(self.broker.acks, backups[p])
                 if copy is not None:
                     checkpoints, values = copy
                     sorted_rows = ((ns, key, value) for (ns, key), value in sorted(values.items()))
@@ -176,7 +176,7 @@ class State(ServiceBase):
                 built = store.get(keys.BACKUP_NAMESPACE, keys.BACKUP_PARTITIONS)
                 stores[partition] = store.checkpoints(), None if built is None else int(built)
         read = _app_order(
-            app, self.broker.app_topic_list(app), topics, {t for cps, _ in stores.values() for t in cps}
+            app, self.broker.apps.app_topic_list(app), topics, {t for cps, _ in stores.values() for t in cps}
         )
         if not read:
             raise ParameterError(
@@ -184,7 +184,7 @@ class State(ServiceBase):
                 app=repr(app),
                 dir=state.dir,
             )
-        counts = {topic: self.broker.topic_partitions(topic) for topic in read}
+        counts = {topic: self.broker.topics.topic_partitions(topic) for topic in read}
         count = next(iter(counts.values()))
         if len(set(counts.values())) > 1:
             raise ConfigError(f"the topics of app {app!r} must have the same partition count: {counts}")
@@ -204,7 +204,7 @@ class State(ServiceBase):
                 kept.append(partition)
             else:
                 adopted[partition] = starts
-        self.broker.register_app(app, read, count)
+        self.broker.apps.register_app(app, read, count)
         return AdoptResult(app=app, adopted=adopted, kept=kept)
 
     def state_import(self, app: str, lines: Iterable[bytes]) -> ImportResult:
@@ -244,10 +244,10 @@ class State(ServiceBase):
                 current[1].close()
         # The imported stores are the state now: their backups go, and the next worker to take
         # each partition uploads its store.
-        first = self.broker.app_topic_list(app)[:1]
+        first = self.broker.apps.app_topic_list(app)[:1]
         for topic in first:
-            for partition in range(self.broker.app_partitions(app)):
-                self.broker.delete_backup(keys.backup_keys(topic, partition, app))
+            for partition in range(self.broker.apps.app_partitions(app)):
+                self.broker.acks.delete_backup(keys.backup_keys(topic, partition, app))
         return ImportResult(partitions=partitions, values=values, kept=kept)
 
     def _empty_store(self, app: str, partition: int) -> tuple[int, StateStore, StoreTransaction]:
@@ -265,7 +265,7 @@ class State(ServiceBase):
     def _bookkeeping(self, app: str, line: ExportCheckpoints) -> list[tuple[str, str, bytes]]:
         """What an import of a partition's app state alone keeps from its backup."""
         backup = self._backup_keys(app, line.partition)
-        copy = None if backup is None else snapshot(self.broker, backup)
+        copy = None if backup is None else snapshot(self.broker.acks, backup)
         return kept_bookkeeping(app, line, copy, known=self._app_partitions(app) > 0)
 
 

@@ -36,9 +36,9 @@ class Tables(ServiceBase):
         """
         keys.check_name("app", app)
         keys.check_name("table", table)
-        self.broker.app_partitions(app)  # NotFound for an app that never ran here
+        self.broker.apps.app_partitions(app)  # NotFound for an app that never ran here
         stored = keys.table_key(table, key)
-        if table in self.broker.app_topic_list(app):
+        if table in self.broker.apps.app_topic_list(app):
             raw = self._partition_value(app, key, keys.TABLES_NAMESPACE, stored)
             if raw is None:
                 raise NotFound(f"table {table!r} of app {app!r} has no row for key {key!r}")
@@ -76,15 +76,15 @@ class Tables(ServiceBase):
         The app's record names its global tables (its workers write it at start); a live worker
         following the table says so too, for a record written before global tables were recorded.
         """
-        recorded = self.broker.app_global_tables(app)
-        live = any(table in member.global_lag for member in live_members(self.broker, app))
+        recorded = self.broker.apps.app_global_tables(app)
+        live = any(table in member.global_lag for member in live_members(self.broker.leases, app))
         if live or table in (recorded or []):
             text = (
                 f"{table!r} is a global table of app {app!r}: its rows are read from a worker's store "
                 f"of it, and none is under {self.settings.state.dir}: pass a worker's --state-dir"
             )
             return text if live else text + " (or run a worker with this one)"
-        topics = ", ".join(self.broker.app_topic_list(app))
+        topics = ", ".join(self.broker.apps.app_topic_list(app))
         text = f"app {app!r} has no table {table!r}: it is none of the app's topics ({topics})"
         if recorded is None:
             return text + f", and no live worker follows a global table {table!r}"

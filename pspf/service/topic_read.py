@@ -39,9 +39,9 @@ class TopicReading(ServiceBase):
         streams = {keys.stream_key(topic, p): p for p in partitions}
         after = None if start is None or start == keys.ZERO_ID else start.previous()
         if start is None:
-            read = self.broker.read_tails(list(streams), count)
+            read = self.broker.reading.read_tails(list(streams), count)
         else:
-            read = self.broker.read_after(dict.fromkeys(streams, after), count)
+            read = self.broker.reading.read_after(dict.fromkeys(streams, after), count)
         merged = _merged(read, streams)
         shown = merged[-count:] if start is None else merged[:count]
         positions: Positions = dict.fromkeys(partitions, after)
@@ -56,13 +56,13 @@ class TopicReading(ServiceBase):
         streams = {keys.stream_key(topic, p): p for p in positions}
         at = {keys.stream_key(topic, p): after for p, after in positions.items()}
         while True:
-            entries = _merged(self.broker.read_after(at, 100), streams)
+            entries = _merged(self.broker.reading.read_after(at, 100), streams)
             for entry in entries:
                 at[keys.stream_key(topic, entry.partition)] = StreamId.parse(entry.id)
                 yield entry
             if not entries:
                 last_ids = {stream: str(after or keys.ZERO_ID).encode() for stream, after in at.items()}
-                self.broker.wait_for_new(last_ids, block_ms)
+                self.broker.reading.wait_for_new(last_ids, block_ms)
 
     def _read_partitions(self, topic: str, partition: int | None) -> list[int]:
         count = self._partitions(topic)

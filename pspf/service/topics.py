@@ -32,13 +32,13 @@ class Topics(ServiceBase):
             raise ParameterError(
                 "invalid {partitions} {count}: give 1 to {most}", count=partitions, most=keys.MAX_PARTITIONS
             )
-        created = self.broker.create_topic(name, partitions)
+        created = self.broker.topics.create_topic(name, partitions)
         return TopicInfo(name=name, partitions=partitions), created
 
     def list_topics(self) -> list[TopicInfo]:
         return [
-            TopicInfo(name=name, partitions=self.broker.topic_partitions(name))
-            for name in self.broker.list_topics()
+            TopicInfo(name=name, partitions=self.broker.topics.topic_partitions(name))
+            for name in self.broker.topics.list_topics()
         ]
 
     def describe_topic(self, name: str) -> TopicDescription:
@@ -46,7 +46,7 @@ class Topics(ServiceBase):
         partitions = []
         for partition in range(count):
             stream = keys.stream_key(name, partition)
-            partitions.append(PartitionInfo.of(partition, stream, self.broker.stream_info(stream)))
+            partitions.append(PartitionInfo.of(partition, stream, self.broker.topics.stream_info(stream)))
         kept = retention.stored(self.broker, name)
         return TopicDescription(
             name=name,
@@ -84,7 +84,7 @@ class Topics(ServiceBase):
         A bad line stops the run with its line number; the lines before it are written.
         """
         with Producer(self.broker, batch_size=2000) as producer:
-            producer.broker.topic_partitions(topic)
+            producer.broker.topics.topic_partitions(topic)
             for number, raw in enumerate(lines, start=1):
                 line = raw.strip()
                 if not line:
@@ -110,7 +110,7 @@ class Topics(ServiceBase):
     def health(self) -> Health:
         """Whether Redis answers, and how fast."""
         started = time.perf_counter()
-        info = self.broker.check_server()
+        info = self.broker.conn.check_server()
         elapsed_ms = (time.perf_counter() - started) * 1000
         return Health(status="ok", redis_version=info.version, latency_ms=elapsed_ms, server=info.name)
 

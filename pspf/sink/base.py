@@ -151,7 +151,7 @@ class Sink(ABC):
                 self.prepare()
                 prepared.set()
             if not marked.is_set():  # the app is recorded by now: say it is a sink
-                worker.broker.mark_sink(self.name, self.describe())
+                worker.broker.apps.mark_sink(self.name, self.describe())
                 marked.set()
             stores[partition] = SinkStore(self.partition(partition))
             return stores[partition]
@@ -165,7 +165,7 @@ class Sink(ABC):
         state = msgspec.structs.replace(settings.state, backup="off", standby=False)
         worker = Worker(app, msgspec.structs.replace(settings, state=state), store_factory=open_store)
         try:
-            worker.broker.topic_partitions(topic)
+            worker.broker.topics.topic_partitions(topic)
             self.prepare()
             prepared.set()
         except SinkUnavailable as exc:

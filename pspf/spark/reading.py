@@ -144,10 +144,10 @@ def read_entries(
     stream = keys.stream_key(topic, partition)
     start = first
     while True:
-        with broker.translate_errors(stream):
+        with broker.conn.translate_errors(stream):
             page = cast(
                 list[tuple[bytes, dict[bytes, bytes]]],
-                broker.client.xrange(stream, str(start), str(last), PAGE),
+                broker.conn.client.xrange(stream, str(start), str(last), PAGE),
             )
         if page:
             yield entry_batch(topic, partition, page)
@@ -215,7 +215,7 @@ def _parsed(raw: bytes | str | None) -> StreamId | None:
 
 def stream_state(broker: Broker, stream: str) -> StreamState:
     """The stream's state; all empty when the stream does not exist."""
-    with broker.translate_errors(stream):
-        if not broker.client.exists(stream):
+    with broker.conn.translate_errors(stream):
+        if not broker.conn.client.exists(stream):
             return StreamState(None)
-        return StreamState(cast(dict[str, Any], broker.client.xinfo_stream(stream)))
+        return StreamState(cast(dict[str, Any], broker.conn.client.xinfo_stream(stream)))

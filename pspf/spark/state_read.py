@@ -61,14 +61,14 @@ def plan_state_read(options: dict[str, str], what: str) -> StateRead:
             raise ConfigError('a table read needs the app that holds it: .option("app", ...)')
         app = keys.check_name("app", options["app"])
     with connected(url) as broker:
-        count = broker.app_partitions(app)  # NotFound for an app that never ran here
-        topics = broker.app_topic_list(app)
+        count = broker.apps.app_partitions(app)  # NotFound for an app that never ran here
+        topics = broker.apps.app_topic_list(app)
         if table is not None and table not in topics:
             raise _no_table(broker, app, table, topics)
         found = []
         for partition in range(count if topics else 0):
             backup = keys.backup_keys(topics[0], partition, app)
-            if broker.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
+            if broker.acks.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
                 found.append((partition, backup))
     missing = sorted(set(range(count if topics else 0)) - {p for p, _ in found})
     if not found or missing:
@@ -82,7 +82,7 @@ def plan_state_read(options: dict[str, str], what: str) -> StateRead:
 
 def _no_table(broker: Broker, app: str, table: str, topics: list[str]) -> Exception:
     """Why ``table`` cannot be read: a global table is in no backup, or the app has no such table."""
-    if any(table in member.global_lag for member in live_members(broker, app)):
+    if any(table in member.global_lag for member in live_members(broker.leases, app)):
         return ConfigError(
             f"global table {table!r} of app {app!r} lives only in each worker's local store, not in "
             f'Redis, so the pspf source cannot read it: read its topic with .option("topic", {table!r})'
@@ -104,7 +104,7 @@ class StateReader(DataSourceReader):
         read = self.read_options
         what = f"the state of app {read.app!r}" if read.table is None else f"table {read.table!r}"
         with read_connection(read.url, what) as broker:
-            copy = snapshot(broker, partition.backup)
+            copy = snapshot(broker.acks, partition.backup)
         if copy is None:
             raise RuntimeError(
                 f"the state backup of app {read.app!r} partition {partition.partition} was removed while "

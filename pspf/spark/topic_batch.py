@@ -63,7 +63,7 @@ def plan_topic_read(options: dict[str, str]) -> TopicRead:
     start, end = id_bounds(options)
     split = positive_option(options, "max_entries_per_split", DEFAULT_MAX_ENTRIES_PER_SPLIT)
     with connected(url) as broker:
-        partitions = broker.topic_partitions(topic)
+        partitions = broker.topics.topic_partitions(topic)
     return TopicRead(url, topic, partitions, start, end, cast(int, split))
 
 

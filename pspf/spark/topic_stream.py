@@ -95,7 +95,7 @@ def plan_stream_read(options: dict[str, str]) -> StreamOptions:
         raise ConfigError(f"starting must be earliest or latest, not {options['starting']!r}")
     most = positive_option(options, "max_entries_per_trigger", None)
     with connected(url) as broker:
-        partitions = broker.topic_partitions(topic)
+        partitions = broker.topics.topic_partitions(topic)
     return StreamOptions(
         url, topic, partitions, starting, most, flag_option(options, "fail_on_data_loss", True)
     )
@@ -192,8 +192,8 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for p in behind:
                 stream = keys.stream_key(self.options.topic, int(p))
                 after = StreamId.parse(begin[p].id)
-                with broker.translate_errors(stream):
-                    page = broker.client.xrange(stream, str(after.next()), ends[p].id, share)
+                with broker.conn.translate_errors(stream):
+                    page = broker.conn.client.xrange(stream, str(after.next()), ends[p].id, share)
                 if len(page) == share:
                     added = begin[p].added
                     ends[p] = Position(page[-1][0].decode(), None if added is None else added + share)

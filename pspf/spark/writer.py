@@ -135,7 +135,7 @@ def sink_options(options: dict[str, str], schema: StructType) -> SinkOptions:
         raise ConfigError(f"marker_ttl_s must be a positive number of seconds, not {ttl!r}")
     wait_s = _positive_seconds(options.get("repartition_wait_s", str(_DEFAULT_REPARTITION_WAIT_S)))
     with connected(url) as broker:
-        partitions, layout = partition_count(broker, topic, wait_s=wait_s, hint=_WAIT_HINT)
+        partitions, layout = partition_count(broker.topics, topic, wait_s=wait_s, hint=_WAIT_HINT)
     return SinkOptions(
         url=url,
         topic=topic,
@@ -311,7 +311,7 @@ class _Chunks:
         deadline = time.monotonic() + wait_s
         while refused:
             self.partitions, self.layout = partition_count(
-                self.broker,
+                self.broker.topics,
                 self.options.topic,
                 wait_s=wait_s,
                 hint=_WAIT_HINT,
@@ -356,7 +356,7 @@ class _Chunks:
         chunks = {
             partition: (self._marker(partition, chunk_number), flat) for partition, flat in routed.items()
         }
-        added = self.broker.add_chunks(
+        added = self.broker.publishing.add_chunks(
             options.topic, self.layout, chunks, options.marker_ttl_s, options.maxlen, options.minid
         )
         refused = []

@@ -72,7 +72,7 @@ class GlobalTables:
     def bootstrap(self) -> int:
         """Read every stream up to its end as of now; the entries applied."""
         assert self.broker is not None
-        ends = {stream: self.broker.last_id(stream) for stream in self.streams}
+        ends = {stream: self.broker.topics.last_id(stream) for stream in self.streams}
         targets = {s: StreamId.parse(end) for s, end in ends.items() if end is not None}
         started = last_log = time.monotonic()
         applied = 0
@@ -101,7 +101,7 @@ class GlobalTables:
         after = {s: self.positions[s] for s in (self.streams if streams is None else streams)}
         if not after or self.broker is None:
             return 0
-        return self.apply(self.broker.read_after(after, GLOBAL_READ_COUNT))
+        return self.apply(self.broker.reading.read_after(after, GLOBAL_READ_COUNT))
 
     def apply(self, read: list[tuple[str, list[RawEntry]]]) -> int:
         """Apply entries of the tables' streams with the new positions in ONE store transaction.
@@ -147,7 +147,7 @@ class GlobalTables:
         assert self.broker is not None
         for stream, (table, _) in self.streams.items():
             position = self.positions[stream]
-            count = self.broker.count_after(stream, str(position or keys.ZERO_ID))
+            count = self.broker.topics.count_after(stream, str(position or keys.ZERO_ID))
             behind[table.name] = behind.get(table.name, 0) + count
         return behind
 

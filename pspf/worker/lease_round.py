@@ -147,7 +147,7 @@ class LeaseRound:
         # store from the backup: then the store matches the streams the server holds now.
         for partition, owned in list(self.processor.owned.items()):
             cursors = list(owned.streams.values())
-            values = self.broker.lease_values([c.lease_key for c in cursors])
+            values = self.broker.leases.lease_values([c.lease_key for c in cursors])
             if any(v != c.lease_value for v, c in zip(values, cursors, strict=True)):
                 say_gone(self.leases, partition, "expired while Redis was unreachable")
                 self.drop(partition, release=False)
@@ -280,7 +280,7 @@ class LeaseRound:
 
     def check_policy(self) -> None:
         """Stop (EvictingPolicy, exit 3) on a server that may evict keys; warn once where unchecked."""
-        if not self.broker.check_eviction() and not self._policy_unchecked:
+        if not self.broker.conn.check_eviction() and not self._policy_unchecked:
             self._policy_unchecked = True
             log.warning("weaker guarantee: cannot read the server's maxmemory-policy; eviction is unchecked")
 
@@ -299,7 +299,7 @@ class LeaseRound:
         """Stop when a topic's record vanished or its partition count changed under the worker."""
         for topic in self.app.topics:
             try:
-                count = self.broker.topic_partitions(topic)
+                count = self.broker.topics.topic_partitions(topic)
             except NotFound:
                 raise BrokerDataLost(
                     f"topic {topic!r} vanished from the server under a running worker of app "

@@ -132,10 +132,10 @@ class Worker:
         socket_timeout_s = settings.consumer.block_ms / 1000 + settings.redis.connect_timeout_s
         self.broker = Broker(settings.redis, socket_timeout_s=socket_timeout_s)
         self.leases = PartitionLeases(
-            self.broker, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
+            self.broker.leases, app.name, app.topics, owner, settings.consumer.lease_ttl_ms
         )
         self.membership = Membership(
-            self.broker, app.name, owner, self.consumer, settings.consumer.lease_ttl_ms
+            self.broker.leases, app.name, owner, self.consumer, settings.consumer.lease_ttl_ms
         )
         # A loop may wait out a data call caught by a cut (its socket timeout) besides its work.
         stall_s = settings.consumer.lease_ttl_ms / 1000 + socket_timeout_s
@@ -271,12 +271,12 @@ class Worker:
         No thread starts here (``run`` starts the lease keeper): a test that drives the lease
         rounds step by step (``lease_round.step()``) calls this, then ``shutdown``.
         """
-        info = self.broker.check_server()
+        info = self.broker.conn.check_server()
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
-        eviction_checked = self.broker.check_eviction()
+        eviction_checked = self.broker.conn.check_eviction()
         counts = {
-            topic: partition_count(self.broker, topic, app=self.app.name).partitions
+            topic: partition_count(self.broker.topics, topic, app=self.app.name).partitions
             for topic in self.app.topics
         }
         check_table_partitions(self.app.name, list(self.app.tables), counts)
@@ -289,7 +289,7 @@ class Worker:
         self.lease_round.started(self._partitions, eviction_checked)
         for aggregation in self.app.windows.values():
             try:
-                self.broker.topic_partitions(aggregation.emit_to)
+                self.broker.topics.topic_partitions(aggregation.emit_to)
             except NotFound as exc:
                 where = f"window {aggregation.name!r} of topic {aggregation.topic!r}"
                 raise NotFound(f"{where} emits to a missing topic: {exc}") from None
@@ -297,15 +297,17 @@ class Worker:
         self._check_app_record()
         # A group is created from --start-from only for a topic the app never read before. One
         # that vanished later is re-created when its partition is taken: at the checkpoint.
-        seen = self.broker.app_topics(self.app.name)
+        seen = self.broker.apps.app_topics(self.app.name)
         start_id = "0" if self.settings.consumer.start_from == "earliest" else "$"
         for topic in self.app.topics:
             if topic not in seen:
                 for partition in range(self._partitions):
                     stream = keys.stream_key(topic, partition)
-                    self.broker.ensure_group(stream, self.app.name, start_id)
-                    self.broker.record_group_start(self.app.name, topic, partition, stream)
-        self.broker.register_app(self.app.name, self.app.topics, self._partitions, *self.app.table_topics())
+                    self.broker.apps.ensure_group(stream, self.app.name, start_id)
+                    self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
+        self.broker.apps.register_app(
+            self.app.name, self.app.topics, self._partitions, *self.app.table_topics()
+        )
         self.processor.start_tables(self._partitions, self._global_tables())
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",
@@ -324,7 +326,7 @@ class Worker:
         stores of the app (Redis lost its data: going on would start some partitions anew).
         """
         try:
-            recorded: int | None = self.broker.app_partitions(self.app.name)
+            recorded: int | None = self.broker.apps.app_partitions(self.app.name)
         except NotFound:
             recorded = None
         check_partition_count(
@@ -336,7 +338,7 @@ class Worker:
         stored = state_stores.stored_partitions(state.engine, state.dir, self.app.name)
         if stored:
             raise BrokerDataLost(
-                f"the server at {self.broker.url} has no record of app {self.app.name!r}, but "
+                f"the server at {self.broker.conn.url} has no record of app {self.app.name!r}, but "
                 f"{state.dir} holds its stores of partitions {stored}: Redis lost its data (a "
                 f"restart without persistence, a flush, eviction) or the app was deleted there. "
                 f"{adopt_remedy(self.app.name)}; to start the app anew, delete its stores "
@@ -464,7 +466,7 @@ class Worker:
         owner's lease has yet to expire, instead of stopping with their work undone.
         """
         return not any(
-            self.broker.has_backlog(keys.stream_key(topic, partition), self.app.name)
+            self.broker.topics.has_backlog(keys.stream_key(topic, partition), self.app.name)
             for partition in range(self._partitions)
             if partition not in self.lease_round.held
             for topic in self.app.topics
@@ -479,7 +481,7 @@ class Worker:
             store: StateStore = state_stores.MemoryStore()
         else:
             store = state_stores.open_globals_store(state.engine, state.dir, self.app.name, state.durability)
-        counts = {topic: self.broker.topic_partitions(topic) for topic in self.app.global_tables}
+        counts = {topic: self.broker.topics.topic_partitions(topic) for topic in self.app.global_tables}
         return GlobalTables(self.app.global_tables.values(), store, self.broker, counts)
 
     def _open_store(self, group: str, partition: int) -> StateStore:

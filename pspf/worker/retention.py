@@ -1,6 +1,6 @@
 """Retention: trimming a topic's streams without removing an entry anyone still needs.
 
-A topic's retention is stored with the topic (``Broker.topic_retention``): a maximum age and/or a
+A topic's retention is stored with the topic (``Topics.topic_retention``): a maximum age and/or a
 maximum length of each partition's stream, and a replay window. Trimming a partition removes the
 entries older than the trim point (``XTRIM MINID``), which is the earlier of
 
@@ -72,8 +72,8 @@ def plan_partition(
 ) -> PartitionTrim:
     """The trim of one partition now; ``count`` counts the entries that would go (a dry run)."""
     stream = keys.stream_key(topic, partition)
-    info = broker.stream_info(stream)
-    memory = broker.stream_memory(stream) if count else None
+    info = broker.topics.stream_info(stream)
+    memory = broker.topics.stream_memory(stream) if count else None
     none = PartitionTrim(
         partition=partition,
         stream=stream,
@@ -91,7 +91,7 @@ def plan_partition(
         wanted = StreamId(max(0, now_ms - retention.max_age_ms), 0)
     if retention.max_len is not None and info.length > retention.max_len:
         beyond = min(info.length - retention.max_len, LENGTH_PASS)
-        last_gone = broker.nth_id(stream, beyond)
+        last_gone = broker.topics.nth_id(stream, beyond)
         if last_gone is not None:
             by_length = StreamId.parse(last_gone).next()
             wanted = by_length if wanted is None else max(wanted, by_length)
@@ -104,12 +104,12 @@ def plan_partition(
         if app not in info.groups:
             return msgspec.structs.replace(none, held_by=f"app {app} has no group")
     for name, group in info.groups.items():
-        oldest = broker.oldest_pending(stream, name) if group.pending else None
+        oldest = broker.reading.oldest_pending(stream, name) if group.pending else None
         delivered = StreamId.parse(group.last_delivered_id)
         needed = StreamId.parse(oldest) if oldest is not None else delivered.next()
         bounds.append((needed, f"group {name}"))
     cut, held_by = min(bounds, key=lambda bound: bound[0])
-    removable = broker.count_before(stream, cut) if count else -1
+    removable = broker.topics.count_before(stream, cut) if count else -1
     if count and removable == 0:
         return msgspec.structs.replace(none, held_by=held_by)
     return msgspec.structs.replace(none, trim_before=str(cut), removable=removable, held_by=held_by)
@@ -117,7 +117,7 @@ def plan_partition(
 
 def stored(broker: Broker, topic: str) -> Retention:
     """The retention stored with a topic."""
-    fields = broker.topic_retention(topic)
+    fields = broker.topics.topic_retention(topic)
     return msgspec.convert(
         {name: int(value) for name, value in fields.items() if name in Retention.__struct_fields__},
         Retention,
@@ -126,7 +126,7 @@ def stored(broker: Broker, topic: str) -> Retention:
 
 def store(broker: Broker, topic: str, retention: Retention) -> None:
     """Store a topic's retention (None fields are removed)."""
-    broker.set_topic_retention(
+    broker.topics.set_topic_retention(
         topic,
         {
             name: None if getattr(retention, name) in (None, 0) else str(getattr(retention, name))
@@ -140,20 +140,20 @@ def plan(
 ) -> list[PartitionTrim]:
     """The trims of these partitions of a topic, now (the server's clock)."""
     apps = apps_reading(broker, topic)
-    now = broker.server_time_ms()
+    now = broker.topics.server_time_ms()
     return [plan_partition(broker, topic, p, retention, apps, now, count) for p in partitions]
 
 
 def apps_reading(broker: Broker, topic: str) -> list[str]:
     """The apps registered as readers of ``topic`` (each must keep what its group still needs)."""
-    return [app for app in broker.list_apps() if topic in broker.app_topics(app)]
+    return [app for app in broker.apps.list_apps() if topic in broker.apps.app_topics(app)]
 
 
 def trim(broker: Broker, plans: Iterable[PartitionTrim]) -> list[PartitionTrim]:
     """Apply plans; each with ``removable`` the number of entries it removed."""
     return [
         msgspec.structs.replace(
-            p, removable=broker.trim_before(p.stream, p.trim_before) if p.trim_before else 0
+            p, removable=broker.topics.trim_before(p.stream, p.trim_before) if p.trim_before else 0
         )
         for p in plans
     ]

@@ -558,13 +558,13 @@ def broker(redis_url: str) -> Iterator[Broker]:
 def _owner(broker: Broker, topic: str, group: str, owner: str) -> PartitionBackup:
     """Take partition 0's lease as ``owner``: its backup, as a worker's takeover makes it."""
     lease = keys.lease_key(topic, 0, group)
-    value = broker.acquire_lease(lease, keys.fence_key(topic, 0, group), owner, 60_000)
+    value = broker.leases.acquire_lease(lease, keys.fence_key(topic, 0, group), owner, 60_000)
     assert value is not None, "the lease is held"
-    return PartitionBackup(broker, group, topic, 0, lease, value)
+    return PartitionBackup(broker.acks, group, topic, 0, lease, value)
 
 
 def _give_up(broker: Broker, backup: PartitionBackup) -> None:
-    broker.release_leases([(backup.lease_key, backup.lease_value)])
+    broker.leases.release_leases([(backup.lease_key, backup.lease_value)])
 
 
 def _take_over(backup: PartitionBackup, store: StateStore, topics: list[str], action: str) -> Restored:
@@ -611,7 +611,7 @@ def _backup_as_dump(rclient: redis.Redis, broker: Broker, backup: PartitionBacku
     The values hash holds the identity too, the same as its meta's (so a values hash deleted on
     its own is noticed).
     """
-    meta = broker.backup_meta(backup.keys.meta)
+    meta = broker.acks.backup_meta(backup.keys.meta)
     checkpoints = {name[3:]: StreamId.parse(value) for name, value in meta.items() if name.startswith("cp:")}
     rows = _backup_as_rows(rclient, backup)
     assert (BACKUP_NAMESPACE, BACKUP_IDENTITY, meta[BACKUP_IDENTITY].encode()) in rows

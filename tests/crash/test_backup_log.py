@@ -97,15 +97,15 @@ def test_a_break_in_the_log_is_never_read_across(
     identity = entries[1][1][b"id"].decode()  # a store that stands at the second update
     broker = Broker(Settings.load({"PSPF_BROKER": redis_url}).redis)
     try:
-        reader = locate(broker, backup_keys, identity)
+        reader = locate(broker.acks, backup_keys, identity)
         assert reader is not None
         assert [u.identity for u in reader.read()] == [e[1][b"id"].decode() for e in entries[2:]]
 
         rclient.xdel(backup_keys.log, entries[3][0])  # an update lost from the log
-        reader = LogReader(broker, backup_keys.log, entries[1][0], identity)
+        reader = LogReader(broker.acks, backup_keys.log, entries[1][0], identity)
         with pytest.raises(LogGap):
             reader.read()
-        assert locate(broker, backup_keys, "999999-1") is None  # a history the log never had
+        assert locate(broker.acks, backup_keys, "999999-1") is None  # a history the log never had
     finally:
         broker.close()
 
@@ -217,15 +217,19 @@ def test_the_transaction_and_the_script_log_an_update_alike(
     broker = Broker(Settings.load({"PSPF_BROKER": redis_url}).redis)
     try:
         execs, scripts = calls("exec"), calls("evalsha")
-        assert broker.ack([AckRequest(stream, app, lease, "mine", [ids[0]], dlq, backup=first)]) == [(1, 0)]
-        if not broker.cluster:
+        assert broker.acks.ack([AckRequest(stream, app, lease, "mine", [ids[0]], dlq, backup=first)]) == [
+            (1, 0)
+        ]
+        if not broker.conn.cluster:
             assert (calls("exec") - execs, calls("evalsha") - scripts) == (1, 0)
         dead = [(ids[2], {b"error": b"boom"})]
-        assert broker.ack([AckRequest(stream, app, lease, "mine", [ids[1]], dlq, dead, second)]) == [(1, 1)]
-        if not broker.cluster:
+        assert broker.acks.ack([AckRequest(stream, app, lease, "mine", [ids[1]], dlq, dead, second)]) == [
+            (1, 1)
+        ]
+        if not broker.conn.cluster:
             assert calls("evalsha") > scripts
 
-        updates = LogReader(broker, backup_keys.log, b"0-0", "").read()
+        updates = LogReader(broker.acks, backup_keys.log, b"0-0", "").read()
         identity = (keys.BACKUP_NAMESPACE, keys.BACKUP_IDENTITY)
         assert [(u.identity, u.checkpoints, u.updates) for u in updates] == [
             ("7-1", {topic: ids_(ids[0])}, {identity: b"7-1", ("state", "a"): b"1", ("state", "b"): b"2"}),

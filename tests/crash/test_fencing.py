@@ -36,36 +36,36 @@ def test_ack_with_a_stale_lease_value_is_refused(
     stream, lease, fence = stream_key(topic, 0), lease_key(topic, 0, group), fence_key(topic, 0, group)
     broker = Broker(make_settings().redis)
     try:
-        broker.ensure_group(stream, group, "0")
-        ids = [entry_id for _, entries in broker.read_group(group, "c1", {stream: ">"}, 10, None)
+        broker.apps.ensure_group(stream, group, "0")
+        ids = [entry_id for _, entries in broker.reading.read_group(group, "c1", {stream: ">"}, 10, None)
                for entry_id, _ in entries]  # fmt: skip
         assert len(ids) == 5
-        old = broker.acquire_lease(lease, fence, "owner/1/aa", 60_000)
+        old = broker.leases.acquire_lease(lease, fence, "owner/1/aa", 60_000)
         assert old is not None
-        assert broker.acquire_lease(lease, fence, "other/2/bb", 60_000) is None, "two owners at once"
+        assert broker.leases.acquire_lease(lease, fence, "other/2/bb", 60_000) is None, "two owners at once"
 
         # The lease expires; the same owner name takes it again: a new token fences the old value.
         rclient.delete(lease)
-        new = broker.acquire_lease(lease, fence, "owner/1/aa", 60_000)
+        new = broker.leases.acquire_lease(lease, fence, "owner/1/aa", 60_000)
         assert new is not None and new != old
         assert int(new.rpartition("|")[2]) > int(old.rpartition("|")[2])
 
-        reply = broker.ack([AckRequest(stream, group, lease, old, ids)])
+        reply = broker.acks.ack([AckRequest(stream, group, lease, old, ids)])
         assert len(reply) == 1 and isinstance(reply[0], LeaseLost)
         assert rclient.xpending(stream, group)["pending"] == 5
         # The stale holder can neither renew nor release the new holder's lease.
-        assert broker.renew_leases([(lease, old)], 60_000) == [False]
-        broker.release_leases([(lease, old)])
+        assert broker.leases.renew_leases([(lease, old)], 60_000) == [False]
+        broker.leases.release_leases([(lease, old)])
         assert rclient.get(lease) == new.encode()
         # An expired lease (no key at all) refuses too.
         rclient.delete(lease)
-        reply = broker.ack([AckRequest(stream, group, lease, new, ids)])
+        reply = broker.acks.ack([AckRequest(stream, group, lease, new, ids)])
         assert isinstance(reply[0], LeaseLost)
         assert rclient.xpending(stream, group)["pending"] == 5
 
-        current = broker.acquire_lease(lease, fence, "owner/1/aa", 60_000)
+        current = broker.leases.acquire_lease(lease, fence, "owner/1/aa", 60_000)
         assert current is not None
-        assert broker.ack([AckRequest(stream, group, lease, current, ids)]) == [(5, 0)]
+        assert broker.acks.ack([AckRequest(stream, group, lease, current, ids)]) == [(5, 0)]
         assert rclient.xpending(stream, group)["pending"] == 0
     finally:
         broker.close()

@@ -53,7 +53,7 @@ class Feeder(threading.Thread):
 def _topic(lab: NetLab, name: str, partitions: int) -> str:
     broker = Broker(Settings.load({"PSPF_BROKER": lab.local_url}, environ={}).redis)
     try:
-        broker.create_topic(name, partitions)
+        broker.topics.create_topic(name, partitions)
     finally:
         broker.close()
     return name

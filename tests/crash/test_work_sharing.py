@@ -118,12 +118,12 @@ class Fleet:
 
     def members(self) -> tuple[int, dict[int, int]]:
         """The server's time (ms) and the live members as pid -> join time (server ms)."""
-        now, rows = self.broker.members(self.app)
+        now, rows = self.broker.leases.members(self.app)
         return now, {int(member.rsplit("/", 2)[1]): joined for member, joined, _, _ in rows}
 
     def expected_owners(self) -> Owners:
         """The owner (pid) of each partition that the live members, all counted, should give."""
-        members = sorted(live_members(self.broker, self.app), key=lambda m: (m.joined_ms, m.id))
+        members = sorted(live_members(self.broker.leases, self.app), key=lambda m: (m.joined_ms, m.id))
         owners = assign([(m.id, m.consumer) for m in members], PARTITIONS)
         pids = {m.id: m.pid for m in members}
         return tuple(pids.get(owners.get(p, "")) for p in range(PARTITIONS))
@@ -256,11 +256,11 @@ class LeaseSampler:
         self._thread = threading.Thread(target=self._run, name="lease-sampler", daemon=True)
 
     def _read(self) -> Sample:
-        if self.broker.cluster:  # the leases are on several nodes: the app's node's time, then them
-            server_ms = self.broker.members(self.app)[0]
-            values = self.broker.lease_values(self.keys)
+        if self.broker.conn.cluster:  # the leases are on several nodes: the app's node's time, then them
+            server_ms = self.broker.leases.members(self.app)[0]
+            values = self.broker.leases.lease_values(self.keys)
         else:  # the server's time and every lease in one atomic step
-            pipe = self.broker.client.pipeline(transaction=True)
+            pipe = self.broker.conn.client.pipeline(transaction=True)
             pipe.time()
             pipe.mget(self.keys)
             (seconds, micros), raw = pipe.execute()

@@ -177,17 +177,19 @@ def test_commands_of_rarer_paths_are_allowed(user: Callable[[str], AsUser]) -> N
 
     broker = Broker(RedisSettings(url=as_user.url))
     try:
-        broker.create_topic(as_user.topic, 1)
-        assert broker.topic_partitions(as_user.topic) == 1
+        broker.topics.create_topic(as_user.topic, 1)
+        assert broker.topics.topic_partitions(as_user.topic) == 1
         chunk = {0: (keys.sink_marker_key(as_user.topic, 0, "q-1"), [2, "value", "{}"])}
-        assert broker.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {0: 1}
-        assert broker.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {0: 0}  # the marker saw it
+        assert broker.publishing.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {0: 1}
+        assert broker.publishing.add_chunks(as_user.topic, "0", chunk, 60, maxlen="100") == {
+            0: 0
+        }  # the marker saw it
         # The outbox: publishing (TYPE, HGET, XADD, HSET in Lua) and replay requests (HMGET).
-        assert broker.publish(as_user.topic, 0, "app/0", [(1, {b"value": b"{}"})]) == 1
-        broker.request_outbox_replay(as_user.app, 0, [1])
-        raw = broker.outbox_replay_requests(as_user.app, [0, 1])[0]
-        broker.finish_outbox_replay(as_user.app, 0, raw, b"{}")
-        assert broker.outbox_replay_outcomes(as_user.app, [0]) == {0: b"{}"}
+        assert broker.publishing.publish(as_user.topic, 0, "app/0", [(1, {b"value": b"{}"})]) == 1
+        broker.requests.request_outbox_replay(as_user.app, 0, [1])
+        raw = broker.requests.outbox_replay_requests(as_user.app, [0, 1])[0]
+        broker.requests.finish_outbox_replay(as_user.app, 0, raw, b"{}")
+        assert broker.requests.outbox_replay_outcomes(as_user.app, [0]) == {0: b"{}"}
     finally:
         broker.close()
 

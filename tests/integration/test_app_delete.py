@@ -62,9 +62,9 @@ def test_a_deleted_app_frees_retention_and_leaves_no_key_while_a_live_app_stays_
     assert done.exit_code == 0, done.output
     assert f"removed app {old}" in done.output
     assert keys_naming(rclient, old) == []
-    assert old not in service.broker.list_apps()
+    assert old not in service.broker.apps.list_apps()
     for partition in range(2):
-        assert old not in service.broker.stream_info(stream_key(topic, partition)).groups
+        assert old not in service.broker.topics.stream_info(stream_key(topic, partition)).groups
 
     trimmed = service.trim_topic(topic)
     assert trimmed.removed > 0

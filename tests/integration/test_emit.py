@@ -220,10 +220,10 @@ def test_a_repeated_publish_adds_nothing(
     topic = make_topic(1)
     broker = brokers(redis_url)
     rows_ = [(seq, {b"value": str(seq).encode()}) for seq in range(1, 6)]
-    assert broker.publish(topic, 0, "app/0", rows_[:3]) == 3
-    assert broker.publish(topic, 0, "app/0", rows_) == 2  # 1-3 again: skipped
-    assert broker.publish(topic, 0, "app/0", rows_) == 0
-    assert broker.publish(topic, 0, "other/0", rows_[:1]) == 1  # another producer counts apart
+    assert broker.publishing.publish(topic, 0, "app/0", rows_[:3]) == 3
+    assert broker.publishing.publish(topic, 0, "app/0", rows_) == 2  # 1-3 again: skipped
+    assert broker.publishing.publish(topic, 0, "app/0", rows_) == 0
+    assert broker.publishing.publish(topic, 0, "other/0", rows_[:1]) == 1  # another producer counts apart
     assert [f[b"value"] for _, f in rclient.xrange(stream_key(topic, 0))] == [
         b"1",
         b"2",
@@ -247,10 +247,13 @@ def test_a_call_whose_earlier_call_did_not_run_adds_nothing_and_headers_are_made
         (topic, 0), 0, "1:2", (b"key", b"value", b"headers"), head, [b"a", b"1", b"9-1", b"b", b"2", b"9-2"]
     )
     second = PublishCall((topic, 0), 2, "3:1,7:1", (b"value", b"headers"), b"", [b"3", b"{}", b"4", b"{}"])
-    (gap,) = broker.send_publish("app/0", [second]).replies()
+    (gap,) = broker.publishing.send_publish("app/0", [second]).replies()
     assert isinstance(gap, BrokerError) and "GAP" in str(gap)
     assert rclient.xlen(stream_key(topic, 0)) == 0 and rclient.hget(producers_key(topic, 0), "app/0") is None
-    assert [reply[0] for reply in broker.send_publish("app/0", [first, second]).replies()] == [2, 2]
+    assert [reply[0] for reply in broker.publishing.send_publish("app/0", [first, second]).replies()] == [
+        2,
+        2,
+    ]
     entries = [fields for _, fields in rclient.xrange(stream_key(topic, 0))]
     assert entries == [
         {b"key": b"a", b"value": b"1", b"headers": b'{"src":"9-1"}'},
@@ -260,7 +263,10 @@ def test_a_call_whose_earlier_call_did_not_run_adds_nothing_and_headers_are_made
     ]
     assert rclient.hget(producers_key(topic, 0), "app/0") == b"7"
     # Sent again (a relay that never read the replies): nothing new.
-    assert [reply[0] for reply in broker.send_publish("app/0", [first, second]).replies()] == [0, 0]
+    assert [reply[0] for reply in broker.publishing.send_publish("app/0", [first, second]).replies()] == [
+        0,
+        0,
+    ]
 
 
 def test_a_target_of_the_wrong_type_refuses_before_writing(
@@ -271,7 +277,7 @@ def test_a_target_of_the_wrong_type_refuses_before_writing(
     rclient.set(stream_key(topic, 0), "not a stream")
     broker = brokers(redis_url)
     with pytest.raises(Exception, match="WRONGTYPE"):
-        broker.publish(topic, 0, "app/0", [(1, {b"value": b"1"})])
+        broker.publishing.publish(topic, 0, "app/0", [(1, {b"value": b"1"})])
     assert rclient.hget(producers_key(topic, 0), "app/0") is None
 
 

@@ -73,8 +73,8 @@ def test_a_zombie_cannot_claim_its_pending_entries_back_by_id_after_its_lease_mo
     stream, lease, fence = stream_key(topic, 0), lease_key(topic, 0, group), fence_key(topic, 0, group)
     broker = Broker(make_settings().redis)
     try:
-        broker.ensure_group(stream, group, "0")
-        zombie = broker.acquire_lease(lease, fence, "zombie", 10_000)
+        broker.apps.ensure_group(stream, group, "0")
+        zombie = broker.leases.acquire_lease(lease, fence, "zombie", 10_000)
         assert zombie is not None
         ids = [
             entry_id
@@ -84,17 +84,17 @@ def test_a_zombie_cannot_claim_its_pending_entries_back_by_id_after_its_lease_mo
         assert len(ids) == 10
         # The zombie stalls; its lease expires, the new owner takes the partition and its entries.
         rclient.delete(lease)
-        owner = broker.acquire_lease(lease, fence, "owner", 10_000)
+        owner = broker.leases.acquire_lease(lease, fence, "owner", 10_000)
         assert owner is not None
         rclient.xclaim(stream, group, "owner", 0, ids)
 
         # The zombie wakes up and re-reads what it still believes its own pending entries.
-        assert broker.claim_entries(stream, group, "zombie", ids, (lease, zombie)) is None
+        assert broker.reading.claim_entries(stream, group, "zombie", ids, (lease, zombie)) is None
         held = rclient.xpending_range(stream, group, "-", "+", 100)
         assert {row["consumer"] for row in held} == {b"owner"}
         assert {row["times_delivered"] for row in held} == {2}  # the zombie's try counted nothing
 
-        claimed = broker.claim_entries(stream, group, "owner", ids, (lease, owner))
+        claimed = broker.reading.claim_entries(stream, group, "owner", ids, (lease, owner))
         assert claimed is not None and [entry_id for entry_id, _ in claimed] == ids
     finally:
         broker.close()
@@ -142,7 +142,7 @@ def test_the_next_batch_is_read_ahead_while_the_handlers_run(
     worker.start()
     worker.lease_round.step()
     try:
-        if worker.broker.cluster:
+        if worker.broker.conn.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
         assert [worker.processor.run_once(block=False).read for _ in range(3)] == [10, 10, 10]
     finally:
@@ -192,19 +192,19 @@ def test_a_read_ahead_under_a_lease_that_moved_delivers_nothing(
     stream, lease, fence = stream_key(topic, 0), lease_key(topic, 0, group), fence_key(topic, 0, group)
     broker = Broker(make_settings().redis)
     try:
-        if broker.cluster:
+        if broker.conn.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
-        broker.ensure_group(stream, group, "0")
-        zombie = broker.acquire_lease(lease, fence, "zombie", 10_000)
+        broker.apps.ensure_group(stream, group, "0")
+        zombie = broker.leases.acquire_lease(lease, fence, "zombie", 10_000)
         assert zombie is not None
         rclient.delete(lease)
-        assert broker.acquire_lease(lease, fence, "owner", 10_000) is not None
+        assert broker.leases.acquire_lease(lease, fence, "owner", 10_000) is not None
 
-        ahead = broker.read_ahead(group, "zombie", [(stream, lease, zombie)], 10)
+        ahead = broker.reading.read_ahead(group, "zombie", [(stream, lease, zombie)], 10)
         assert ahead.take() == ([stream], [], {})
         assert rclient.xpending(stream, group)["pending"] == 0
         # A dropped one says what it delivered: here nothing.
-        assert broker.read_ahead(group, "zombie", [(stream, lease, zombie)], 10).drop() == {}
+        assert broker.reading.read_ahead(group, "zombie", [(stream, lease, zombie)], 10).drop() == {}
     finally:
         broker.close()
 
@@ -224,7 +224,7 @@ def test_a_stream_whose_read_ahead_is_dropped_reads_it_back_before_anything_newe
     worker.start()
     worker.lease_round.step()
     try:
-        if worker.broker.cluster:
+        if worker.broker.conn.cluster:
             pytest.skip("a cluster's reads are not sent ahead")
         assert sorted(worker.processor.owned) == [0, 1]
         assert worker.processor.run_once(block=False).read == 20

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pspf import App, Context, Settings, Worker
-from pspf.broker import Broker
+from pspf.broker import Acknowledging
 from pspf.partition import backup
 from pspf.service import Service
 from tests.conftest import Names
@@ -41,17 +41,17 @@ def test_a_restore_longer_than_the_lease_renews_it_and_the_takeover_completes(
     # A new machine restores 600 values in pages of about 10, each page slow to read: about 2 s,
     # three lease TTLs.
     monkeypatch.setattr(backup, "CHUNK", 10)
-    scan = Broker.backup_values
+    scan = Acknowledging.backup_values
     pages = 0
 
-    def slow_scan(self: Broker, *args: Any, **kwargs: Any) -> Iterator[list[tuple[bytes, bytes]]]:
+    def slow_scan(self: Acknowledging, *args: Any, **kwargs: Any) -> Iterator[list[tuple[bytes, bytes]]]:
         nonlocal pages
         for page in scan(self, *args, **kwargs):
             time.sleep(0.04)
             pages += 1
             yield page
 
-    monkeypatch.setattr(Broker, "backup_values", slow_scan)
+    monkeypatch.setattr(Acknowledging, "backup_values", slow_scan)
     second = make_settings(PSPF_STATE_DIR=str(tmp_path / "b"), PSPF_LEASE_TTL_MS=600, PSPF_CONSUMER="b")
     summary = Worker(app, second).run(until_idle=True)
 

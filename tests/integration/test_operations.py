@@ -111,7 +111,7 @@ def test_lag_shows_checkpoint_lag_pending_and_owner_per_partition(
     # A worker holding the lease of partition 1 is its owner.
     b = broker(redis_url)
     try:
-        value = b.acquire_lease(
+        value = b.leases.acquire_lease(
             keys.lease_key(o.topic, 1, o.app), keys.fence_key(o.topic, 1, o.app), "host-a/123/ab", 10_000
         )
         assert value is not None
@@ -119,7 +119,7 @@ def test_lag_shows_checkpoint_lag_pending_and_owner_per_partition(
         assert [d["owner"] for d in owned["detail"]] == [None, "host-a/123/ab"]
         assert owned["owners"] == ["host-a/123/ab"]
     finally:
-        b.client.delete(keys.lease_key(o.topic, 1, o.app))
+        b.conn.client.delete(keys.lease_key(o.topic, 1, o.app))
         b.close()
 
     table = o("lag", o.app)
@@ -234,14 +234,14 @@ def test_replay_is_refused_while_a_worker_holds_leases(ops: Callable[[int], Ops]
     before = o.lag()
     b = broker(redis_url)
     try:
-        assert b.acquire_lease(
+        assert b.leases.acquire_lease(
             keys.lease_key(o.topic, 0, o.app), keys.fence_key(o.topic, 0, o.app), "host-b/9/cd", 10_000
         )
         refused = o("replay", o.app, "--topic", o.topic, "--from-start", "--yes")
         assert refused.exit_code == 6
         assert "host-b/9/cd" in one_line_error(refused) and "stop it first" in refused.output
     finally:
-        b.client.delete(keys.lease_key(o.topic, 0, o.app))
+        b.conn.client.delete(keys.lease_key(o.topic, 0, o.app))
         b.close()
     assert o.lag() == before  # nothing moved
     assert o.state("u1") == {"total": 1, "count": 1}
@@ -258,7 +258,7 @@ def test_replay_interrupted_after_moving_the_group_applies_nothing_twice(
     b = broker(redis_url)
     try:
         for p in range(2):
-            b.reset_group(stream_key(o.topic, p), o.app, "0")
+            b.apps.reset_group(stream_key(o.topic, p), o.app, "0")
     finally:
         b.close()
     o.run()

@@ -28,10 +28,10 @@ def test_the_count_and_layout_of_a_topic_or_not_found(
     make_topic: Callable[[int], str], broker: Broker, names: Names
 ) -> None:
     topic = make_topic(4)
-    assert partition_count(broker, topic) == (4, "0")
-    assert partition_count(broker, topic).partitions == 4
+    assert partition_count(broker.topics, topic) == (4, "0")
+    assert partition_count(broker.topics, topic).partitions == 4
     with pytest.raises(NotFound, match="does not exist; create it"):
-        partition_count(broker, names.topic())
+        partition_count(broker.topics, names.topic())
 
 
 def test_a_running_repartition_refuses_at_once_or_after_the_wait(
@@ -41,16 +41,16 @@ def test_a_running_repartition_refuses_at_once_or_after_the_wait(
     topic = make_topic(4)
     rclient.hset(topic_key(topic), "moving", "1")
     with pytest.raises(ConfigError, match=f"topic {topic!r} is being repartitioned: start the app once"):
-        partition_count(broker, topic, app="an-app")
+        partition_count(broker.topics, topic, app="an-app")
     started = time.monotonic()
     with pytest.raises(BrokerError, match=r"not done within 0\.3s; try later$"):
-        partition_count(broker, topic, wait_s=0.3, hint="try later")
+        partition_count(broker.topics, topic, wait_s=0.3, hint="try later")
     assert time.monotonic() - started >= 0.3
     rclient.hdel(topic_key(topic), "moving")
     rclient.hset(topic_key(topic), "layout", "2")
-    assert partition_count(broker, topic, wait_s=0.3, hint="h") == (4, "2")
+    assert partition_count(broker.topics, topic, wait_s=0.3, hint="h") == (4, "2")
     with pytest.raises(BrokerError, match="its partitions refuse layout '2'"):
-        partition_count(broker, topic, wait_s=0.2, hint="h", stale="2")
+        partition_count(broker.topics, topic, wait_s=0.2, hint="h", stale="2")
 
 
 def test_a_writer_is_refused_a_count_its_readers_were_not_built_for(
@@ -61,9 +61,9 @@ def test_a_writer_is_refused_a_count_its_readers_were_not_built_for(
 ) -> None:
     """The record edited behind PSPF's back: a writer refuses; the app itself checks its own record."""
     topic, app = make_topic(4), names.app()
-    broker.register_app(app, [topic], 4)
-    assert partition_count(broker, topic, wait_s=0.1, hint="h") == (4, "0")
+    broker.apps.register_app(app, [topic], 4)
+    assert partition_count(broker.topics, topic, wait_s=0.1, hint="h") == (4, "0")
     rclient.hset(topic_key(topic), "partitions", "8")
     with pytest.raises(StateError, match=f"app {app!r} was built for 4 partitions"):
-        partition_count(broker, topic, wait_s=0.1, hint="h")
-    assert partition_count(broker, topic, app=app) == (8, "0")
+        partition_count(broker.topics, topic, wait_s=0.1, hint="h")
+    assert partition_count(broker.topics, topic, app=app) == (8, "0")

@@ -31,9 +31,9 @@ def setup(
     stream = keys.stream_key(topic, 0)
     lease, fence = keys.lease_key(topic, 0, GROUP), keys.fence_key(topic, 0, GROUP)
     broker = Broker(RedisSettings(url=redis_url))
-    value = broker.acquire_lease(lease, fence, "w", 30_000)
+    value = broker.leases.acquire_lease(lease, fence, "w", 30_000)
     assert value is not None
-    broker.ensure_group(stream, GROUP, "0")
+    broker.apps.ensure_group(stream, GROUP, "0")
     try:
         yield broker, (stream, lease, value)
     finally:
@@ -53,7 +53,7 @@ def pending(rclient: redis.Redis, stream: str) -> int:
 def armed_read(broker: Broker, read: tuple[str, str, str], rclient: redis.Redis) -> None:
     """A first read through the script, taken: the connection now watches the lease."""
     add(rclient, read[0], 2)
-    first = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    first = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert not first.armed
     taken = first.take()
     assert taken is not None and [len(e) for _, e in taken[1]] == [2]
@@ -66,7 +66,7 @@ def test_a_read_after_the_first_is_a_plain_transaction_and_delivers(
     broker, read = setup
     armed_read(broker, read, rclient)
     add(rclient, read[0], 3)
-    second = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    second = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert second.armed
     taken = second.take()
     assert taken is not None
@@ -83,12 +83,12 @@ def test_a_lease_taken_after_the_watch_makes_the_read_deliver_nothing(
     armed_read(broker, read, rclient)
     add(rclient, stream, 3)
     rclient.set(lease, "another|2")  # another worker took the partition
-    ahead = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    ahead = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert ahead.armed  # the lease was this worker's when it was watched
     assert ahead.take() is None
     assert pending(rclient, stream) == 0
     # The next read knows the lease moved: through the script, which says it is lost.
-    again = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    again = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert not again.armed
     assert again.take() == ([stream], [], {})
     assert pending(rclient, stream) == 0
@@ -101,9 +101,9 @@ def test_a_connection_made_anew_watches_nothing_so_its_read_goes_through_the_scr
     stream, lease, _ = read
     armed_read(broker, read, rclient)
     add(rclient, stream, 3)
-    broker.reader.connection.disconnect()  # redis-py connects again on the next send, with no WATCH
+    broker.reading.reader.connection.disconnect()  # redis-py connects again on the next send, with no WATCH
     rclient.set(lease, "another|2")
-    ahead = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    ahead = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert not ahead.armed
     assert ahead.take() == ([stream], [], {})
     assert pending(rclient, stream) == 0
@@ -116,10 +116,10 @@ def test_a_lease_renewed_meanwhile_delivers_nothing_once_then_the_reads_go_on(
     stream, lease, value = read
     armed_read(broker, read, rclient)
     add(rclient, stream, 3)
-    assert broker.renew_leases([(lease, value)], 30_000) == [True]  # as the keeper's thread does
-    assert broker.read_ahead(GROUP, CONSUMER, [read], 10).take() is None
+    assert broker.leases.renew_leases([(lease, value)], 30_000) == [True]  # as the keeper's thread does
+    assert broker.reading.read_ahead(GROUP, CONSUMER, [read], 10).take() is None
     assert pending(rclient, stream) == 0
-    ahead = broker.read_ahead(GROUP, CONSUMER, [read], 10)
+    ahead = broker.reading.read_ahead(GROUP, CONSUMER, [read], 10)
     assert ahead.armed
     taken = ahead.take()
     assert taken is not None and [len(e) for _, e in taken[1]] == [3]
@@ -132,21 +132,21 @@ def test_other_streams_or_leases_are_read_through_the_script(
     armed_read(broker, read, rclient)
     topic = names.topic()
     other = (keys.stream_key(topic, 0), keys.lease_key(topic, 0, GROUP), "")
-    value = broker.acquire_lease(other[1], keys.fence_key(topic, 0, GROUP), "w", 30_000)
+    value = broker.leases.acquire_lease(other[1], keys.fence_key(topic, 0, GROUP), "w", 30_000)
     assert value is not None
     other = (other[0], other[1], value)
-    broker.ensure_group(other[0], GROUP, "0")
+    broker.apps.ensure_group(other[0], GROUP, "0")
     try:
         add(rclient, other[0], 2)
-        both = broker.read_ahead(GROUP, CONSUMER, [read, other], 10)
+        both = broker.reading.read_ahead(GROUP, CONSUMER, [read, other], 10)
         assert not both.armed  # only the first stream's lease was watched
         taken = both.take()
         assert taken is not None and [len(e) for _, e in taken[1]] == [2]
         add(rclient, read[0], 1)
-        again = broker.read_ahead(GROUP, CONSUMER, [read, other], 10)
+        again = broker.reading.read_ahead(GROUP, CONSUMER, [read, other], 10)
         assert again.armed
         taken = again.take()
         assert taken is not None and [(s.decode(), len(e)) for s, e in taken[1]] == [(read[0], 1)]
     finally:
-        broker.reader.close()
+        broker.reading.reader.close()
         rclient.delete(other[0], other[1], keys.fence_key(topic, 0, GROUP))

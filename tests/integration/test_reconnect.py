@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pspf import App, Context, Producer, Settings, Worker
-from pspf.broker import Broker
+from pspf.broker import Acknowledging
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound
 from pspf.keys import StreamId, backup_meta_key, stream_key
 from pspf.service import Service
@@ -99,16 +99,16 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
     def count(value: dict[str, int], ctx: Context) -> None:
         ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
 
-    real_ack = Broker.ack_sent
+    real_ack = Acknowledging.ack_sent
     failures = []
 
-    def ack_lost_once(self: Broker, requests: Any) -> Any:
+    def ack_lost_once(self: Acknowledging, requests: Any) -> Any:
         if not failures and requests[0].ids:  # the first batch's (not a takeover's backup update)
             failures.append(len(requests[0].ids))
             raise BrokerUnavailable("connection dropped before the acknowledgement")
         return real_ack(self, requests)
 
-    monkeypatch.setattr(Broker, "ack_sent", ack_lost_once)
+    monkeypatch.setattr(Acknowledging, "ack_sent", ack_lost_once)
     settings = make_settings(PSPF_BATCH_SIZE=100)
     summary = Worker(app, settings).run(until_idle=True)
 

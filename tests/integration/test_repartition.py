@@ -348,7 +348,7 @@ def test_a_producer_of_the_old_count_writes_nothing_into_a_retired_partition(
 
     Service(make_settings()).delete_topic(topic)
     assert not rclient.keys(f"*{{{topic}:*")  # no guard left behind
-    broker.create_topic(topic, 8)
+    broker.topics.create_topic(topic, 8)
     fresh = Producer(broker)
     for n in range(50):
         fresh.send(topic, {"n": n}, key=f"k{n}")
@@ -467,7 +467,7 @@ def test_a_worker_started_after_the_plan_is_found_after_the_seal_and_nothing_mov
     plan = make_plan(broker, topic, 4)
     with WorkerThread(summing_app(app, topic), settings) as running:
         leases = [lease_key(topic, p, app) for p in range(2)]
-        wait_until(lambda: any(broker.lease_holders(leases)), 30, "the worker's leases")
+        wait_until(lambda: any(broker.leases.lease_holders(leases)), 30, "the worker's leases")
         with pytest.raises(AppRunning, match="is running"):
             Repartition(broker, plan).run()
         assert rclient.hget(topic_key(topic), "moving") is None

@@ -1,4 +1,4 @@
-"""The sink's trimming (``Broker.add_chunks`` with ``maxlen``/``minid``) stops at the groups' floor.
+"""The sink's trimming (``Publishing.add_chunks`` with ``maxlen``/``minid``) stops at the groups' floor.
 
 The floor of a stream is the lowest, over its consumer groups, of each group's oldest pending id,
 or its last-delivered-id when nothing is pending. These call the Lua script directly, without
@@ -52,7 +52,7 @@ def consume(client: redis.Redis, stream: str, group: str, read: int, acked: int)
 def add(broker: Broker, topic: str, count: int, maxlen: str = "", minid: str = "") -> None:
     """Add ``count`` entries to partition 0 of ``topic`` as the sink does."""
     flat = [2, "value", "new"] * count
-    assert broker.add_chunks(topic, "0", {0: (None, flat)}, 60, maxlen, minid) == {0: count}
+    assert broker.publishing.add_chunks(topic, "0", {0: (None, flat)}, 60, maxlen, minid) == {0: count}
 
 
 def ids_of(client: redis.Redis, stream: str) -> list[bytes]:

@@ -177,8 +177,8 @@ def test_a_worker_renews_its_leases_before_its_membership(
         return wrapper
 
     keeper = worker.keeper
-    keeper.broker.renew_leases = recorded("leases", keeper.broker.renew_leases)  # type: ignore[method-assign]
-    keeper.broker.member_heartbeat = recorded("membership", keeper.broker.member_heartbeat)  # type: ignore[method-assign]
+    keeper.leasing.renew_leases = recorded("leases", keeper.leasing.renew_leases)  # type: ignore[method-assign]
+    keeper.leasing.member_heartbeat = recorded("membership", keeper.leasing.member_heartbeat)  # type: ignore[method-assign]
     assert keeper.renew() == []
     assert calls == ["leases", "membership"]
 
@@ -188,7 +188,7 @@ def test_takeable_names_the_holders_of_the_leases_it_finds_held(
 ) -> None:
     orders, refunds = make_topic(2), make_topic(2)
     broker = Broker(make_settings().redis)
-    leases = PartitionLeases(broker, "app-x", [orders, refunds], "me/1/00000000", TTL_MS)
+    leases = PartitionLeases(broker.leases, "app-x", [orders, refunds], "me/1/00000000", TTL_MS)
     try:
         rclient.set(lease_key(refunds, 0, "app-x"), f"{GHOST}|3", px=5000)
         rclient.set(lease_key(orders, 1, "app-x"), "other/2/00000000|4", px=5000)

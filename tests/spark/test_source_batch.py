@@ -261,7 +261,7 @@ def test_driver_errors(
     service = Service(make_settings())
     try:
         wait_until(
-            lambda: any(products in m.global_lag for m in live_members(service.broker, app.name)),
+            lambda: any(products in m.global_lag for m in live_members(service.broker.leases, app.name)),
             60,
             "the worker to say it follows the global table",
         )

@@ -47,7 +47,7 @@ def test_batch_and_streaming_reads_over_sentinel_with_mutual_tls(
     topic = names.topic()
     broker = Broker(settings.redis)
     try:
-        broker.create_topic(topic, 2)
+        broker.topics.create_topic(topic, 2)
     finally:
         broker.close()
     with Producer(settings=settings) as producer:

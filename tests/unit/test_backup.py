@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 from pspf import keys
-from pspf.broker import AckRequest, BackupUpdate, Broker, Fields, log_data
+from pspf.broker import Acknowledging, AckRequest, BackupUpdate, Fields, log_data
 from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost, StateError
 from pspf.keys import BACKUP_IDENTITY, BACKUP_MARK, BACKUP_NAMESPACE, STATE_NAMESPACE, StreamId
 from pspf.partition import backup as backup_module
@@ -38,7 +38,7 @@ LEASE_KEY = keys.lease_key(TOPIC, 0, GROUP)
 
 
 class FakeBroker:
-    """Leases and state backups in dictionaries: the ``Broker`` methods ``PartitionBackup`` calls."""
+    """Leases and state backups in dictionaries: the ``Acknowledging`` calls ``PartitionBackup`` makes."""
 
     def __init__(self) -> None:
         self.leases: dict[str, str] = {}
@@ -128,8 +128,8 @@ def owner(broker: FakeBroker, token: int, partitions: int | None = 1) -> Partiti
     """The backup of partition 0 as the owner holding the lease with fencing token ``token``."""
     lease_value = f"worker-{token}|{token}"
     broker.leases[LEASE_KEY] = lease_value
-    # The fake answers every method PartitionBackup calls; it is no Broker otherwise.
-    return PartitionBackup(cast(Broker, broker), GROUP, TOPIC, 0, LEASE_KEY, lease_value, partitions)
+    # The fake answers every method PartitionBackup calls; it is no Acknowledging otherwise.
+    return PartitionBackup(cast(Acknowledging, broker), GROUP, TOPIC, 0, LEASE_KEY, lease_value, partitions)
 
 
 def take_over(broker: FakeBroker, store: MemoryStore, token: int) -> tuple[PartitionBackup, str]:
@@ -159,7 +159,7 @@ def batch(
 ) -> None:
     """A batch as the processor runs it: commit, then one acknowledging call with the update."""
     commit(store, values, checkpoint)
-    (reply,) = backup.broker.ack([backup.request([checkpoint.encode()])])
+    (reply,) = backup.acks.ack([backup.request([checkpoint.encode()])])
     assert reply == (1, 0)
     backup.sent()
 
@@ -452,7 +452,9 @@ def test_reconcile_restores_when_the_log_ends_before_the_backup_identity() -> No
 def test_catch_up_stops_at_the_update_that_sets_the_identity_asked_for() -> None:
     broker = FakeBroker()
     behind = behind_and_ahead(broker, 3)  # at 1-2; the log goes on to 1-5
-    reader = backup_module.locate(cast(Broker, broker), keys.backup_keys(TOPIC, 0, GROUP), identity(behind))
+    reader = backup_module.locate(
+        cast(Acknowledging, broker), keys.backup_keys(TOPIC, 0, GROUP), identity(behind)
+    )
     assert reader is not None
 
     assert backup_module.catch_up(behind, reader, until="1-4") == 2

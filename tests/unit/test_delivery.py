@@ -16,13 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import cast
 
 import msgspec
 import pytest
 
 from pspf import keys
-from pspf.broker import Broker, Fields, RawEntry
+from pspf.broker import Fields, RawEntry, Reading, Topics
 from pspf.cycle.delivery import Delivery, Screened
 from pspf.errors import BrokerError
 from pspf.failures import Failure, RetryPolicy
@@ -75,9 +76,13 @@ class FakeReadAhead:
 
 
 class FakeBroker:
-    """The ``Broker`` methods ``Delivery`` calls, over in-memory streams of one group."""
+    """The broker calls ``Delivery`` makes (reading, and a stream's last id), over in-memory streams.
 
-    cluster = False
+    One consumer group's; it stands in for both families ``Delivery`` takes.
+    """
+
+    #: what ``Delivery`` asks of the connection: not a cluster
+    conn = SimpleNamespace(cluster=False)
 
     def __init__(self) -> None:
         self.streams: dict[str, FakeStream] = {}
@@ -210,10 +215,17 @@ class Scene:
         )
         self.owned.load_bookkeeping()
         policies = {topic: RetryPolicy(max_deliveries=max_deliveries) for topic in topics}
-        # The fake answers every method Delivery calls; it is no Broker otherwise.
-        broker = cast(Broker, self.broker)
+        # The fake answers every method Delivery calls; it is no broker family otherwise.
         self.delivery = Delivery(
-            broker, GROUP, CONSUMER, batch_size, 100, policies, {0: self.owned}, self.cursors
+            cast(Reading, self.broker),
+            cast(Topics, self.broker),
+            GROUP,
+            CONSUMER,
+            batch_size,
+            100,
+            policies,
+            {0: self.owned},
+            self.cursors,
         )
 
     @property

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from types import SimpleNamespace
+from typing import cast
 
 from pspf import keys
 from pspf.broker import Broker
@@ -13,7 +14,7 @@ from pspf.state_stores.memory import MemoryStore
 
 
 class Consumers:
-    """Stands in for the broker's consumer listing and deletion."""
+    """Stands in for the broker's consumer listing and deletion (``Apps``)."""
 
     def __init__(self, found: dict[str, list[tuple[str, int, int]]]) -> None:
         self.found = found
@@ -51,7 +52,7 @@ def test_idle_consumers_with_nothing_pending_go_and_leave_the_store_list() -> No
     )
     owned = owned_with(["a", "b"], {"me", "old", "busy", "young", "gone-before"})
     partitions = Partitions(
-        cast(Broker, cast(Any, broker)), "app", "me", lambda g, p: owned.store, ["a", "b"]
+        cast(Broker, SimpleNamespace(apps=broker)), "app", "me", lambda g, p: owned.store, ["a", "b"]
     )
     deleted = partitions.forget_consumers(owned, after_ms=1000)
     assert deleted == ["busy", "old"]

@@ -94,7 +94,7 @@ def test_global_tables_lag_is_counted_every_few_seconds_not_at_every_round(
     clock = Clock()
     monkeypatch.setattr(membership, "time", clock)
     broker = Broker(Settings.load({}, environ={}).redis)  # never connects: nothing is sent here
-    member = Membership(broker, "app", "host/1/ab", "host", 3000)
+    member = Membership(broker.leases, "app", "host/1/ab", "host", 3000)
     tables = CountingTables()
     lookups = Lookups({}, 1, tables)  # type: ignore[arg-type]
     assert member.count_global_lag(None) is None and member.count_global_lag(Lookups({}, 1)) is None

@@ -20,12 +20,12 @@ from pspf.observability.metrics import WorkerHealth, WorkerMetrics
 
 
 class FakeBroker:
-    """Answers ``group_position`` from a table of lags; ``down`` makes every call fail."""
+    """Answers ``topics.group_position`` from a table of lags; ``down`` makes every call fail."""
 
     def __init__(self) -> None:
         self.lag: dict[str, int] = {}
         self.down = False
-        self.client = self
+        self.conn = self.client = self.topics = self
         self.pings = 0
 
     @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from pspf import keys
-from pspf.broker import Broker, RawEntry
+from pspf.broker import RawEntry, Reading
 from pspf.cycle.ordering import CrossTopicOrder
 from pspf.keys import StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
@@ -16,7 +16,7 @@ ORDERS, CUSTOMERS = "orders", "customers"
 
 
 class Heads:
-    """Stands in for ``Broker.read_after``: the first entry of each stream after a position."""
+    """Stands in for ``Reading.read_after``: the first entry of each stream after a position."""
 
     def __init__(self, streams: dict[str, list[str]]) -> None:
         self.streams = streams
@@ -50,7 +50,7 @@ def partition(checkpoints: dict[str, str | None], heads: dict[str, list[str]] | 
         0, store, {c.stream: c for c in cursors.values()}, PartitionOutbox(store, "app", 0, "c")
     )
     broker = Heads({keys.stream_key(t, 0): ids for t, ids in (heads or {}).items()})
-    order = CrossTopicOrder(cast(Broker, broker), frozenset({CUSTOMERS}), {0: owned}, batch_size=3)
+    order = CrossTopicOrder(cast(Reading, broker), frozenset({CUSTOMERS}), {0: owned}, batch_size=3)
     return order, cursors
 
 

@@ -42,7 +42,9 @@ def owned_partition(store: MemoryStore) -> tuple[OwnedPartition, StreamCursor]:
 def delivery(owned: OwnedPartition, cursor: StreamCursor) -> Delivery:
     """Screening reads no stream: the broker is never reached."""
     broker = Broker(Settings.load({}, environ={}).redis)
-    return Delivery(broker, "app", "c", 100, 100, {}, {0: owned}, {cursor.stream: cursor})
+    return Delivery(
+        broker.reading, broker.topics, "app", "c", 100, 100, {}, {0: owned}, {cursor.stream: cursor}
+    )
 
 
 def marks(store: MemoryStore) -> list[str]:
@@ -51,7 +53,9 @@ def marks(store: MemoryStore) -> list[str]:
 
 def commit(owned: OwnedPartition, cursor: StreamCursor, checkpoint: str | None, acked: list[bytes]) -> None:
     moved = None if checkpoint is None else StreamId.parse(checkpoint)
-    emitter = Emitter(Broker(Settings.load({}, environ={}).redis), "app")  # never reached: nothing emitted
+    emitter = Emitter(
+        Broker(Settings.load({}, environ={}).redis).topics, "app"
+    )  # never reached: nothing emitted
     PartitionBatch(owned, StateDecoder(), emitter).commit(
         [StreamOutcome(cursor, moved, acked, [], None, 0, 0)]
     )

@@ -32,14 +32,8 @@ reconnects itself and re-reads its pending entries instead.
 
 from __future__ import annotations
 
-from pspf.broker.acknowledging import (
-    BACKUP_LOG_LENGTH,
-    AckInFlight,
-    Acknowledging,
-    AckRequest,
-    BackupUpdate,
-    log_data,
-)
+from pspf.broker.acking import BACKUP_LOG_LENGTH, AckInFlight, AckRequest, BackupUpdate, log_data
+from pspf.broker.acknowledging import Acknowledging
 from pspf.broker.ahead import ReadAhead
 from pspf.broker.apps import Apps
 from pspf.broker.connection import Connection

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.exceptions import NoScriptError
 
-from pspf.broker.records import RawEntry, _entries, packed
+from pspf.broker.records import RawEntry, _entries, packed, usable
 from pspf.errors import BrokerError
 
 if TYPE_CHECKING:
@@ -44,15 +44,20 @@ class Reader:
         self._watched: dict[str, bytes | None] = {}
 
     def armed(self, streams: Sequence[tuple[str, str, str]]) -> bool:
-        """Whether every lease of ``streams`` is watched on this socket and was held right after."""
-        if self.connection is None or self._socket is None or self.connection._sock is not self._socket:
+        """Whether every lease of ``streams`` is watched on this socket and was held right after.
+
+        Checks the connection first (made anew if the server closed it: then it watches nothing),
+        so the read ``send`` sends next goes on the socket this answer was given for.
+        """
+        self.connection = usable(self.pool, self.connection)
+        if self._socket is None or self.connection._sock is not self._socket:
             return False
         if len(self._watched) != len(streams):
             return False
         return all(self._watched.get(lease) == value.encode() for _, lease, value in streams)
 
     def send(self, commands: list[tuple[Any, ...]]) -> Any:
-        """Send ``commands`` in one write on the reader's connection (made when there is none)."""
+        """Send ``commands`` in one write on the reader's connection (after ``armed``: never made anew)."""
         if self.connection is None:
             self.connection = self.pool.get_connection()
         self.connection.send_packed_command(packed(commands))

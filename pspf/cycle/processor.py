@@ -314,6 +314,8 @@ class BatchProcessor:
         self, outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]], result: CycleResult
     ) -> None:
         self._settled(self.durability.acknowledge(outcomes), result)
+        if not self.delivery.reading_ahead:  # no next batch on its way to overlap the reply with
+            self._settled(self.durability.settle(), result)
 
     def _settled(self, acked: Acknowledged, result: CycleResult) -> None:
         result.dead_lettered += acked.dead_lettered

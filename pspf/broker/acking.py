@@ -146,9 +146,9 @@ def transaction_sent(
     """
     fenced = [r.backup for r in requests if r.backup is not None]
     watch = _watched(requests, fenced)
-    connection = acker.connect()
     try:
         with conn.translate_errors():
+            connection = acker.connect()
             checks = acker.checks(watch)
             if checks is None:  # not watched here yet: the checks are waited for, this once
                 reads = [("UNWATCH",), *_checks(requests, fenced)]

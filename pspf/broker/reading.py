@@ -152,13 +152,12 @@ class Reading:
         fenced like any other: in MULTI/EXEC under leases watched since the last read sent ahead,
         or through ``lua/read.lua``. Not on a cluster, whose partitions' reads go to several nodes.
         """
-        armed = self.reader.armed(streams)
-        if not armed and not self._read_loaded:  # else the first read ahead finds no script
-            self.load_read_script()
-        commands = ReadAhead.commands(self, group, consumer, streams, count, armed)
         with self.conn.translate_errors():
             try:
-                self.reader.send(commands)
+                armed = self.reader.armed(streams)
+                if not armed and not self._read_loaded:  # else the first read ahead finds no script
+                    self.load_read_script()
+                self.reader.send(ReadAhead.commands(self, group, consumer, streams, count, armed))
             except BaseException:
                 self.reader.close()
                 raise

@@ -54,7 +54,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 #:
 #: pytest-xdist hands out the groups largest first (by number of tests): the first crash lane
 #: (most files) to one process, the Spark tests to the other, which then takes the second lane,
-#: the few longest crash files (about 40% of the crash tests' time). With one lane, 90 crash
+#: the few longest crash files (about a third of the crash tests' time). With one lane, 90 crash
 #: tests one after the other were most of the run's time while the other process sat idle.
 XDIST_GROUPS = {
     "tests/crash/test_windows_crash.py": "crash-long",

@@ -116,7 +116,8 @@ class Service:
     """Topic, produce and state operations over one broker and one state directory, by family.
 
     Composed, not inherited: each family holds the shared base and the service holds them all,
-    so nothing refers back to the service.
+    so nothing refers back to the service. ``settings`` and ``broker`` are the base's, kept here
+    too for those who produce or look at Redis beside it (tests, benchmarks).
     """
 
     def __init__(self, settings: Settings, local_state: bool = False) -> None:

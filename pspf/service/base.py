@@ -4,9 +4,9 @@
 backups in Redis (``local_state``), and one ``Broker`` (connected on first use; one pool, shared by
 the admin API's request threads). The checks more than one family makes live here: a topic's or
 app's partition count, a partition's state backup keys, a value of a key's partition, refusing
-while the app runs. ``Family`` is what each family is built on: it holds the base (and its broker
-and settings, read at every call). So do the helpers several families use: reading a whole
-stream by pages, parsing a duration or a time.
+while the app runs; so do the helpers several families use: reading a whole stream by pages,
+parsing a duration or a time. ``Family`` is what each family is built on: it holds the base, and
+the base's broker and settings, which its methods read.
 """
 
 from __future__ import annotations

@@ -64,12 +64,12 @@ def _service(state: State) -> Service:
 
 @get("/health", sync_to_thread=True, responses=responses(), summary="Whether Redis answers, and how fast")
 def health(state: State) -> Health:
-    return service_of(state).health()
+    return service_of(state).topics.health()
 
 
 @get("/topics", sync_to_thread=True, responses=responses(), summary="Topics and their partition counts")
 def list_topics(state: State) -> list[TopicInfo]:
-    return service_of(state).list_topics()
+    return service_of(state).topics.list_topics()
 
 
 @get(
@@ -79,7 +79,7 @@ def list_topics(state: State) -> list[TopicInfo]:
     summary="Partitions, lengths and groups",
 )
 def describe_topic(state: State, topic: FromPath[str]) -> TopicDescription:
-    return service_of(state).describe_topic(topic)
+    return service_of(state).topics.describe_topic(topic)
 
 
 @get(
@@ -92,7 +92,7 @@ def dlq_list(
     error_type: Annotated[str | None, QueryParameter(description="only entries that failed with it")] = None,
     limit: Annotated[int | None, QueryParameter(ge=1, description="at most this many entries")] = None,
 ) -> list[DeadLetterInfo]:
-    return service_of(state).dlq_list(topic, app, error_type, limit)
+    return service_of(state).dlq.dlq_list(topic, app, error_type, limit)
 
 
 @get(
@@ -106,7 +106,7 @@ def dlq_show(
     topic: FromPath[str],
     dlq_id: Annotated[str, PathParameter(pattern=DLQ_ID_PATTERN, description="PARTITION:ID as listed")],
 ) -> DeadLetterDetail:
-    return service_of(state).dlq_show(topic, dlq_id)
+    return service_of(state).dlq.dlq_show(topic, dlq_id)
 
 
 @get(
@@ -131,13 +131,13 @@ def topic_entries(
 ) -> list[TopicEntry]:
     # Oldest first either way, as `pspf topic read` prints them: the latest entry is the last.
     position = None if start is None else parse_read_start(start)
-    entries, _ = service_of(state).read_topic(topic, partition, position, count)
+    entries, _ = service_of(state).reading.read_topic(topic, partition, position, count)
     return entries
 
 
 @get("/groups", sync_to_thread=True, responses=responses(), summary="Every app that ran here, with its lag")
 def groups(state: State) -> list[AppLag]:
-    return service_of(state).groups()
+    return service_of(state).apps.groups()
 
 
 @get(
@@ -147,7 +147,7 @@ def groups(state: State) -> list[AppLag]:
     summary="An app's lag per topic partition",
 )
 def app_lag(state: State, app: FromPath[str]) -> AppLag:
-    return service_of(state).lag(app)
+    return service_of(state).apps.lag(app)
 
 
 @get(
@@ -157,7 +157,7 @@ def app_lag(state: State, app: FromPath[str]) -> AppLag:
     summary="The state of one key (from its backup in Redis; with the backup off, the state directory)",
 )
 def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str, Any]:
-    return service_of(state).state_get(app, key)
+    return service_of(state).state.state_get(app, key)
 
 
 @get(
@@ -167,7 +167,7 @@ def state_get(state: State, app: FromPath[str], key: FromPath[str]) -> dict[str,
     summary="The open windows of one key, oldest first, each with its window's name",
 )
 def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[OpenWindow]:
-    return service_of(state).state_windows(app, key)
+    return service_of(state).state.state_windows(app, key)
 
 
 @get(
@@ -178,7 +178,7 @@ def state_windows(state: State, app: FromPath[str], key: FromPath[str]) -> list[
     "store under the state dir the API was started with",
 )
 def table_row(state: State, app: FromPath[str], table: FromPath[str], key: FromPath[str]) -> Any:
-    return service_of(state).table_row(app, table, key)
+    return service_of(state).tables.table_row(app, table, key)
 
 
 @get("/apps/{app:str}/outbox", sync_to_thread=True, responses=responses(404), summary="An app's outbox rows")
@@ -191,7 +191,7 @@ def outbox_list(
     partition: Annotated[int | None, QueryParameter(ge=0, description="only this source partition")] = None,
     limit: Annotated[int | None, QueryParameter(ge=1, description="at most this many rows")] = None,
 ) -> list[OutboxRowInfo]:
-    return service_of(state).outbox_list(app, row_state, partition, limit)
+    return service_of(state).outbox.outbox_list(app, row_state, partition, limit)
 
 
 @get(
@@ -205,7 +205,7 @@ def outbox_show(
     app: FromPath[str],
     row_id: Annotated[str, PathParameter(pattern=ROW_ID_PATTERN, description="PARTITION:ROW as listed")],
 ) -> OutboxRowDetail:
-    return service_of(state).outbox_show(app, row_id)
+    return service_of(state).outbox.outbox_show(app, row_id)
 
 
 @get(

@@ -1,6 +1,6 @@
 """Broker-level Prometheus metrics, read from Redis at scrape time.
 
-A custom collector in its own registry: every scrape asks ``Service.groups()`` afresh, so the
+A custom collector in its own registry: every scrape asks ``service.apps.groups()`` afresh, so the
 numbers are what Redis holds now (no background poller, nothing cached between scrapes), and the
 process-wide default registry, where a worker keeps its own ``pspf_entries_*_total`` and
 ``pspf_partition_*`` series, is left alone.
@@ -66,7 +66,7 @@ class BrokerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            groups = self.service.groups()
+            groups = self.service.apps.groups()
         except BrokerError as exc:
             # Redis down is a value to alert on, not a failed scrape of this process.
             logger.warning("metrics: %s", exc)

@@ -147,7 +147,7 @@ def dlq_redrive(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[RedriveRequest]
 ) -> DlqChange:
     remember_params(request, data)
-    change = service_of(state).dlq_redrive(
+    change = service_of(state).dlq.dlq_redrive(
         topic, data.ids, data.all, data.error_type, data.app, data.limit, dry_run=data.dry_run
     )
     audit(request, 200, "ok", change)
@@ -168,7 +168,7 @@ def dlq_purge(
 ) -> DlqChange:
     remember_params(request, data)
     older_than_ms = None if data.older_than is None else parse_duration_ms(data.older_than, "older_than")
-    change = service_of(state).dlq_purge(topic, data.ids, data.all, older_than_ms, dry_run=data.dry_run)
+    change = service_of(state).dlq.dlq_purge(topic, data.ids, data.all, older_than_ms, dry_run=data.dry_run)
     audit(request, 200, "ok", change)
     return change
 
@@ -187,7 +187,9 @@ def replay(
 ) -> ReplayResult:
     remember_params(request, data)
     position = parse_position(data.from_start, data.to_id, data.to_time)
-    result = service_of(state).replay(app, data.topics, position, data.keep_state, dry_run=data.dry_run)
+    result = service_of(state).replay.replay(
+        app, data.topics, position, data.keep_state, dry_run=data.dry_run
+    )
     audit(request, 200, "ok", result)
     return result
 
@@ -206,7 +208,7 @@ def outbox_replay(
 ) -> OutboxReplay:
     remember_params(request, data)
     # No waiting in a request: the answer lists the partitions whose owners have yet to apply it.
-    result = service_of(state).outbox_replay(
+    result = service_of(state).outbox.outbox_replay(
         app, data.ids, data.dead, data.all, data.limit, dry_run=data.dry_run, wait_s=0
     )
     audit(request, 200, "ok", result)
@@ -226,7 +228,7 @@ def app_delete(
     request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[AppDeleteRequest]
 ) -> AppRemoval:
     remember_params(request, data)
-    result = service_of(state).delete_app(app, force=data.force, dry_run=data.dry_run)
+    result = service_of(state).retire.delete_app(app, force=data.force, dry_run=data.dry_run)
     audit(request, 200, "ok", result)
     return result
 
@@ -244,7 +246,7 @@ def topic_delete(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[TopicDeleteRequest]
 ) -> TopicRemoval:
     remember_params(request, data)
-    result = service_of(state).delete_topic(topic, dry_run=data.dry_run)
+    result = service_of(state).retire.delete_topic(topic, dry_run=data.dry_run)
     audit(request, 200, "ok", result)
     return result
 
@@ -262,7 +264,7 @@ def topic_repartition(
     request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[RepartitionRequest]
 ) -> RepartitionResult:
     remember_params(request, data)
-    result = service_of(state).repartition_topic(topic, **msgspec.structs.asdict(data))
+    result = service_of(state).repartition.repartition_topic(topic, **msgspec.structs.asdict(data))
     audit(request, 200, "ok", result)
     return result
 
@@ -280,7 +282,7 @@ def app_reset(
     request: Request[Any, Any, Any], state: State, app: FromPath[str], data: JSONBody[AppResetRequest]
 ) -> AppReset:
     remember_params(request, data)
-    result = service_of(state).reset_app(
+    result = service_of(state).replay.reset_app(
         app, to_end=data.to == "end", keep_state=data.keep_state, dry_run=data.dry_run
     )
     audit(request, 200, "ok", result)

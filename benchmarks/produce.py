@@ -75,7 +75,7 @@ def run_producer(url: str, topic: str, partitions: int, orders: list[tuple[str, 
         client = redis.Redis.from_url(url)
         written = sum(client.xlen(stream_key(topic, p)) for p in range(partitions))
         assert written == len(orders), f"the Producer wrote {written} of {len(orders)}"
-        service.delete_topic(topic)
+        service.retire.delete_topic(topic)
         client.close()
     finally:
         service.close()

@@ -65,7 +65,7 @@ def state_adopt(
     after it. A partition whose state the server has, as late as the store here or later, is
     left alone.
     """
-    result = service_for(obj, broker, state_dir, store).state_adopt(app, partitions, topics, replace)
+    result = service_for(obj, broker, state_dir, store).state.state_adopt(app, partitions, topics, replace)
     if as_json:
         print_json(msgspec.to_builtins(result))
         return

@@ -45,7 +45,7 @@ def topic() -> None:
 def topic_create(obj: CliState, name: str, partitions: int, broker: str | None, as_json: bool) -> None:
     """Create topic NAME (succeeds if it exists with the same partition count)."""
     service = service_for(obj, broker)
-    info, created = service.create_topic(name, partitions)
+    info, created = service.topics.create_topic(name, partitions)
     if as_json:
         print_json(info)
     else:
@@ -59,7 +59,7 @@ def topic_create(obj: CliState, name: str, partitions: int, broker: str | None, 
 @click.pass_obj
 def topic_list(obj: CliState, broker: str | None, as_json: bool) -> None:
     """List topics."""
-    topics = service_for(obj, broker).list_topics()
+    topics = service_for(obj, broker).topics.list_topics()
     if as_json:
         print_json(topics)
     else:
@@ -73,7 +73,7 @@ def topic_list(obj: CliState, broker: str | None, as_json: bool) -> None:
 @click.pass_obj
 def topic_describe(obj: CliState, name: str, broker: str | None, as_json: bool) -> None:
     """Show each partition of NAME: its stream key, length, last id and consumer groups."""
-    description = service_for(obj, broker).describe_topic(name)
+    description = service_for(obj, broker).topics.describe_topic(name)
     if as_json:
         print_json(description)
         return
@@ -141,11 +141,11 @@ def topic_retention(
     """
     service = service_for(obj, broker)
     if clear or max_age is not None or max_len is not None or replay_window is not None:
-        shown = service.set_retention(
+        shown = service.topics.set_retention(
             name, Retention() if clear else _retention(max_age, max_len, replay_window)
         )
     else:
-        shown = service.describe_topic(name).retention
+        shown = service.topics.describe_topic(name).retention
     if as_json:
         print_json(shown)
     else:
@@ -173,7 +173,7 @@ def topic_trim(
     Only entries every consumer group of the topic has acknowledged go.
     """
     override = None if max_age is None and max_len is None else _retention(max_age, max_len)
-    done = service_for(obj, broker).trim_topic(name, dry_run=dry_run, override=override)
+    done = service_for(obj, broker).topics.trim_topic(name, dry_run=dry_run, override=override)
     if as_json:
         print_json(done)
         return
@@ -197,10 +197,10 @@ def topic_delete(
 ) -> None:
     """Delete topic NAME: its entries, DLQs and records. Refused while an app reads it."""
     service = service_for(obj, broker)
-    preview = service.delete_topic(name, dry_run=True)
+    preview = service.retire.delete_topic(name, dry_run=True)
     if not dry_run and not yes:
         confirm(f"Delete topic {name} and every entry of its {counted(preview.partitions, 'partition')}?")
-    done = preview if dry_run else service.delete_topic(name)
+    done = preview if dry_run else service.retire.delete_topic(name)
     if as_json:
         print_json(done)
         return
@@ -241,11 +241,11 @@ def topic_read(
     service = service_for(obj, broker)
     begin = None if start is None else parse_read_start(start)
     try:
-        entries, positions = service.read_topic(name, partition, begin, count)
+        entries, positions = service.reading.read_topic(name, partition, begin, count)
         for entry in entries:
             _print_entry(entry, as_json)
         if follow:
-            for entry in service.follow_topic(name, positions, service.settings.consumer.block_ms):
+            for entry in service.reading.follow_topic(name, positions, service.settings.consumer.block_ms):
                 _print_entry(entry, as_json)
     except KeyboardInterrupt:
         return  # Ctrl-C is how --follow ends
@@ -307,7 +307,7 @@ def produce(
         if path is not None or key_field is not None:
             raise click.UsageError("give either VALUE (with --key) or NDJSON input (--file, --key-field)")
         # A VALUE that is not UTF-8 reaches the JSON check as the bytes it was, and fails there.
-        service.produce(topic, value.encode(errors="surrogateescape"), key, parse_headers(headers))
+        service.topics.produce(topic, value.encode(errors="surrogateescape"), key, parse_headers(headers))
         click.echo("1 entry written", err=True)
         return
     if key is not None or headers:
@@ -315,7 +315,7 @@ def produce(
     if path is None and sys.stdin.isatty():
         raise click.UsageError("no VALUE given and stdin is a terminal: pipe NDJSON in or use --file")
     if path is None:
-        count = service.produce_lines(topic, sys.stdin.buffer, key_field)
+        count = service.topics.produce_lines(topic, sys.stdin.buffer, key_field)
     else:
         size = path.stat().st_size
         with (
@@ -324,7 +324,7 @@ def produce(
                 length=size, label="producing", file=sys.stderr, hidden=size < _PROGRESS_FROM_BYTES
             ) as bar,
         ):
-            count = service.produce_lines(topic, _counted(lines, bar.update), key_field)
+            count = service.topics.produce_lines(topic, _counted(lines, bar.update), key_field)
     click.echo(f"{counted(count, 'entry')} written", err=True)
 
 
@@ -381,10 +381,10 @@ def state_get(
         raise click.UsageError("give --window or --table, not both")
     service = service_for(obj, broker, state_dir, store)
     if table is not None:
-        _print_value(service.table_row(app, table, key), as_json)
+        _print_value(service.tables.table_row(app, table, key), as_json)
         return
     if window:
-        windows = service.state_windows(app, key)
+        windows = service.state.state_windows(app, key)
         if as_json:
             print_json(windows)
             return
@@ -392,7 +392,7 @@ def state_get(
             name = f"{w.window} ({w.topic})" if w.window else f"({w.topic})"
             click.echo(f"{name} [{w.start}, {w.end}]: {json_text(w.value)}")
         return
-    _print_value(service.state_get(app, key), as_json)
+    _print_value(service.state.state_get(app, key), as_json)
 
 
 def _print_value(value: Any, as_json: bool) -> None:
@@ -426,7 +426,7 @@ def state_list(
     as_json: bool,
 ) -> None:
     """List the keys that have state in APP."""
-    found = service_for(obj, broker, state_dir, store).state_keys(app, prefix, limit)
+    found = service_for(obj, broker, state_dir, store).state.state_keys(app, prefix, limit)
     if as_json:
         print_json(found)
     else:
@@ -460,7 +460,7 @@ def dlq_list(
     as_json: bool,
 ) -> None:
     """List the DLQ entries of TOPIC."""
-    found = service_for(obj, broker).dlq_list(topic, app, error_type, limit)
+    found = service_for(obj, broker).dlq.dlq_list(topic, app, error_type, limit)
     if as_json:
         print_json(found)
         return
@@ -479,7 +479,7 @@ def dlq_list(
 @click.pass_obj
 def dlq_show(obj: CliState, topic: str, dlq_id: str, broker: str | None, as_json: bool) -> None:
     """Show one DLQ entry of TOPIC whole (DLQ_ID as `pspf dlq list` prints it)."""
-    detail = service_for(obj, broker).dlq_show(topic, dlq_id)
+    detail = service_for(obj, broker).dlq.dlq_show(topic, dlq_id)
     if as_json:
         print_json(detail)
         return
@@ -527,15 +527,17 @@ def dlq_redrive(
     """Put DLQ entries of TOPIC back into their partitions, each exactly once."""
     service = service_for(obj, broker)
     if not dry_run:
-        preview = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
+        preview = service.dlq.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
         _confirm("Redrive", preview.selected, yes)
         shown = preview.selected >= _PROGRESS_FROM
         with click.progressbar(
             length=preview.selected, label="redriving", file=sys.stderr, hidden=not shown
         ) as bar:
-            change = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, progress=bar.update)
+            change = service.dlq.dlq_redrive(
+                topic, ids, all_entries, error_type, app, limit, progress=bar.update
+            )
     else:
-        change = service.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
+        change = service.dlq.dlq_redrive(topic, ids, all_entries, error_type, app, limit, dry_run=True)
     if as_json:
         print_json(change)
     elif dry_run:
@@ -568,10 +570,10 @@ def dlq_purge(
     """Delete DLQ entries of TOPIC for good."""
     service = service_for(obj, broker)
     older_than_ms = None if older_than is None else parse_duration_ms(older_than, "older_than")
-    preview = service.dlq_purge(topic, ids, all_entries, older_than_ms, dry_run=True)
+    preview = service.dlq.dlq_purge(topic, ids, all_entries, older_than_ms, dry_run=True)
     if not dry_run:
         _confirm("Delete", preview.selected, yes)
-        change = service.dlq_purge(topic, ids, all_entries, older_than_ms)
+        change = service.dlq.dlq_purge(topic, ids, all_entries, older_than_ms)
     else:
         change = preview
     if as_json:

@@ -44,7 +44,7 @@ def groups(
     obj: CliState, broker: str | None, state_dir: Path | None, store: str | None, as_json: bool
 ) -> None:
     """List the apps (consumer groups) that have run here, with lag, pending and owners."""
-    found = service_for(obj, broker, state_dir, store).groups()
+    found = service_for(obj, broker, state_dir, store).apps.groups()
     if as_json:
         print_json(found)
         return
@@ -98,7 +98,7 @@ def lag(
     app with global tables, last comes how many entries each worker is behind in each, as the
     worker counted them (every few seconds).
     """
-    found: AppLag = service_for(obj, broker, state_dir, store).lag(app)
+    found: AppLag = service_for(obj, broker, state_dir, store).apps.lag(app)
     if as_json:
         print_json(found)
         return
@@ -177,7 +177,7 @@ def replay(
     """
     position = parse_position(from_start, to_id, to_time)
     service = service_for(obj, broker, state_dir, store)
-    preview = service.replay(app, topics, position, keep_state, dry_run=True)
+    preview = service.replay.replay(app, topics, position, keep_state, dry_run=True)
     if keep_state:
         click.echo(
             f"warning: --keep-state: the {counted(preview.entries_to_replay, 'replayed entry')} will "
@@ -187,7 +187,7 @@ def replay(
     if not dry_run:
         if not yes:
             _confirm_replay(app, preview, keep_state)
-        result = service.replay(app, topics, position, keep_state)
+        result = service.replay.replay(app, topics, position, keep_state)
     else:
         result = preview
     if as_json:
@@ -250,7 +250,7 @@ def outbox_list(
     as_json: bool,
 ) -> None:
     """List APP's outbox rows (from its state backup, or --state-dir)."""
-    found = service_for(obj, broker, state_dir, store).outbox_list(app, row_state, partition, limit)
+    found = service_for(obj, broker, state_dir, store).outbox.outbox_list(app, row_state, partition, limit)
     if as_json:
         print_json(found)
         return
@@ -290,7 +290,7 @@ def outbox_show(
     as_json: bool,
 ) -> None:
     """Show one outbox row of APP whole (ROW_ID as `pspf outbox list` prints it)."""
-    detail = service_for(obj, broker, state_dir, store).outbox_show(app, row_id)
+    detail = service_for(obj, broker, state_dir, store).outbox.outbox_show(app, row_id)
     if as_json:
         print_json(detail)
         return
@@ -340,12 +340,12 @@ def outbox_replay(
     owner did not apply it within --wait: the request stays queued for the next owner.
     """
     service = service_for(obj, broker)
-    preview = service.outbox_replay(app, ids, dead, all_rows, limit, dry_run=True)
+    preview = service.outbox.outbox_replay(app, ids, dead, all_rows, limit, dry_run=True)
     if not dry_run and preview.selected:
         if not yes:
             rows = counted(len(preview.selected), "outbox row")
             confirm(f"Replay {rows} of {app}?")
-        result = service.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
+        result = service.outbox.outbox_replay(app, ids, dead, all_rows, limit, wait_s=wait_s)
     else:
         result = preview
     if as_json:
@@ -395,14 +395,14 @@ def app_delete(
     The stores under its workers' state dirs stay: delete those folders where they are.
     """
     service = service_for(obj, broker, None, None)
-    preview = service.delete_app(app, force=force, dry_run=True)
+    preview = service.retire.delete_app(app, force=force, dry_run=True)
     if not dry_run:
         if not yes:
             confirm(
                 f"Delete app {app}: {counted(len(preview.groups), 'consumer group')} and "
                 f"{counted(len(preview.keys), 'key')}?"
             )
-        result = service.delete_app(app, force=force)
+        result = service.retire.delete_app(app, force=force)
     else:
         result = preview
     if as_json:
@@ -452,12 +452,12 @@ def app_reset(
     the state backup when their worker starts.
     """
     service = service_for(obj, broker, state_dir, store)
-    preview = service.reset_app(app, to_end=to == "end", keep_state=keep_state, dry_run=True)
+    preview = service.replay.reset_app(app, to_end=to == "end", keep_state=keep_state, dry_run=True)
     if not dry_run:
         if not yes:
             what = "keep" if keep_state else "DELETE"
             confirm(f"Reset app {app} to the {to} of {', '.join(preview.topics)} and {what} its state?")
-        result = service.reset_app(app, to_end=to == "end", keep_state=keep_state)
+        result = service.replay.reset_app(app, to_end=to == "end", keep_state=keep_state)
     else:
         result = preview
     if as_json:

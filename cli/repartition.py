@@ -45,7 +45,9 @@ def topic_repartition(
     """
     service = service_for(obj, broker)
     if not dry_run and not yes:
-        preview = service.repartition_topic(name, partitions, dry_run=True, resume=resume, abort=abort)
+        preview = service.repartition.repartition_topic(
+            name, partitions, dry_run=True, resume=resume, abort=abort
+        )
         what = "Finish the repartition of" if preview.resumed else "Repartition"
         what = "Undo the repartition of" if abort else what
         moving = "" if preview.resumed or abort else f", moving {counted(preview.entries, 'entry')}"
@@ -53,7 +55,9 @@ def topic_repartition(
             f"{what} {', '.join(preview.topics)} from {preview.partitions_before} to "
             f"{preview.partitions_after} partitions{moving}?"
         )
-    result = service.repartition_topic(name, partitions, dry_run=dry_run, resume=resume, abort=abort)
+    result = service.repartition.repartition_topic(
+        name, partitions, dry_run=dry_run, resume=resume, abort=abort
+    )
     if as_json:
         print_json(result)
     else:

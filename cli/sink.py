@@ -115,7 +115,7 @@ def reset(
         return
     if not yes:
         confirm(f"Deliver every entry to sink {name} again, from the first?")
-    topics = service_for(obj, broker).restart_groups(name)
+    topics = service_for(obj, broker).replay.restart_groups(name)
     partitions = forget(dsn, name)
     where = ", ".join(topics) or "(it never ran on this server)"
     click.echo(

@@ -49,7 +49,7 @@ def state_export(
         click.echo(f"Warning: {text}", err=True)
 
     service = service_for(obj, broker, state_dir, store)
-    for line in service.state_export(app, partition, warn, internal=internal):
+    for line in service.state.state_export(app, partition, warn, internal=internal):
         out.write(line + b"\n")
     out.flush()
 
@@ -78,10 +78,10 @@ def state_import(
     """
     service = service_for(obj, None, state_dir, store)
     if path is None:
-        result = service.state_import(app, sys.stdin.buffer)
+        result = service.state.state_import(app, sys.stdin.buffer)
     else:
         with path.open("rb") as lines:
-            result = service.state_import(app, lines)
+            result = service.state.state_import(app, lines)
     values, partitions = counted(result.values, "value"), counted(result.partitions, "partition")
     kept = f", kept {counted(result.kept, 'value')} of bookkeeping from the backups" if result.kept else ""
     click.echo(f"imported {values} into {partitions}{kept}", err=True)

@@ -39,18 +39,29 @@ def server_binary_under_test() -> str:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """Test processes for ``-n auto`` (pyproject's addopts): one per CPU this process may use.
 
-    The crash tests share one process (below), so on two CPUs a second process runs everything
-    else meanwhile; more would only make the crash tests' workers, which must get their work done
-    within their timeouts, wait for a CPU.
+    The crash tests run in two lanes (below), one per process on two CPUs, with everything else
+    filling in around them; more processes would only make the crash tests' workers wait longer
+    for a CPU.
     """
     return max(2, len(os.sched_getaffinity(0)))
 
 
-#: Tests that share one test process when the run is spread over several (``--dist loadgroup``):
-#: the crash tests run one at a time, as their kills and timeouts assume a worker gets a CPU when
-#: it needs one; the Spark tests share one local Spark session (a JVM that takes seconds to start
-#: and a GB of memory); the wheel tests build the wheel in the checkout's build folder.
+#: Tests that share one test process when the run is spread over several (``--dist loadgroup``),
+#: first match wins: the crash tests run in two lanes, at most one crash test per lane at a time
+#: (their workers burn CPU on purpose; they wait on conditions, so a busy CPU slows them but does
+#: not fail them); the Spark tests share one local Spark session (a JVM that takes seconds to
+#: start and a GB of memory); the wheel tests build the wheel in the checkout's build folder.
+#:
+#: pytest-xdist hands out the groups largest first (by number of tests): the first crash lane
+#: (most files) to one process, the Spark tests to the other, which then takes the second lane,
+#: the few longest crash files (about a third of the crash tests' time). With one lane, 90 crash
+#: tests one after the other were most of the run's time while the other process sat idle.
 XDIST_GROUPS = {
+    "tests/crash/test_windows_crash.py": "crash-long",
+    "tests/crash/test_random_kills.py": "crash-long",
+    "tests/crash/test_repartition_crash.py": "crash-long",
+    "tests/crash/test_poison_kills.py": "crash-long",
+    "tests/crash/test_retention_memory.py": "crash-long",
     "tests/crash/": "crash",
     "tests/spark/": "spark",
     "tests/integration/test_packaging.py": "wheel",
@@ -65,6 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prefix, group in XDIST_GROUPS.items():
             if where.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 def pytest_report_header() -> str:

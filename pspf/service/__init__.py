@@ -1,27 +1,36 @@
 """Operations the CLI, the admin API and its web page share, written once, returning msgspec records.
 
-The CLI and the admin API are thin faces over ``Service``; each operation lives here once. The
-operations come in families, one module each, composed into one ``Service`` over the shared
-``ServiceBase`` (settings, broker, shared checks); importers use ``Service``, the records and the
-parsers re-exported here, never the families:
+The CLI and the admin API are thin faces over ``Service``; each operation lives here once. A
+``Service`` holds the shared base (``service.base``, ``base``: settings, broker, the checks more
+than one family makes) and one object per family of operations, each holding that base, as a
+``Broker`` holds its connection and its families; importers use ``Service``, the records and the
+parsers re-exported here:
 
-- ``topics``: create, list, describe, retention and trimming of topics; producing; health;
-- ``topic_read``: reading and following a topic's entries, without a consumer group;
-- ``dead_letters``: a topic's DLQ: list, show, redrive, purge, and counts per app;
-- ``apps``: the apps that ran, their lag, owners and members;
-- ``replay``: delivering a stopped app's entries again, rewinding its state to match, and
-  resetting an app to the start or the end of its topics;
-- ``repartition``: changing a topic's partition count, with every app's state;
-- ``retire``: deleting an app from the server (its groups, leases, backups, record), or a topic;
-- ``state``: an app's state: get, windows, keys, export, import, adopt;
-- ``tables``: a row of an app's table or global table;
-- ``outbox``: an app's outbox rows: list, show, replay.
+- ``service.topics`` (``topics``): create, list, describe, retention and trimming of topics;
+  producing; health;
+- ``service.reading`` (``topic_read``): reading and following a topic's entries, without a
+  consumer group;
+- ``service.dlq`` (``dead_letters``): a topic's DLQ: list, show, redrive, purge, and counts per app;
+- ``service.apps`` (``apps``): the apps that ran, their lag, owners and members;
+- ``service.replay`` (``replay``): delivering a stopped app's entries again, rewinding its state to
+  match, and resetting an app to the start or the end of its topics;
+- ``service.repartition`` (``repartition``): changing a topic's partition count, with every app's
+  state;
+- ``service.retire`` (``retire``): deleting an app from the server (its groups, leases, backups,
+  record), or a topic;
+- ``service.state`` (``state``): an app's state: get, windows, keys, export, import, adopt;
+- ``service.tables`` (``tables``): a row of an app's table or global table;
+- ``service.outbox`` (``outbox``): an app's outbox rows: list, show, replay.
 
-The records they return live in ``records`` (one shape for the CLI's JSON and the admin API's
-bodies), and ``wording`` words the counts in their messages (``1 entry``, ``3 entries``).
+``Service`` itself keeps the two calls the docs' tests and examples make, ``create_topic`` and
+``state_get``, and ``close``. The records the families return live in ``records`` (one shape for
+the CLI's JSON and the admin API's bodies), and ``wording`` words the counts in their messages
+(``1 entry``, ``3 entries``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pspf.service.apps import Apps
 from pspf.service.base import ServiceBase, parse_duration_ms
@@ -62,6 +71,7 @@ from pspf.service.state import State
 from pspf.service.tables import Tables
 from pspf.service.topic_read import Positions, TopicReading, parse_read_start
 from pspf.service.topics import Topics
+from pspf.settings import Settings
 
 __all__ = [
     "AdoptResult",
@@ -102,7 +112,36 @@ __all__ = [
 ]
 
 
-class Service(
-    Topics, TopicReading, DeadLetters, Apps, Replaying, Retiring, Repartitioning, State, Tables, OutboxRows
-):
-    """Topic, produce and state operations over one broker and one state directory."""
+class Service:
+    """Topic, produce and state operations over one broker and one state directory, by family.
+
+    Composed, not inherited: each family holds the shared base and the service holds them all,
+    so nothing refers back to the service. ``settings`` and ``broker`` are the base's, kept here
+    too for those who produce or look at Redis beside it (tests, benchmarks).
+    """
+
+    def __init__(self, settings: Settings, local_state: bool = False) -> None:
+        self.base = base = ServiceBase(settings, local_state)
+        self.settings = settings
+        self.broker = base.broker
+        self.topics = Topics(base)
+        self.reading = TopicReading(base)
+        self.dlq = DeadLetters(base)
+        self.apps = Apps(base)
+        self.replay = Replaying(base)
+        self.retire = Retiring(base)
+        self.outbox = OutboxRows(base)
+        self.repartition = Repartitioning(base, self.outbox)
+        self.state = State(base)
+        self.tables = Tables(base)
+
+    def create_topic(self, name: str, partitions: int) -> tuple[TopicInfo, bool]:
+        """``service.topics.create_topic``, kept here for the tests and examples the docs show."""
+        return self.topics.create_topic(name, partitions)
+
+    def state_get(self, app: str, key: str) -> dict[str, Any]:
+        """``service.state.state_get``, kept here for the tests and examples the docs show."""
+        return self.state.state_get(app, key)
+
+    def close(self) -> None:
+        self.base.close()

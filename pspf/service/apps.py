@@ -13,13 +13,13 @@ from pspf import keys
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound, StateError
 from pspf.keys import StreamId
 from pspf.ownership.membership import live_members
-from pspf.service.base import ServiceBase
+from pspf.service.base import Family
 from pspf.service.dead_letters import DeadLetterCounts
 from pspf.service.records import AppLag, AppMember, PartitionLag, text_or_none
 from pspf.state_stores import open_store, stored_partitions
 
 
-class Apps(ServiceBase):
+class Apps(Family):
     """Health, apps, lag and groups."""
 
     def apps(self) -> list[str]:

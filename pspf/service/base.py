@@ -3,9 +3,10 @@
 ``ServiceBase`` holds the settings, whether state is read from the stores here instead of the
 backups in Redis (``local_state``), and one ``Broker`` (connected on first use; one pool, shared by
 the admin API's request threads). The checks more than one family makes live here: a topic's or
-app's partition count, a partition's state backup keys, refusing while the app runs. So do the
-helpers several families use: a value of a key's partition, reading a whole stream by pages,
-parsing a duration.
+app's partition count, a partition's state backup keys, a value of a key's partition, refusing
+while the app runs; so do the helpers several families use: reading a whole stream by pages,
+parsing a duration or a time. ``Family`` is what each family is built on: it holds the base, and
+the base's broker and settings, which its methods read.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ json_any = msgspec.json.Decoder()
 
 
 class ServiceBase:
-    """The service's state and the checks its families share; ``Service`` composes the families."""
+    """The service's state and the checks its families share; each family holds it."""
 
     def __init__(self, settings: Settings, local_state: bool = False) -> None:
         self.settings = settings
@@ -40,18 +41,18 @@ class ServiceBase:
     def close(self) -> None:
         self.broker.close()
 
-    def _partitions(self, topic: str) -> int:
+    def topic_partitions(self, topic: str) -> int:
         """The partition count of a topic named by a user: a malformed name is their mistake."""
         return self.broker.topics.topic_partitions(keys.check_name("topic", topic))
 
-    def _app_partitions(self, app: str) -> int:
+    def app_partitions(self, app: str) -> int:
         """The app's partition count, 0 when it never ran against this broker."""
         try:
             return self.broker.apps.app_partitions(app)
         except NotFound:
             return 0
 
-    def _backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
+    def backup_keys(self, app: str, partition: int) -> keys.BackupKeys | None:
         """The keys of a partition's state backup, None when it has none (the backup is off)."""
         first = self.broker.apps.app_topic_list(app)[:1]
         if not first:
@@ -59,26 +60,40 @@ class ServiceBase:
         backup = keys.backup_keys(first[0], partition, app)
         return backup if self.broker.acks.backup_meta(backup.meta).get(BACKUP_IDENTITY) else None
 
-    def _partition_value(self, app: str, key: str, namespace: str, name: str) -> bytes | None:
+    def partition_value(self, app: str, key: str, namespace: str, name: str) -> bytes | None:
         """A value of the store of ``key``'s partition: from its backup in Redis (any machine).
 
         Without a backup (it is off), or when the service reads local state, from the partition's
         store here, read without locking it.
         """
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.apps.app_partitions(app))
-        backup = None if self.local_state else self._backup_keys(app, partition)
+        backup = None if self.local_state else self.backup_keys(app, partition)
         if backup is not None:
             return self.broker.acks.backup_value(backup.values, field(namespace, name))
         state = self.settings.state
         with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
             return store.get(namespace, name)
 
-    def _refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
+    def refuse_if_running(self, app: str, topics: list[str], partitions: int) -> None:
+        """Refuse (``AppRunning``) while a worker holds a lease of one of the app's partitions."""
         leases = [keys.lease_key(t, p, app) for t in topics for p in range(partitions)]
         held = self.broker.leases.lease_holders(leases)
         owners = sorted({owner for owner in held if owner is not None})
         if owners:
             raise AppRunning(f"app {app!r} is running ({', '.join(owners)} holds leases): stop it first")
+
+
+class Family:
+    """A family of the service's operations: it holds the shared base, never the ``Service``.
+
+    ``broker`` and ``settings`` are the base's, kept here too: the families' methods and
+    ``one_at_a_time`` (the operation lease) read them on every call.
+    """
+
+    def __init__(self, base: ServiceBase) -> None:
+        self.base = base
+        self.broker = base.broker
+        self.settings = base.settings
 
 
 def stream_entries(

@@ -16,16 +16,16 @@ from pspf.broker import Broker
 from pspf.errors import ConfigError, DecodeError, NotFound, ParameterError
 from pspf.failures import DeadLetter
 from pspf.keys import ORIGINAL_ID_HEADER, REDRIVE_APP_HEADER, REDRIVE_COUNT_HEADER, StreamId
-from pspf.service.base import ServiceBase, stream_entries
+from pspf.service.base import Family, stream_entries
 from pspf.service.records import DeadLetterDetail, DeadLetterInfo, DlqChange
 
 
-class DeadLetters(ServiceBase):
+class DeadLetters(Family):
     """DLQ operations over a topic's partitions."""
 
     def _dead_letters(self, topic: str) -> Iterator[tuple[int, bytes, DeadLetter]]:
         """Every DLQ entry of ``topic``, partition by partition, in id order."""
-        for partition in range(self._partitions(topic)):
+        for partition in range(self.base.topic_partitions(topic)):
             for entry_id, fields in stream_entries(self.broker, keys.dlq_key(topic, partition)):
                 yield partition, entry_id, DeadLetter.from_fields(fields)
 
@@ -44,7 +44,7 @@ class DeadLetters(ServiceBase):
 
     def dlq_show(self, topic: str, dlq_id: str) -> DeadLetterDetail:
         partition, entry_id = parse_dlq_id(dlq_id)
-        if partition >= self._partitions(topic):
+        if partition >= self.base.topic_partitions(topic):
             raise NotFound(f"topic {topic!r} has no partition {partition}")
         page = self.broker.requests.dlq_range(
             keys.dlq_key(topic, partition), entry_id.decode(), entry_id.decode(), 1

@@ -13,20 +13,22 @@ from collections.abc import Iterator, Sequence
 from pspf import keys
 from pspf.errors import ConfigError, NotFound, ParameterError
 from pspf.outbox.rows import OutboxRow, RowState, rows_in_backup, rows_in_store
-from pspf.service.base import ServiceBase, json_any
+from pspf.service.base import Family, json_any
 from pspf.service.records import OutboxReplay, OutboxRowDetail, OutboxRowInfo
 from pspf.state_stores import open_store, stored_partitions
 
 
-class OutboxRows(ServiceBase):
+class OutboxRows(Family):
     """Outbox operations."""
 
     def _outbox_rows(self, app: str, partition: int | None = None) -> Iterator[tuple[int, OutboxRow]]:
         """(partition, row) of an app's outbox rows: from the backups, else from the stores here."""
         keys.check_name("app", app)
         state = self.settings.state
-        wanted = range(self._app_partitions(app)) if partition is None else [partition]
-        backups = {} if self.local_state else {p: b for p in wanted if (b := self._backup_keys(app, p))}
+        wanted = range(self.base.app_partitions(app)) if partition is None else [partition]
+        backups = (
+            {} if self.base.local_state else {p: b for p in wanted if (b := self.base.backup_keys(app, p))}
+        )
         stored = [p for p in stored_partitions(state.engine, state.dir, app) if partition in (None, p)]
         partitions = sorted({*backups, *stored})
         if not partitions:

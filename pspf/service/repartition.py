@@ -12,14 +12,22 @@ import time
 from pspf.errors import BrokerOutOfMemory, ConfigError, NotFound, ParameterError
 from pspf.repartition import claim as repartition_claim
 from pspf.repartition import run as repartition
+from pspf.service.base import Family, ServiceBase
 from pspf.service.outbox import OutboxRows
 from pspf.service.records import RepartitionResult
 
 _NOTHING = repartition.Summary({}, {}, 0)
 
 
-class Repartitioning(OutboxRows):
-    """Change a topic's partition count, with every app's state."""
+class Repartitioning(Family):
+    """Change a topic's partition count, with every app's state.
+
+    Holds the outbox family too: apps whose outbox holds rows are refused (they do not move).
+    """
+
+    def __init__(self, base: ServiceBase, outbox: OutboxRows) -> None:
+        super().__init__(base)
+        self.outbox = outbox
 
     def repartition_topic(
         self,
@@ -112,7 +120,9 @@ class Repartitioning(OutboxRows):
         for app in apps:
             try:
                 states = [
-                    state for state in ("pending", "claimed", "dead") if self.outbox_list(app, state, limit=1)
+                    state
+                    for state in ("pending", "claimed", "dead")
+                    if self.outbox.outbox_list(app, state, limit=1)
                 ]
             except NotFound:
                 continue  # no outbox

@@ -36,7 +36,7 @@ from pspf.keys import (
 )
 from pspf.ownership.operation_lease import one_at_a_time
 from pspf.partition.backup import field
-from pspf.service.base import ServiceBase, parse_time_ms, stream_entries
+from pspf.service.base import Family, parse_time_ms, stream_entries
 from pspf.service.records import AppReset, ReplayResult
 from pspf.state_stores import StateStore, open_store, stored_partitions
 
@@ -58,7 +58,7 @@ APP_STATE = frozenset(
 Checkpoints = dict[str, StreamId | None]
 
 
-class Replaying(ServiceBase):
+class Replaying(Family):
     """Replay and its steps."""
 
     @one_at_a_time("replay")
@@ -88,7 +88,7 @@ class Replaying(ServiceBase):
         partitions = self.broker.apps.app_partitions(app)
         read = sorted(self.broker.apps.app_topics(app))
         chosen = self._replay_topics(app, read, topics, keep_state)
-        self._refuse_if_running(app, read, partitions)
+        self.base.refuse_if_running(app, read, partitions)
         self._refuse_moving_forward(app, chosen, partitions, position)
         self._need_state_dir(app, "replay resets the app's checkpoints there")
         with self._stores_here(app, read, partitions) as stores:
@@ -139,7 +139,7 @@ class Replaying(ServiceBase):
             [] if keep_state or not to_end else [t for t in self.broker.apps.app_tables(app) if t in topics]
         )
         from_start = topics if not to_end else rebuilt
-        self._refuse_if_running(app, topics, partitions)
+        self.base.refuse_if_running(app, topics, partitions)
         with self._stores_here(app, topics, partitions) as stores:
             self._refuse_unreachable_state(app, topics[0], partitions, stores)
             positions = self._reset_positions(topics, from_start, partitions)
@@ -181,7 +181,7 @@ class Replaying(ServiceBase):
         except NotFound:
             return []
         topics = self.broker.apps.app_topic_list(app)
-        self._refuse_if_running(app, topics, partitions)
+        self.base.refuse_if_running(app, topics, partitions)
         for topic in topics:
             for partition in range(partitions):
                 self.broker.apps.reset_group(keys.stream_key(topic, partition), app, str(keys.ZERO_ID))
@@ -257,7 +257,7 @@ class Replaying(ServiceBase):
         try:
             for partition in stored_partitions(state.engine, state.dir, app):
                 stores[partition] = open_store(state.engine, state.dir, app, partition, state.durability)
-            self._refuse_if_running(app, topics, partitions)  # starting now waits for us
+            self.base.refuse_if_running(app, topics, partitions)  # starting now waits for us
             yield stores
         finally:
             for store in stores.values():

@@ -13,11 +13,11 @@ from pspf import keys
 from pspf.errors import AppRunning
 from pspf.ownership.membership import live_members
 from pspf.ownership.operation_lease import one_at_a_time
-from pspf.service.base import ServiceBase
+from pspf.service.base import Family
 from pspf.service.records import AppRemoval, TopicRemoval
 
 
-class Retiring(ServiceBase):
+class Retiring(Family):
     """Delete an app, or a topic."""
 
     @one_at_a_time("app delete")
@@ -32,7 +32,7 @@ class Retiring(ServiceBase):
         partitions = self.broker.apps.app_partitions(app)
         topics = self.broker.apps.app_topic_list(app)
         if not force:
-            self._refuse_if_running(app, topics, partitions)
+            self.base.refuse_if_running(app, topics, partitions)
             members = live_members(self.broker.leases, app)
             if members:
                 who = ", ".join(sorted(m.consumer for m in members))

@@ -20,21 +20,21 @@ from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership.owning import check_partition_count
 from pspf.partition.backup import field, snapshot, split_field
 from pspf.service.adopting import Adopter
-from pspf.service.base import ServiceBase
+from pspf.service.base import Family
 from pspf.service.exporting import export_lines, kept_bookkeeping, parse_export_line
 from pspf.service.exporting import shown_state as shown_state  # pspf.spark reads it here
 from pspf.service.records import AdoptResult, ExportCheckpoints, ImportResult, OpenWindow
 from pspf.state_stores import StateStore, StoreTransaction, missing_state, open_store, stored_partitions
 
 
-class State(ServiceBase):
+class State(Family):
     """State operations."""
 
     def _no_state(self, app: str) -> str:
         """What was looked for and not found: the backups (unless read locally) and the stores here."""
         state = self.settings.state
         text = missing_state(state.engine, state.dir, app)
-        return text if self.local_state else f"no state backup of app {app!r} in Redis, and {text}"
+        return text if self.base.local_state else f"no state backup of app {app!r} in Redis, and {text}"
 
     def state_get(self, app: str, key: str) -> dict[str, Any]:
         """The state of ``key`` in ``app``, from the partition's backup in Redis (any machine).
@@ -42,7 +42,7 @@ class State(ServiceBase):
         Without a backup (it is off), from the partition's store here, read without locking it.
         """
         keys.check_name("app", app)
-        raw = self._partition_value(app, key, STATE_NAMESPACE, key)
+        raw = self.base.partition_value(app, key, STATE_NAMESPACE, key)
         if raw is None:
             raise NotFound(f"app {app!r} has no state for key {key!r}")
         return shown_state(key, raw)
@@ -55,7 +55,7 @@ class State(ServiceBase):
         """
         keys.check_name("app", app)
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.apps.app_partitions(app))
-        backup = None if self.local_state else self._backup_keys(app, partition)
+        backup = None if self.base.local_state else self.base.backup_keys(app, partition)
         found: list[tuple[str, bytes]] = []
         if backup is not None:
             pattern = field(keys.WINDOWS_NAMESPACE, "*/" + _glob_escape(key))
@@ -88,8 +88,10 @@ class State(ServiceBase):
         keys.check_name("app", app)
         state = self.settings.state
         backups = {}
-        if not self.local_state:
-            backups = {p: b for p in range(self._app_partitions(app)) if (b := self._backup_keys(app, p))}
+        if not self.base.local_state:
+            backups = {
+                p: b for p in range(self.base.app_partitions(app)) if (b := self.base.backup_keys(app, p))
+            }
         partitions = sorted({*backups, *stored_partitions(state.engine, state.dir, app)})
         if not partitions:
             raise NotFound(self._no_state(app))
@@ -131,9 +133,9 @@ class State(ServiceBase):
         keys.check_name("app", app)
         state = self.settings.state
         backups: dict[int, keys.BackupKeys] = {}
-        if not self.local_state:
-            wanted = range(self._app_partitions(app)) if partition is None else [partition]
-            backups = {p: b for p in wanted if (b := self._backup_keys(app, p))}
+        if not self.base.local_state:
+            wanted = range(self.base.app_partitions(app)) if partition is None else [partition]
+            backups = {p: b for p in wanted if (b := self.base.backup_keys(app, p))}
         stored = stored_partitions(state.engine, state.dir, app)
         partitions = sorted({*backups, *stored}) if partition is None else [partition]
         if not partitions:
@@ -190,7 +192,7 @@ class State(ServiceBase):
             raise ConfigError(f"the topics of app {app!r} must have the same partition count: {counts}")
         for partition, (_, recorded) in stores.items():
             check_partition_count(app, read, recorded, count, f"the store of partition {partition}")
-        self._refuse_if_running(app, read, count)
+        self.base.refuse_if_running(app, read, count)
         adopter = Adopter(self.broker, self.settings, app, read, count, replace)
         adopted: dict[int, dict[str, str]] = {}
         kept: list[int] = []
@@ -264,9 +266,9 @@ class State(ServiceBase):
 
     def _bookkeeping(self, app: str, line: ExportCheckpoints) -> list[tuple[str, str, bytes]]:
         """What an import of a partition's app state alone keeps from its backup."""
-        backup = self._backup_keys(app, line.partition)
+        backup = self.base.backup_keys(app, line.partition)
         copy = None if backup is None else snapshot(self.broker.acks, backup)
-        return kept_bookkeeping(app, line, copy, known=self._app_partitions(app) > 0)
+        return kept_bookkeeping(app, line, copy, known=self.base.app_partitions(app) > 0)
 
 
 def _app_order(app: str, recorded: list[str], named: Sequence[str], stored: set[str]) -> list[str]:

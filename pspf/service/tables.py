@@ -20,11 +20,11 @@ from pspf import keys
 from pspf.errors import NotFound, StateValueError
 from pspf.keys import StreamId
 from pspf.ownership.membership import live_members
-from pspf.service.base import ServiceBase
+from pspf.service.base import Family
 from pspf.state_stores import open_globals_readonly, stored_globals
 
 
-class Tables(ServiceBase):
+class Tables(Family):
     """Table rows."""
 
     def table_row(self, app: str, table: str, key: str) -> Any:
@@ -39,7 +39,7 @@ class Tables(ServiceBase):
         self.broker.apps.app_partitions(app)  # NotFound for an app that never ran here
         stored = keys.table_key(table, key)
         if table in self.broker.apps.app_topic_list(app):
-            raw = self._partition_value(app, key, keys.TABLES_NAMESPACE, stored)
+            raw = self.base.partition_value(app, key, keys.TABLES_NAMESPACE, stored)
             if raw is None:
                 raise NotFound(f"table {table!r} of app {app!r} has no row for key {key!r}")
             return _shown_row(table, key, raw)

@@ -15,14 +15,14 @@ from pspf import keys
 from pspf.broker import RawEntry
 from pspf.errors import ConfigError, ParameterError
 from pspf.keys import StreamId
-from pspf.service.base import ServiceBase, parse_time_ms
+from pspf.service.base import Family, parse_time_ms
 from pspf.service.records import TopicEntry
 
 #: Partition -> the id after which following goes on (None: from the stream's start).
 Positions = dict[int, StreamId | None]
 
 
-class TopicReading(ServiceBase):
+class TopicReading(Family):
     """Reading and following a topic's entries."""
 
     def read_topic(
@@ -65,7 +65,7 @@ class TopicReading(ServiceBase):
                 self.broker.reading.wait_for_new(last_ids, block_ms)
 
     def _read_partitions(self, topic: str, partition: int | None) -> list[int]:
-        count = self._partitions(topic)
+        count = self.base.topic_partitions(topic)
         if partition is None:
             return list(range(count))
         if not 0 <= partition < count:

@@ -15,14 +15,14 @@ import msgspec
 from pspf import keys
 from pspf.errors import ConfigError, ParameterError
 from pspf.producer import Producer
-from pspf.service.base import ServiceBase, json_any
+from pspf.service.base import Family, json_any
 from pspf.service.records import Health, PartitionInfo, TopicDescription, TopicInfo, TopicTrim
 from pspf.service.wording import counted
 from pspf.worker import retention
 from pspf.worker.retention import Retention
 
 
-class Topics(ServiceBase):
+class Topics(Family):
     """Topic and produce operations."""
 
     def create_topic(self, name: str, partitions: int) -> tuple[TopicInfo, bool]:
@@ -42,7 +42,7 @@ class Topics(ServiceBase):
         ]
 
     def describe_topic(self, name: str) -> TopicDescription:
-        count = self._partitions(name)
+        count = self.base.topic_partitions(name)
         partitions = []
         for partition in range(count):
             stream = keys.stream_key(name, partition)
@@ -58,13 +58,13 @@ class Topics(ServiceBase):
 
     def set_retention(self, name: str, wanted: Retention) -> Retention:
         """Store a topic's retention (running workers apply it at their next trim pass)."""
-        self._partitions(name)
+        self.base.topic_partitions(name)
         retention.store(self.broker, name, wanted)
         return retention.stored(self.broker, name)
 
     def trim_topic(self, name: str, dry_run: bool = False, override: Retention | None = None) -> TopicTrim:
         """Trim a topic's partitions by its retention (or ``override``), never past what is needed."""
-        count = self._partitions(name)
+        count = self.base.topic_partitions(name)
         applied = override if override is not None else retention.stored(self.broker, name)
         if not applied.active:
             raise ConfigError(

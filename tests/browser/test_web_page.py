@@ -114,7 +114,7 @@ def stream_length(rclient: redis.Redis, topic: str) -> int:
 def caught_up(service: Service, app: str) -> bool:
     """Whether a worker of ``app`` owns every partition and has read everything."""
     try:
-        lag = service.lag(app)
+        lag = service.apps.lag(app)
     except NotFound:  # not registered yet
         return False
     return bool(lag.detail) and all(d.owner for d in lag.detail) and lag.lag == 0
@@ -151,7 +151,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     wait(driver, lambda d: d.find_elements("css selector", f'#apps tr[data-app="{app}"]'), "apps")
     assert "Read-only" in text_of(driver, "mode")
     # The server under test by its own name and version (Valkey 9.1 is not "Redis 9.1").
-    health = Service(settings).health()
+    health = Service(settings).topics.health()
     assert f"{health.server} {health.redis_version}" in text_of(driver, "health")
     shoot(driver, screenshots, "overview", taken)
 
@@ -159,13 +159,13 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     click(driver, f'#apps tr[data-app="{app}"] a')
     assert driver.current_url == f"{base_url}/ui/#/apps/{app}"
     wait(driver, lambda d: len(rows(d, "lag")) == PARTITIONS, "the lag table")
-    expected = {(d.topic, d.partition): d for d in service.lag(app).detail}
+    expected = {(d.topic, d.partition): d for d in service.apps.lag(app).detail}
     assert sum(d.dead_letters for d in expected.values()) == bad
     for row in rows(driver, "lag"):
         detail = expected[(row.get_attribute("data-topic"), int(row.get_attribute("data-partition") or -1))]
         assert row.find_element("css selector", "td.lag").text == str(detail.lag)
         assert row.find_element("css selector", "td.owner").text == "nobody"  # the app stopped
-    outbox = service.outbox_list(app)
+    outbox = service.outbox.outbox_list(app)
     assert outbox  # one receipt per good order
     wait(driver, lambda d: len(rows(d, "outbox")) == len(outbox), "the outbox rows")
     assert text_of(driver, "outbox-summary").startswith("outbox rows:")
@@ -173,7 +173,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
 
     # The live app: each partition shows the worker that owns it.
     click(driver, f'#apps tr[data-app="{live}"] a')
-    owner = service.lag(live).owners[0]
+    owner = service.apps.lag(live).owners[0]
     wait(
         driver,
         lambda d: [r.find_element("css selector", "td.owner").text for r in rows(d, "lag")] == [owner] * 2,
@@ -183,7 +183,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
 
     # The DLQ of the topic, its values shown as text, never as HTML.
     click(driver, f'#topics tr[data-topic="{orders}"] a')
-    sources = {d.dlq_id: d.source_id for d in service.dlq_list(orders)}
+    sources = {d.dlq_id: d.source_id for d in service.dlq.dlq_list(orders)}
     listed = list(sources)
     assert len(listed) == bad
     wait(driver, lambda d: len(rows(d, "dlq")) == bad, "the DLQ rows")
@@ -231,7 +231,7 @@ def test_the_operator_page_shows_lag_and_redrives_and_purges_the_dlq(
     wait(driver, lambda d: "redrove 2 of 2" in text_of(d, "dlq-result"), "the redrive")
     wait(driver, lambda d: len(rows(d, "dlq")) == bad - 2, "the shorter DLQ")
     assert dlq_length(rclient, orders) == bad - 2 and stream_length(rclient, orders) == ENTRIES + 2
-    assert [d.dlq_id for d in service.dlq_list(orders)] == listed[2:]
+    assert [d.dlq_id for d in service.dlq.dlq_list(orders)] == listed[2:]
     # The two entries are back in the topic, each once, as copies of the entries that failed.
     back = [
         codec.decode_headers(fields.get(codec.HEADERS)).get(ORIGINAL_ID_HEADER)
@@ -307,7 +307,7 @@ def test_each_view_has_an_address_that_reload_back_and_forward_keep(
     wait(driver, lambda d: len(rows(d, "entries")) == 20, "the latest entries")
     assert text_of(driver, "topic-name") == orders
     assert shown(driver, "topic-detail") and not shown(driver, "app-detail")
-    latest, _ = service.read_topic(orders, None, None, 20)
+    latest, _ = service.reading.read_topic(orders, None, None, 20)
     assert entry_ids(driver) == [e.id for e in reversed(latest)]
     newest = rows(driver, "entries")[0]
     cells = [c.text for c in newest.find_elements("css selector", "td")]
@@ -324,7 +324,7 @@ def test_each_view_has_an_address_that_reload_back_and_forward_keep(
     shoot(driver, screenshots, "latest-entries", taken, show="topic-detail")
 
     # The partition filter, then a refresh that shows an entry produced since.
-    in_one = [e.id for e in reversed(service.read_topic(orders, 1, None, 20)[0])]
+    in_one = [e.id for e in reversed(service.reading.read_topic(orders, 1, None, 20)[0])]
     assert in_one and in_one != entry_ids(driver)  # thirty keys: both partitions have entries
     driver.find_element("css selector", "#entries-partition option[value='1']").click()
     wait(driver, lambda d: entry_ids(d) == in_one, "the entries of partition 1")
@@ -399,13 +399,13 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
         and "nothing changed" in result
     )
     assert "state: deleted" in text_of(driver, "app-plan")
-    assert service.lag(app).lag == 0 and service.state_get(app, "u1") == seen["u1"]
+    assert service.apps.lag(app).lag == 0 and service.state_get(app, "u1") == seen["u1"]
     confirm = driver.find_element("id", "app-confirm")
     assert confirm.is_enabled() and confirm.text == "Reset to the start"
     shoot(driver, screenshots, "reset-dry-run", taken, show="app-actions")
     confirm.click()
     wait(driver, lambda d: text_of(d, "app-result").startswith(f"reset {app} to the start"), "the reset")
-    assert service.lag(app).lag == ENTRIES
+    assert service.apps.lag(app).lag == ENTRIES
     with pytest.raises(NotFound):  # the state went with the reset
         service.state_get(app, "u1")
     lags = lambda d: sum(int(r.find_element("css selector", "td.lag").text) for r in rows(d, "lag"))  # noqa: E731
@@ -429,7 +429,7 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
     plan = text_of(driver, "app-plan").splitlines()
     assert len([line for line in plan if line.startswith(f"group {app} of ")]) == PARTITIONS
     assert any(line.startswith("key ") for line in plan)
-    assert service.lag(app).app == app
+    assert service.apps.lag(app).app == app
     shoot(driver, screenshots, "delete-dry-run", taken, show="app-actions")
     confirm = driver.find_element("id", "app-confirm")
     assert confirm.text == f"Delete app {app}"
@@ -439,19 +439,19 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
     assert not driver.find_elements("css selector", f'#apps tr[data-app="{app}"]')
     assert not shown(driver, "app-detail")
     with pytest.raises(NotFound):
-        service.lag(app)
+        service.apps.lag(app)
 
     # The topic no app reads any more: deleted from its page, after a dry run.
     driver.get(f"{base_url}/ui/#/topics/{orders}")
     click(driver, "#topic-dry-run")
     wait(driver, lambda d: "dry run: would remove topic" in text_of(d, "topic-result"), "the topic dry run")
     assert stream_key(orders, 0) in text_of(driver, "topic-plan")
-    assert service.describe_topic(orders).partitions
+    assert service.topics.describe_topic(orders).partitions
     shoot(driver, screenshots, "topic-delete-dry-run", taken, show="topic-actions")
     click(driver, "#topic-confirm")
     wait(
         driver, lambda d: f"removed topic {orders}" in text_of(d, "topics-status"), "the topic deletion said"
     )
     with pytest.raises(NotFound):
-        service.describe_topic(orders)
+        service.topics.describe_topic(orders)
     assert_pngs(taken)

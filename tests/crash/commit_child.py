@@ -7,9 +7,12 @@ of group ``g`` partition 0, continues after the batch its checkpoint names, prin
 sets ``last`` to n, sets ``tmp<n % 4>`` and deletes ``tmp<(n + 1) % 4>``, and moves the checkpoint
 of topic ``t`` to ``StreamId(n, 0)``; all in one transaction.
 
-``PROBE`` is a 16-byte file the child maps into memory: (batch number, phase). Phase 1 is written
-right before ``commit()`` of that batch and phase 0 right after it returned, so after a SIGKILL
-the parent knows whether the kill landed inside a commit and which checkpoints are allowed.
+``PROBE`` is an 8-byte file the child maps into memory: batch number * 2 + phase. Phase 1 is
+written right before ``commit()`` of that batch and phase 0 right after it returned, so after a
+SIGKILL the parent knows whether the kill landed inside a commit and which checkpoints are allowed.
+Both go in one word, copied in by one slice assignment: ``struct.pack_into`` zeroes its fields
+before it writes them one by one, so a kill in between left (batch n, phase 0) for a commit of n
+that had not started.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ KEYS = 3_000
 PER_BATCH = 400
 #: Pads each counter value to about 400 bytes: a commit writes ~170 kB, so kills tend to land in it.
 PAD = b"." * 400
-PROBE = struct.Struct("<qq")
+PROBE = struct.Struct("<q")
 
 
 def batch_keys(n: int) -> list[str]:
@@ -87,22 +90,27 @@ def main(engine: str, directory: str, durability: str, probe_path: str) -> None:
     checkpoint = store.checkpoints().get(TOPIC)
     n = 0 if checkpoint is None else checkpoint.ms
     counters = {key: int(value.split(b":", 1)[0]) for key, value in store.items(NAMESPACE, "k")}
-    PROBE.pack_into(probe, 0, n, 0)
+    _mark(probe, n, inside=False)
     print(f"ready {n}", flush=True)
     while True:
         n += 1
         tx = store.transaction()
         apply_batch(n, counters, partial(tx.set, NAMESPACE), partial(tx.delete, NAMESPACE))
         tx.set_checkpoint(TOPIC, StreamId(n, 0))
-        PROBE.pack_into(probe, 0, n, 1)
+        _mark(probe, n, inside=True)
         tx.commit()
-        PROBE.pack_into(probe, 0, n, 0)
+        _mark(probe, n, inside=False)
+
+
+def _mark(probe: mmap.mmap, n: int, inside: bool) -> None:
+    """Batch ``n`` and whether its commit runs, in one word written at once."""
+    probe[: PROBE.size] = PROBE.pack(n * 2 + inside)
 
 
 def read_probe(path: Path) -> tuple[int, bool]:
     """(batch number, inside its commit) as the child left them."""
-    n, phase = PROBE.unpack(path.read_bytes()[: PROBE.size])
-    return n, phase == 1
+    (word,) = PROBE.unpack(path.read_bytes()[: PROBE.size])
+    return word // 2, word % 2 == 1
 
 
 if __name__ == "__main__":

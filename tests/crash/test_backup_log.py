@@ -148,7 +148,7 @@ def test_state_export_reads_the_backup_from_any_machine_in_one_consistent_snapsh
     exports = 0
     try:
         while owner.alive() and exports < 20:
-            lines = [json.loads(line) for line in service.state_export(app)]
+            lines = [json.loads(line) for line in service.state.state_export(app)]
             exports += 1
             checkpoints = {}
             counts = dict.fromkeys(range(2), 0)

@@ -240,7 +240,7 @@ def outbox_rows(
     settings = Settings.load(values, environ={})
     service = Service(settings, local_state=not backups)
     try:
-        return service.outbox_list(app, None if row_state is None else str(row_state), limit=limit)
+        return service.outbox.outbox_list(app, None if row_state is None else str(row_state), limit=limit)
     except NotFound:  # no backup, or no store, yet
         return []
     finally:
@@ -530,7 +530,7 @@ class Emitting:
         )
         service = Service(settings, local_state=True)
         try:
-            return service.outbox_show(self.app, row.row_id).claimed_by
+            return service.outbox.outbox_show(self.app, row.row_id).claimed_by
         finally:
             service.close()
 

@@ -40,7 +40,7 @@ def test_a_million_entries_through_a_worker_with_retention_keep_memory_flat(
     )
     service = Service(settings)
     service.create_topic("events", PARTITIONS)
-    service.set_retention("events", Retention(max_len=MAX_LEN))
+    service.topics.set_retention("events", Retention(max_len=MAX_LEN))
     app = App("counter")
 
     @app.handler("events")
@@ -50,7 +50,7 @@ def test_a_million_entries_through_a_worker_with_retention_keep_memory_flat(
     client = own_server.client()
 
     def caught_up() -> bool:
-        return service.lag("counter").lag == 0
+        return service.apps.lag("counter").lag == 0
 
     def trimmed() -> bool:
         return all(client.xlen(stream_key("events", p)) <= MAX_LEN for p in range(PARTITIONS))

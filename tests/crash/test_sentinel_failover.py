@@ -128,7 +128,12 @@ def test_a_sigkilled_master_fails_over_and_the_state_equals_what_the_new_master_
         with sentinel.replica.client() as replica:
             replica.client_kill_filter(_type="master")  # what it had not read yet is gone with the link
         sentinel.replica.process.send_signal(signal.SIGSTOP)
-        time.sleep(0.4)  # the worker acknowledges batches the replica never sees
+        # The worker acknowledges batches the replica never sees: waited for, as a busy machine
+        # may take far longer than usual for one.
+        seen = backup_applied(old, topic, app, PARTITIONS)
+        wait_until(
+            lambda: backup_applied(old, topic, app, PARTITIONS) > seen, 60, "a batch the replica misses"
+        )
         sentinel.master.process.send_signal(signal.SIGKILL)  # mid-run: worker and producer busy
         sentinel.master.process.wait()
         sentinel.replica.process.send_signal(signal.SIGCONT)

@@ -93,7 +93,10 @@ def test_second_sigterm_exits_at_once_and_loses_nothing(
     # 20 ms per entry: one cycle (2 partitions x 50 entries) takes about 2 s.
     worker = spawn("slow", topic, app, *options, env={"PSPF_TEST_WORK_US": "20000"})
     wait_until(lambda: held_by(rclient, topic, app, 2, worker.pid), 15, "the worker to start")
-    time.sleep(0.3)
+    # A batch in hand (read, about 2 s of work left), not a guess at when the first read comes.
+    wait_until(
+        lambda: any(v.pending for v in view_all(rclient, state_dir, topic, app, 2)), 15, "a batch in hand"
+    )
     worker.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert worker.alive(), "the first signal must let the batch in hand finish"

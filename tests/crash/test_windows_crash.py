@@ -1,7 +1,7 @@
 """Tumbling window counts under SIGKILL: each window's result is emitted once and equals a reference.
 
-100,000 clicks of 100 keys with event times over 60 minutes, shuffled within 5 s (the grace is
-10 s), then 500 stragglers later than the grace (``tests.integration.test_windows``' ``clicks``),
+50,000 clicks of 100 keys with event times over 60 minutes, shuffled within 5 s (the grace is
+10 s), then 250 stragglers later than the grace (``tests.integration.test_windows``' ``clicks``),
 on a 4-partition topic. Real ``pspf run`` workers of ``tests.crash.apps_windows:counts`` count
 them per key in one-minute windows and emit each window's count to a 2-partition topic; they are
 killed with SIGKILL at random moments, again and again, and restarted; then killed once more
@@ -74,7 +74,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.crash]
 COUNTS = "tests.crash.apps_windows:counts"
 SHARED = "tests.crash.apps_windows:shared"
 PARTITIONS, TARGET_PARTITIONS = 4, 2
-ENTRIES = int(os.environ.get("PSPF_TEST_WINDOW_ENTRIES", "100000"))
+ENTRIES = int(os.environ.get("PSPF_TEST_WINDOW_ENTRIES", "50000"))
 KEYS = 100
 KILLS = int(os.environ.get("PSPF_TEST_WINDOW_KILLS", "12"))
 SHARED_ENTRIES = int(os.environ.get("PSPF_TEST_SHARED_ENTRIES", "20000"))

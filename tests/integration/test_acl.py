@@ -218,7 +218,7 @@ def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Pat
             Service(settings("plain")).create_topic(topic, 4)
         wrong = f"redis+cluster://clustered:not-the-pw@{hosts}"
         with pytest.raises(AuthenticationFailed, match=r"authentication to Redis at .* failed") as refused:
-            Service(Settings.load({"PSPF_BROKER": wrong}, environ={})).list_topics()
+            Service(Settings.load({"PSPF_BROKER": wrong}, environ={})).topics.list_topics()
         assert "not-the-pw" not in str(refused.value)
         service = Service(settings("clustered"))
         service.create_topic(topic, 4)
@@ -227,7 +227,7 @@ def test_on_a_cluster_the_user_needs_the_slot_map_and_command_more(tmp_path: Pat
                 producer.send(topic, {"n": i}, key=f"k{i % 5}")
         Worker(summing_app(app, topic), settings("clustered")).run(until_idle=True)
         assert sum(service.state_get(app, f"k{j}")["total"] for j in range(5)) == sum(range(200))
-        assert service.trim_topic(topic, override=Retention(max_len=10)).removed > 0
+        assert service.topics.trim_topic(topic, override=Retention(max_len=10)).removed > 0
 
 
 @pytest.mark.parametrize(

@@ -262,7 +262,7 @@ def test_metrics_report_lag_pending_age_and_dead_letters_per_partition(
         for s in family.samples
     }
     assert samples[("pspf_broker_up", None, None, None)] == 1
-    expected = service.lag(world.app)
+    expected = service.apps.lag(world.app)
     assert expected.pending == 2 and expected.lag == 12
     for d in expected.detail:
         labels = (world.app, world.topic, str(d.partition))
@@ -319,7 +319,7 @@ def test_redrive_changes_redis_like_the_cli(
     for world in (by_api, by_cli):
         assert dlq_length(rclient, world.topic) == world.bad - 4
         assert stream_length(rclient, world.topic) == ENTRIES + 4
-        assert service.lag(world.app).lag == 4
+        assert service.apps.lag(world.app).lag == 4
 
     # The rest by id, then all of it again: each entry moves once.
     rest = [d["dlq_id"] for d in api.get(f"/topics/{by_api.topic}/dlq").json()]
@@ -470,7 +470,7 @@ def test_running_app_and_locked_store_are_409(
     thread.start()
     try:
         deadline = time.monotonic() + 10
-        while not service.lag(world.app).owners:
+        while not service.apps.lag(world.app).owners:
             assert time.monotonic() < deadline, "the worker never took its partitions"
             time.sleep(0.05)
         assert "is running" in error_of(api.post(f"/apps/{world.app}/replay", json=replay, headers=AUTH), 409)

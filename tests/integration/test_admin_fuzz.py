@@ -91,8 +91,8 @@ def test_no_operation_answers_a_server_error(
     config = make_settings()
     assert Worker(app, config).run(until_idle=True).dead_lettered == 20
     service = Service(config)
-    dlq_ids = [d.dlq_id for d in service.dlq_list(topic)]
-    row_ids = [r.row_id for r in service.outbox_list(app_name)]
+    dlq_ids = [d.dlq_id for d in service.dlq.dlq_list(topic)]
+    row_ids = [r.row_id for r in service.outbox.outbox_list(app_name)]
     real = {
         "topic": topic,
         "app": app_name,
@@ -157,6 +157,6 @@ def test_no_operation_answers_a_server_error(
     assert all(s < 500 for codes in statuses.values() for s in codes), statuses
     # Aimed at real data, reads and writes did succeed (their bodies matched the schema too).
     assert all(200 in codes for codes in statuses.values()), statuses
-    assert len(service.dlq_list(topic)) < len(dlq_ids)
+    assert len(service.dlq.dlq_list(topic)) < len(dlq_ids)
     assert elapsed < 60, f"fuzzing took {elapsed:.0f}s"
     service.close()

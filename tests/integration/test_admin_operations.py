@@ -87,7 +87,7 @@ def stream_id(text: str | bytes) -> tuple[int, int]:
 def caught_up(service: Service, app: str) -> bool:
     """Whether a worker of ``app`` owns every partition and has read everything."""
     try:
-        lag = service.lag(app)
+        lag = service.apps.lag(app)
     except NotFound:  # not registered yet
         return False
     return bool(lag.detail) and all(d.owner for d in lag.detail) and lag.lag == 0

@@ -49,7 +49,7 @@ def _backup_total(settings: Settings, app: str) -> int:
 def adopt(settings: Settings, app: str, replace: bool = False) -> AdoptResult:
     service = Service(settings)
     try:
-        return service.state_adopt(app, replace=True) if replace else service.state_adopt(app)
+        return service.state.state_adopt(app, replace=True) if replace else service.state.state_adopt(app)
     finally:
         service.close()
 

@@ -42,13 +42,13 @@ def test_a_deleted_app_frees_retention_and_leaves_no_key_while_a_live_app_stays_
     topic = make_topic(2)
     old, live = names.app(), names.app()
     service = Service(make_settings())
-    service.set_retention(topic, Retention(max_len=10))
+    service.topics.set_retention(topic, Retention(max_len=10))
     produce(topic, [(f"k{i % 5}", {"n": i}) for i in range(200)])
     Worker(summing_app(old, topic), make_settings(PSPF_STATE_DIR=str(tmp_path / "old"))).run(until_idle=True)
     produce(topic, [(f"k{i % 5}", {"n": i}) for i in range(200, 400)])
     live_settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "live"))
     Worker(summing_app(live, topic), live_settings).run(until_idle=True)
-    held = service.trim_topic(topic, dry_run=True)
+    held = service.topics.trim_topic(topic, dry_run=True)
     assert {p.held_by for p in held.partitions} == {f"group {old}"}
     assert keys_naming(rclient, old), "the retired app holds keys in the server"
 
@@ -66,7 +66,7 @@ def test_a_deleted_app_frees_retention_and_leaves_no_key_while_a_live_app_stays_
     for partition in range(2):
         assert old not in service.broker.topics.stream_info(stream_key(topic, partition)).groups
 
-    trimmed = service.trim_topic(topic)
+    trimmed = service.topics.trim_topic(topic)
     assert trimmed.removed > 0
     assert all(rclient.xlen(stream_key(topic, p)) <= 10 for p in range(2))
     # The live app reads on and stays exact.
@@ -118,7 +118,7 @@ def test_a_topic_is_deleted_only_once_no_app_reads_it(
     assert done.exit_code == 0, done.output
     assert stream_key(topic, 0) in json.loads(done.output)["keys"]
     assert keys_naming(rclient, topic) == []
-    assert topic not in [t.name for t in Service(make_settings()).list_topics()]
+    assert topic not in [t.name for t in Service(make_settings()).topics.list_topics()]
     gone = runner.invoke(cli, ["topic", "delete", topic, "--yes", "--broker", redis_url])
     assert gone.exit_code == 4 and "does not exist" in gone.output
 

@@ -118,7 +118,7 @@ def test_dead_letters_listed_shown_redriven_once_and_state_exact(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        service.dlq_redrive(topic, all_entries=True, progress=die_at_400)
+        service.dlq.dlq_redrive(topic, all_entries=True, progress=die_at_400)
     assert dlq_length(rclient, topic, 2) == len(bad) - 400
     assert stream_length(rclient, topic, 2) == ENTRIES + 400
 
@@ -167,10 +167,10 @@ def test_redrive_keeps_key_and_headers_and_marks_the_redrive(
     settings = make_settings()
     assert Worker(app, settings).run(until_idle=True).dead_lettered == 1
     service = Service(settings)
-    [row] = service.dlq_list(topic)
+    [row] = service.dlq.dlq_list(topic)
     assert row.error_type == "DecodeError" and row.attempts == 1
-    service.dlq_redrive(topic, [row.dlq_id])
-    service.dlq_redrive(topic, all_entries=True)  # nothing left: moves nothing twice
+    service.dlq.dlq_redrive(topic, [row.dlq_id])
+    service.dlq.dlq_redrive(topic, all_entries=True)  # nothing left: moves nothing twice
     entries = rclient.xrange(stream_key(topic, 0))
     assert len(entries) == 2
     fields = entries[1][1]
@@ -182,8 +182,8 @@ def test_redrive_keeps_key_and_headers_and_marks_the_redrive(
     assert headers["pspf-redrive-app"] == app.name
     # Still broken: it dies again and its redrive count grows on the next redrive.
     Worker(app, settings).run(until_idle=True)
-    [row] = service.dlq_list(topic)
-    service.dlq_redrive(topic, [row.dlq_id])
+    [row] = service.dlq.dlq_list(topic)
+    service.dlq.dlq_redrive(topic, [row.dlq_id])
     last = rclient.xrange(stream_key(topic, 0))[-1][1]
     assert json.loads(last[b"headers"])["pspf-redrive-count"] == "2"
 

@@ -187,7 +187,7 @@ def test_an_entry_redriven_from_the_dlq_emits_once_when_it_succeeds(
     Worker(app, settings).run(until_idle=True)
     assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 3]
     fixed = True
-    assert services(settings).dlq_redrive(source, all_entries=True).changed == 1
+    assert services(settings).dlq.dlq_redrive(source, all_entries=True).changed == 1
     Worker(app, settings).run(until_idle=True)
     assert sorted(o["value"]["i"] for o in outputs(rclient, target, 1)) == [0, 1, 2, 3]
 
@@ -302,33 +302,33 @@ def test_rows_to_a_broken_target_die_and_replay_publishes_each_once(
     assert summary.published == 0 and summary.publish_failed >= 20 * 3
 
     service = services(settings)
-    dead = service.outbox_list(app.name, "dead")
+    dead = service.outbox.outbox_list(app.name, "dead")
     assert len(dead) == 20
     assert all(r.attempts == 3 and r.last_error and "WRONGTYPE" in r.last_error for r in dead)
-    detail = service.outbox_show(app.name, dead[0].row_id)
+    detail = service.outbox.outbox_show(app.name, dead[0].row_id)
     assert json.loads(detail.value)["i"] in range(20) and detail.headers[SOURCE_APP_HEADER] == app.name
 
     rclient.delete(stream_key(target, 0))  # repaired
-    preview = service.outbox_replay(app.name, dead=True, dry_run=True)
+    preview = service.outbox.outbox_replay(app.name, dead=True, dry_run=True)
     assert sorted(preview.selected) == sorted(r.row_id for r in dead) and not preview.replayed
 
     worker = Worker(app, settings)
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
-        result = service.outbox_replay(app.name, dead=True, wait_s=20)
+        result = service.outbox.outbox_replay(app.name, dead=True, wait_s=20)
         assert sorted(result.replayed) == sorted(r.row_id for r in dead) and result.waiting == []
         wait_for(lambda: rclient.xlen(stream_key(target, 0)) == 20, 20)
-        wait_for(lambda: len(service.outbox_list(app.name, "published")) == 20, 20)
+        wait_for(lambda: len(service.outbox.outbox_list(app.name, "published")) == 20, 20)
         # Replaying the same rows again publishes them once more, and only once.
-        again = service.outbox_replay(app.name, ids=[dead[0].row_id], wait_s=20)
+        again = service.outbox.outbox_replay(app.name, ids=[dead[0].row_id], wait_s=20)
         assert again.replayed == [dead[0].row_id]
         wait_for(lambda: rclient.xlen(stream_key(target, 0)) == 21, 20)
         time.sleep(0.5)
     finally:
         worker.stop()
         thread.join()
-    twice = json.loads(service.outbox_show(app.name, dead[0].row_id).value)["i"]
+    twice = json.loads(service.outbox.outbox_show(app.name, dead[0].row_id).value)["i"]
     counts = Counter(o["value"]["i"] for o in outputs(rclient, target, 1))
     assert counts == Counter({**dict.fromkeys(range(20), 1), twice: 2})
 
@@ -349,7 +349,7 @@ def test_a_replay_no_worker_applies_stays_queued_and_the_cli_says_so(
     produce(source, [(None, {"i": 1})])
     settings = make_settings()
     Worker(app, settings).run(until_idle=True)
-    (row,) = services(settings).outbox_list(app.name, "published")
+    (row,) = services(settings).outbox.outbox_list(app.name, "published")
     done = subprocess.run(
         pspf_command(
             "outbox", "replay", app.name, row.row_id, "--yes", "--wait", "0.3", "--broker", redis_url
@@ -410,7 +410,7 @@ def test_the_admin_api_lists_shows_and_replays_outbox_rows(
     with TestClient(app=create_app(service, token="secret")) as api:
         listed = api.get(f"/apps/{app.name}/outbox", params={"state": "published"})
         assert listed.status_code == 200, listed.text
-        assert listed.json() == msgspec.to_builtins(service.outbox_list(app.name, "published"))
+        assert listed.json() == msgspec.to_builtins(service.outbox.outbox_list(app.name, "published"))
         assert len(listed.json()) == 6
         row_id = listed.json()[0]["row_id"]
         shown = api.get(f"/apps/{app.name}/outbox/{row_id}")
@@ -459,7 +459,7 @@ def test_published_rows_are_pruned_after_the_retention_and_metrics_count_the_out
         text = metrics()
         assert "pspf_outbox_publish_latency_seconds_count" in text
         # Published rows go once they are older than the retention, from the store and the backup.
-        wait_for(lambda: service.outbox_list(app.name) == [], 20)
+        wait_for(lambda: service.outbox.outbox_list(app.name) == [], 20)
         text = metrics()
         assert f'pspf_outbox_rows{{app="{app.name}",partition="0",state="published"}} 0.0' in text
     finally:

@@ -41,12 +41,12 @@ def test_an_owner_deletes_idle_consumers_with_nothing_pending_and_forgets_them_i
     produce(topic, [("k", {"n": i}) for i in range(10, 20)])
     settings = make_settings(PSPF_CONSUMER="new-pod", PSPF_MIN_IDLE_MS=100, PSPF_FORGET_CONSUMERS_AFTER_S=0.2)
     service = Service(settings)
-    assert [g.consumers for g in service.groups() if g.app == app] == [2]  # old-pod, ghost
+    assert [g.consumers for g in service.apps.groups() if g.app == app] == [2]  # old-pod, ghost
     with WorkerThread(summing_app(app, topic), settings):
         wait_until(
             lambda: set(consumers(rclient, stream, app)) == {"new-pod"}, 20, "the idle consumers to go"
         )
-    assert [g.consumers for g in service.groups() if g.app == app] == [1]
+    assert [g.consumers for g in service.apps.groups() if g.app == app] == [1]
     with open_store("sqlite", settings.state.dir, app, 0, readonly=True) as store:
         listed = {name for name, _ in store.items(CONSUMERS_NAMESPACE)}
     assert listed == {"new-pod"}, listed

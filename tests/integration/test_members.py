@@ -55,7 +55,7 @@ def test_members_their_partitions_and_the_rebalance_metrics(
     assert len(second.processor.owned) == 2 and not set(first.processor.owned) & set(second.processor.owned)
     try:
         service = Service(make_settings())
-        members = service.lag(app.name).members
+        members = service.apps.lag(app.name).members
         assert [m.consumer for m in members] == ["first", "second"]  # oldest first
         assert [m.partitions for m in members] == [
             sorted(first.processor.owned),
@@ -79,5 +79,5 @@ def test_members_their_partitions_and_the_rebalance_metrics(
         second.shutdown()
     # Both left: no member remains.
     service = Service(make_settings())
-    assert service.lag(app.name).members == []
+    assert service.apps.lag(app.name).members == []
     service.close()

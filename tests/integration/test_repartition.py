@@ -88,7 +88,7 @@ def test_two_apps_one_lagging_each_handle_exactly_what_they_had_not(
     plan = make_plan(broker, topic, after)
     assert plan.topics == [topic] and sorted(plan.apps) == sorted([ahead, behind])
     Repartition(broker, plan).run()
-    assert len(service.describe_topic(topic).partitions) == after
+    assert len(service.topics.describe_topic(topic).partitions) == after
     produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(4000, 5000)])
     assert every_entry_in_its_partition(rclient, topic, after) == 5000
 
@@ -134,7 +134,7 @@ def test_a_repartition_killed_at_any_step_is_resumed_to_the_same_exact_result(
     resumed = repartition_cli(redis_url, topic, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed the repartition" in resumed.stdout
-    assert len(service.describe_topic(topic).partitions) == 6
+    assert len(service.topics.describe_topic(topic).partitions) == 6
 
     produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(2000, 2300)])
     assert every_entry_in_its_partition(rclient, topic, 6) == 2300
@@ -346,7 +346,7 @@ def test_a_producer_of_the_old_count_writes_nothing_into_a_retired_partition(
     assert every_entry_in_its_partition(rclient, topic, 3) == 201
     assert not any(rclient.exists(stream_key(topic, p)) for p in range(3, 8))
 
-    Service(make_settings()).delete_topic(topic)
+    Service(make_settings()).retire.delete_topic(topic)
     assert not rclient.keys(f"*{{{topic}:*")  # no guard left behind
     broker.topics.create_topic(topic, 8)
     fresh = Producer(broker)
@@ -400,7 +400,7 @@ def test_an_app_emitting_into_a_repartitioned_topic_routes_its_rows_again(
 
         def pending() -> int:
             try:
-                return len(service.outbox_list(forwarder, "pending"))
+                return len(service.outbox.outbox_list(forwarder, "pending"))
             except NotFound:  # no backup yet
                 return 0
 
@@ -475,7 +475,7 @@ def test_a_worker_started_after_the_plan_is_found_after_the_seal_and_nothing_mov
         produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100, 200)])  # no wait: unsealed
         wait_until(lambda: state_of(Service(make_settings()), app) == totals(0, 200), 20, "the rest handled")
         running.check()
-    assert len(Service(make_settings()).describe_topic(topic).partitions) == 2
+    assert len(Service(make_settings()).topics.describe_topic(topic).partitions) == 2
 
 
 def test_a_producer_refused_by_a_guard_its_topic_record_contradicts_fails_after_the_wait(
@@ -558,10 +558,10 @@ def test_a_dead_letter_is_redriven_into_its_keys_new_partition(
     broker = Broker(settings.redis)
     Repartition(broker, make_plan(broker, topic, 5)).run()
     service = Service(settings)
-    dead = service.dlq_list(topic)
+    dead = service.dlq.dlq_list(topic)
     assert len(dead) == 5
     assert all(d.partition == partition_for(d.key.encode(), 5) for d in dead if d.key is not None)
-    assert service.dlq_redrive(topic, all_entries=True).changed == 5
+    assert service.dlq.dlq_redrive(topic, all_entries=True).changed == 5
     fixed["yes"] = True
     assert Worker(app(), settings).run(until_idle=True).handled == 5
     assert every_entry_in_its_partition(rclient, topic, 5) == 55

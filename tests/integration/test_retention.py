@@ -64,22 +64,22 @@ def test_a_lagging_app_keeps_what_it_has_not_acknowledged_and_trimming_frees_onc
     assert len(every) == 1000
 
     aggressive = Retention(max_len=0)
-    dry = service.trim_topic(topic, dry_run=True, override=aggressive)
+    dry = service.topics.trim_topic(topic, dry_run=True, override=aggressive)
     assert [p.removable for p in dry.partitions] == [500] and ids(rclient, stream) == every
     assert dry.partitions[0].held_by == f"group {slow}"
-    done = service.trim_topic(topic, override=aggressive)
+    done = service.topics.trim_topic(topic, override=aggressive)
     assert done.removed == 500
     # the first pending entry of the slow app is the first one left: nothing it needs went
     assert ids(rclient, stream) == every[500:]
     assert rclient.xpending(stream, slow)["min"] == every[500]
 
-    before = service.describe_topic(topic).trims[0].memory_bytes
+    before = service.topics.describe_topic(topic).trims[0].memory_bytes
     rclient.xautoclaim(stream, slow, "gone2", 0, "0-0")  # the slow app's worker takes them over...
     run_until_idle(slow, topic, make_settings(PSPF_STATE_DIR=str(tmp_path / "slow")))
     assert rclient.xpending(stream, slow)["pending"] == 0
-    assert service.trim_topic(topic, override=aggressive).removed == 500
+    assert service.topics.trim_topic(topic, override=aggressive).removed == 500
     assert rclient.xlen(stream) == 0
-    after = service.describe_topic(topic).trims[0].memory_bytes
+    after = service.topics.describe_topic(topic).trims[0].memory_bytes
     assert before is not None and after is not None and after < before / 5, (before, after)
     # both apps still have their whole state, and read on after the trim
     assert service.state_get(slow, "k0") == service.state_get(fast, "k0") == {"total": sum(range(0, 1000, 5))}
@@ -98,12 +98,12 @@ def test_an_app_of_the_topic_without_a_group_holds_the_trim_and_the_replay_windo
     app = names.app()
     produce_n(produce, topic, 0, 100)
     Worker(summing_app(app, topic), make_settings()).run(until_idle=True)
-    dry = service.trim_topic(topic, dry_run=True, override=Retention(max_len=0))
+    dry = service.topics.trim_topic(topic, dry_run=True, override=Retention(max_len=0))
     assert dry.partitions[0].removable == 100
-    held = service.trim_topic(topic, override=Retention(max_len=0, replay_window_ms=3_600_000))
+    held = service.topics.trim_topic(topic, override=Retention(max_len=0, replay_window_ms=3_600_000))
     assert held.removed == 0 and held.partitions[0].held_by == "replay window"
     rclient.xgroup_destroy(stream, app)  # the app still reads the topic: it would start again from 0
-    held = service.trim_topic(topic, override=Retention(max_len=0))
+    held = service.topics.trim_topic(topic, override=Retention(max_len=0))
     assert held.removed == 0 and held.partitions[0].held_by == f"app {app} has no group"
     assert rclient.xlen(stream) == 100
 
@@ -122,11 +122,11 @@ def test_max_age_and_max_len_remove_the_oldest_only(
     produce_n(produce, topic, 0, 300)
     Worker(summing_app(names.app(), topic), make_settings()).run(until_idle=True)
     every = ids(rclient, stream)
-    assert service.trim_topic(topic, override=Retention(max_age_ms=86_400_000)).removed == 1
+    assert service.topics.trim_topic(topic, override=Retention(max_age_ms=86_400_000)).removed == 1
     assert ids(rclient, stream) == every[1:]
-    service.set_retention(topic, Retention(max_len=120))
-    assert service.describe_topic(topic).retention == Retention(max_len=120)
-    assert service.trim_topic(topic).removed == 180
+    service.topics.set_retention(topic, Retention(max_len=120))
+    assert service.topics.describe_topic(topic).retention == Retention(max_len=120)
+    assert service.topics.trim_topic(topic).removed == 180
     assert ids(rclient, stream) == every[-120:]
 
 
@@ -141,7 +141,7 @@ def test_a_running_worker_applies_the_topics_retention_to_its_partitions(
 ) -> None:
     monkeypatch.setattr(lease_round, "TRIM_EVERY_S", 0.0)
     topic = make_topic(2)
-    service.set_retention(topic, Retention(max_len=50))
+    service.topics.set_retention(topic, Retention(max_len=50))
     app = names.app()
     with WorkerThread(summing_app(app, topic), make_settings()):
         for first in range(0, 2000, 500):
@@ -156,7 +156,7 @@ def test_without_a_retention_trim_is_refused_and_nothing_goes(
     topic = make_topic(1)
     produce_n(produce, topic, 0, 10)
     with pytest.raises(ConfigError, match="has no retention"):
-        service.trim_topic(topic)
+        service.topics.trim_topic(topic)
 
 
 def test_the_cli_sets_shows_and_trims(
@@ -216,7 +216,7 @@ def test_a_quiet_partition_trimmed_empty_by_retention_stops_nothing(
     monkeypatch.setattr(lease_round, "TRIM_EVERY_S", 0.0)
     topic, app = make_topic(2), names.app()
     quiet, busy = key_on(0, 2), key_on(1, 2)
-    service.set_retention(topic, Retention(max_age_ms=300))
+    service.topics.set_retention(topic, Retention(max_age_ms=300))
     produce(topic, [(quiet, {"n": 1})] * 50)
     # bursts of one full batch: the next read is sent ahead (lua/read.lua) and comes back empty
     with WorkerThread(summing_app(app, topic), make_settings(PSPF_BATCH_SIZE=10)) as runner:

@@ -102,5 +102,5 @@ def test_a_wrong_password_of_the_master_is_an_authentication_failure(sentinel: L
             admin.execute_command("ACL", "SETUSER", "app", "reset", "on", ">the-password", "~*", "+@all")  # type: ignore[no-untyped-call]
     url = sentinel.url.replace("://", "://app:not-the-password@", 1)
     with pytest.raises(AuthenticationFailed, match=r"authentication to Redis at .* failed") as refused:
-        Service(Settings.load({"PSPF_BROKER": url}, environ={})).list_topics()
+        Service(Settings.load({"PSPF_BROKER": url}, environ={})).topics.list_topics()
     assert "not-the-password" not in str(refused.value)

@@ -170,7 +170,7 @@ def test_export_of_a_running_app_is_a_consistent_snapshot(
     try:
         while thread.is_alive() and snapshots < 20:
             try:
-                lines = [msgspec.json.decode(line) for line in service.state_export(app.name)]
+                lines = [msgspec.json.decode(line) for line in service.state.state_export(app.name)]
             except Exception:
                 continue  # a store may not exist yet
             snapshots += 1

@@ -209,7 +209,7 @@ def test_lag_shows_each_workers_global_tables_behind_and_its_metric(
 
     def behind() -> dict[str, int] | None:
         try:
-            members = service.lag(app.name).members
+            members = service.apps.lag(app.name).members
         except NotFound:  # the worker serves its metrics before it registers the app
             return None
         return members[0].global_tables if members else None
@@ -223,7 +223,7 @@ def test_lag_shows_each_workers_global_tables_behind_and_its_metric(
     release.set()
     wait_until(lambda: behind() == {products: 4}, 10, "4 entries behind")
     assert total(scrape(address), "pspf_global_table_lag_entries", table=products) == 4
-    member = service.lag(app.name).members[0].id
+    member = service.apps.lag(app.name).members[0].id
     shown = invoke("lag", app.name)
     assert shown.exit_code == 0, shown.output
     assert [member, products, "4"] in [line.split() for line in shown.output.splitlines()]

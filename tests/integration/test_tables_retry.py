@@ -154,7 +154,7 @@ def test_a_redriven_entry_sees_the_rows_as_of_its_redrive(
     xadd(rclient, customers, "c1", {"tier": "C"})
     service = Service(settings)
     try:
-        assert service.dlq_redrive(orders, all_entries=True).changed == 1
+        assert service.dlq.dlq_redrive(orders, all_entries=True).changed == 1
     finally:
         service.close()
     assert Worker(app, settings).run(until_idle=True).handled >= 1

@@ -76,7 +76,7 @@ def test_testapp_and_a_worker_agree_on_state_emits_and_dead_letters(
         for _, fields in rclient.xrange(stream_key(vip, partition)):
             headers = decode_headers(fields.get(b"headers"))
             worker_emits[(fields[b"key"].decode(), fields[b"value"], headers["tier"], partition)] += 1
-    worker_dead = Counter((d.key, d.error_type, d.attempts) for d in service.dlq_list(orders, limit=1000))
+    worker_dead = Counter((d.key, d.error_type, d.attempts) for d in service.dlq.dlq_list(orders, limit=1000))
     service.close()
 
     with TestApp(app, partitions=4, topics={vip: 2}) as t:

@@ -144,13 +144,13 @@ def test_follow_prints_new_entries_until_ctrl_c(redis_url: str, spread: str, rcl
 def test_following_goes_on_after_the_entries_shown(
     service: Service, spread: str, rclient: redis.Redis
 ) -> None:
-    shown, positions = service.read_topic(spread, start=StreamId(1003, 0), count=3)
+    shown, positions = service.reading.read_topic(spread, start=StreamId(1003, 0), count=3)
     assert [e.id for e in shown] == ["1003-0", "1004-0", "1005-0"]
-    rest = itertools.islice(service.follow_topic(spread, positions, block_ms=100), 6)
+    rest = itertools.islice(service.reading.follow_topic(spread, positions, block_ms=100), 6)
     assert [e.id for e in rest] == [f"{i}-0" for i in range(1006, 1012)]
 
-    tail, positions = service.read_topic(spread, count=2)
+    tail, positions = service.reading.read_topic(spread, count=2)
     assert [e.id for e in tail] == ["1010-0", "1011-0"]
     rclient.xadd(stream_key(spread, 0), {"value": "7"}, id="1012-0")
-    new = next(service.follow_topic(spread, positions, block_ms=100))
+    new = next(service.reading.follow_topic(spread, positions, block_ms=100))
     assert (new.id, new.partition, new.value) == ("1012-0", 0, 7)

@@ -217,10 +217,10 @@ def test_the_traceparent_survives_the_dlq_and_a_redrive(
     assert (dead.attributes or {})["pspf.outcome"] == "dead_lettered"
     service = Service(settings)
     try:
-        (listed,) = service.dlq_list(topic)
-        detail = service.dlq_show(topic, listed.dlq_id)
+        (listed,) = service.dlq.dlq_list(topic)
+        detail = service.dlq.dlq_show(topic, listed.dlq_id)
         assert detail.headers["traceparent"] == TRACEPARENT
-        assert service.dlq_redrive(topic, all_entries=True).changed == 1
+        assert service.dlq.dlq_redrive(topic, all_entries=True).changed == 1
     finally:
         service.close()
     redriven = headers_of(rclient, topic)[-1]

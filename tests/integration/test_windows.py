@@ -153,16 +153,16 @@ def test_an_idle_partition_closes_its_window_after_the_timeout_and_later_entries
     Worker(counting_app(app, source, target), settings).run(until_idle=True)
     service = Service(settings)
     try:
-        assert service.state_windows(app, "u1") == [
+        assert service.state.state_windows(app, "u1") == [
             OpenWindow(window="count", topic=source, start=T0, end=T0 + MINUTE_MS, value=2)
         ]
         with pytest.raises(NotFound, match="no open window"):
-            service.state_windows(app, "u3")
+            service.state.state_windows(app, "u3")
         with TestClient(create_app(service, token="t")) as api:
             reply = api.get(f"/apps/{app}/state/u1/windows")
             assert (reply.status_code, reply.json()) == (
                 200,
-                msgspec.to_builtins(service.state_windows(app, "u1")),
+                msgspec.to_builtins(service.state.state_windows(app, "u1")),
             )
             assert api.get(f"/apps/{app}/state/u3/windows").status_code == 404
     finally:

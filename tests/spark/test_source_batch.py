@@ -3,7 +3,7 @@
 Covers: a 4-partition topic of keyed and keyless entries, JSON, msgpack, flat and non-JSON values
 and headers read with every field, each entry once; id and time bounds; a partition split into
 id ranges gives the same rows as unsplit (and ``split_range`` covers every id once); the state
-read equals ``Service.state_export``; a table read; the errors raised on the driver.
+read equals ``service.state.state_export``; a table read; the errors raised on the driver.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def test_state_read_equals_the_export_and_a_table_read_gives_its_rows(
     found = {(r.partition, r.key): json.loads(r.state) for r in state.collect() if r.error is None}
     service = Service(settings)
     try:
-        lines = [msgspec.json.decode(line) for line in service.state_export(app.name)]
+        lines = [msgspec.json.decode(line) for line in service.state.state_export(app.name)]
     finally:
         service.close()
     exported = {(x["partition"], x["key"]): x["state"] for x in lines if x.get("namespace") == "state"}

@@ -19,16 +19,28 @@ whoever takes the lease next claims the partition's pending entries before anyth
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 from redis.exceptions import NoScriptError
 
+from pspf.broker.connection import Connection
 from pspf.broker.records import RawEntry, _entries, packed, usable
 from pspf.errors import BrokerError
 
-if TYPE_CHECKING:
-    from pspf.broker.reading import Reading
+
+class Reads(Protocol):
+    """What a read sent ahead needs of the reading family (``Reading``)."""
+
+    conn: Connection
+    reader: Reader
+
+    @property
+    def read_sha(self) -> str:
+        """The SHA of ``lua/read.lua``."""
+
+    def load_read_script(self) -> None: ...
+
 
 Reply = tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]
 
@@ -85,7 +97,7 @@ class ReadAhead:
     pending list, in order), ``abandon`` closes the connection without reading.
     """
 
-    def __init__(self, reading: Reading, streams: list[tuple[str, str, str]], armed: bool) -> None:
+    def __init__(self, reading: Reads, streams: list[tuple[str, str, str]], armed: bool) -> None:
         self.reading = reading
         self.streams = [stream for stream, _, _ in streams]
         self.leases = [lease for _, lease, _ in streams]
@@ -94,7 +106,7 @@ class ReadAhead:
 
     @staticmethod
     def commands(
-        reading: Reading,
+        reading: Reads,
         group: str,
         consumer: str,
         streams: Sequence[tuple[str, str, str]],
@@ -108,7 +120,7 @@ class ReadAhead:
             read = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS")
             commands: list[tuple[Any, ...]] = [("MULTI",), (*read, *names, *[">"] * len(names)), ("EXEC",)]
         else:
-            sha = reading._read.sha
+            sha = reading.read_sha
             commands = [("UNWATCH",)]
             for stream, lease, value in streams:
                 commands.append(("EVALSHA", sha, 2, stream, lease, group, consumer, count, value))

@@ -163,6 +163,10 @@ class Reading:
                 raise
         return ReadAhead(self, list(streams), armed)
 
+    @property
+    def read_sha(self) -> str:
+        return str(self._read.sha)
+
     def load_read_script(self) -> None:
         """Load ``lua/read.lua`` into the server's script cache (a read sent ahead cannot load it)."""
         with self.conn.translate_errors():

@@ -328,7 +328,11 @@ class BatchProcessor:
 
     def _lease_lost(self, stream: str, exc: LeaseLost, result: CycleResult) -> None:
         """Give the partition up, logged as what refused it (a lost lease, a backup that went back)."""
-        partition = self._by_stream[stream].partition
+        cursor = self._by_stream.get(stream)
+        if cursor is None:  # given up already (an acknowledgement read after its partition went)
+            log.info("%s after the partition was given up stream=%s: %s", exc.what, stream, exc)
+            return
+        partition = cursor.partition
         log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
 from pspf import codec, keys
-from pspf.broker import AckRequest, Fields
+from pspf.broker import AckInFlight, AckRequest, Fields
 from pspf.codec import StateDecoder
 from pspf.errors import BackupDamaged, LeaseLost, StateError
 from pspf.failures import DeadLetter, Failure
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from pspf.state_stores.base import StoreTransaction
 
 log = logging.getLogger("pspf.batch")
+
+_T = TypeVar("_T")
 
 #: Not in a map (a key's value may be None: it has no state).
 _MISSING: Any = object()
@@ -317,6 +320,12 @@ class Acknowledger(Protocol):
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]: ...
 
 
+class SendsAcks(Acknowledger, Protocol):
+    """An acknowledger that can send a call and have its reply read later (``Broker.ack_sent``)."""
+
+    def ack_sent(self, requests: Sequence[AckRequest]) -> AckInFlight: ...
+
+
 class Acknowledged(NamedTuple):
     """What one acknowledgement came to."""
 
@@ -324,18 +333,43 @@ class Acknowledged(NamedTuple):
     lost: dict[int, tuple[str, LeaseLost]]
     dead_lettered: int
 
+    def merged(self, other: Acknowledged) -> Acknowledged:
+        return Acknowledged({**self.lost, **other.lost}, self.dead_lettered + other.dead_lettered)
+
+
+class _InFlight(NamedTuple):
+    """An acknowledgement whose reply is still to be read (``Durability.settle``)."""
+
+    sent: AckInFlight
+    requests: list[AckRequest]
+    of: dict[str, tuple[OwnedPartition, StreamCursor]]
+    partitions: list[OwnedPartition]
+    #: the seconds its sending took
+    sending_s: float
+
+
+_NOTHING = Acknowledged({}, 0)
+
 
 class Durability:
     """Makes committed batches durable: commit, fenced acknowledgement with the backup, confirm."""
 
     def __init__(
-        self, acknowledger: Acknowledger, group: str, hooks: ProcessorHooks, tracing: Tracing | None = None
+        self,
+        acknowledger: Acknowledger,
+        group: str,
+        hooks: ProcessorHooks,
+        tracing: Tracing | None = None,
+        sends: SendsAcks | None = None,
     ) -> None:
         self.acknowledger = acknowledger
         self.group = group
         self.hooks = hooks
         #: a span per commit; None: no tracer provider configured (``tracing.configured``)
         self.tracing = tracing
+        #: with it, an acknowledgement's reply is read by the next one (``settle``), not waited for
+        self.sends = sends
+        self._in_flight: _InFlight | None = None
 
     def commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
         """Step 5 for one partition; the seconds it took, None when there was nothing to write."""
@@ -356,7 +390,10 @@ class Durability:
         return took
 
     def commit_alone(self, batch: PartitionBatch) -> tuple[str, LeaseLost] | None:
-        """Commit a batch of no entries (time's work) and flush it: ``flush``'s answer."""
+        """Commit a batch of no entries (time's work) and flush it: ``flush``'s answer.
+
+        Only once ``settle`` read the acknowledgement in flight.
+        """
         if self.commit(batch, []) is None:
             return None
         return flush(batch.owned)
@@ -368,7 +405,14 @@ class Durability:
         nothing to acknowledge). Where an app reads several topics, the other topics' calls go in
         a second round trip, only for the partitions whose backup call succeeded. The outbox rows
         of a partition whose first call succeeded are confirmed in between.
+
+        With ``sends``, a call of one round trip is sent and its reply left to the next
+        ``acknowledge`` (or ``settle``), so the server applies it while the next batch is read
+        and handled; what is returned then is the previous call's outcome. The next call is
+        built only once the previous reply is read: the backup's updates stay in order.
         """
+        settled = self.settle()
+        done = [(batch, outcomes) for batch, outcomes in done if batch.owned.partition not in settled.lost]
         merged: dict[str, tuple[list[bytes], list[tuple[bytes, Fields]]]] = {}
         for _, stream_outcomes in done:
             for o in stream_outcomes:
@@ -391,16 +435,46 @@ class Durability:
                     (then if backup is not None else first).append(request)
         first = [r for r in first if r.ids or r.dead or r.backup is not None]
         if not first and not then:
-            return Acknowledged({}, 0)
+            return settled
         call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]})
         started = time.perf_counter()
+        sends = self.sends
+        if sends is not None and not then:
+            sent = self._sent(first, of, partial(sends.ack_sent, first))
+            partitions = [batch.owned for batch, _ in done]
+            self._in_flight = _InFlight(sent, first, of, partitions, time.perf_counter() - started)
+            return settled
         acked = self._send(first, of, backups=True)
         for batch, _ in done:
             if batch.owned.partition not in acked.lost:  # its rows are in the backup, under the lease
                 batch.owned.outbox.confirm()
         more = self._send([r for r in then if of[r.stream][0].partition not in acked.lost], of)
         call_hook(self.hooks.on_ack, time.perf_counter() - started)
-        return Acknowledged({**acked.lost, **more.lost}, acked.dead_lettered + more.dead_lettered)
+        return settled.merged(acked).merged(more)
+
+    def settle(self) -> Acknowledged:
+        """Read the acknowledgement in flight, if any: its outcome, its outbox rows confirmed.
+
+        Called before anything else is sent for the partitions (a flush, a hand-over, the end).
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return _NOTHING
+        started = time.perf_counter()
+        replies = self._sent(in_flight.requests, in_flight.of, in_flight.sent.result)
+        acked = self._outcome(in_flight.requests, replies, in_flight.of)
+        for owned in in_flight.partitions:
+            if owned.partition not in acked.lost:  # its rows are in the backup, under the lease
+                owned.outbox.confirm()
+        call_hook(self.hooks.on_ack, in_flight.sending_s + time.perf_counter() - started)
+        return acked
+
+    def abandon(self) -> None:
+        """Leave the acknowledgement in flight unread (a lost connection, the end): it may have run."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.sent.abandon()
+            _not_sent(in_flight.requests, in_flight.of)
 
     def _send(
         self,
@@ -410,16 +484,31 @@ class Durability:
     ) -> Acknowledged:
         """One pipelined round trip of acknowledging calls."""
         if not requests:
-            return Acknowledged({}, 0)
+            return _NOTHING
+        call = partial(self.acknowledger.ack, requests)
+        replies = self._sent(requests, of, call) if backups else call()
+        return self._outcome(requests, replies, of)
+
+    def _sent(
+        self,
+        requests: list[AckRequest],
+        of: dict[str, tuple[OwnedPartition, StreamCursor]],
+        call: Callable[[], _T],
+    ) -> _T:
+        """``call``'s answer; if it fails, the calls may not have run: their backup writes go again."""
         try:
-            replies = self.acknowledger.ack(requests)
+            return call()
         except BaseException:
-            if backups:  # the calls may not have run: their backup writes go again next time
-                for request in requests:
-                    backup = of[request.stream][0].backup
-                    if request.backup is not None and backup is not None:
-                        backup.not_sent()
+            _not_sent(requests, of)
             raise
+
+    def _outcome(
+        self,
+        requests: list[AckRequest],
+        replies: list[tuple[int, int] | LeaseLost],
+        of: dict[str, tuple[OwnedPartition, StreamCursor]],
+    ) -> Acknowledged:
+        """What the calls' replies come to: the partitions refused, the DLQ moves confirmed."""
         lost: dict[int, tuple[str, LeaseLost]] = {}
         dead_lettered = 0
         for request, reply in zip(requests, replies, strict=True):
@@ -451,6 +540,14 @@ class Durability:
                     fields.get(b"error_type", b"").decode(),
                 )
                 call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
+
+
+def _not_sent(requests: list[AckRequest], of: dict[str, tuple[OwnedPartition, StreamCursor]]) -> None:
+    """The calls may not have run: their backups send their writes again with the next call."""
+    for request in requests:
+        backup = of[request.stream][0].backup
+        if request.backup is not None and backup is not None:
+            backup.not_sent()
 
 
 def flush(owned: OwnedPartition) -> tuple[str, LeaseLost] | None:

@@ -157,8 +157,8 @@ class ReadAhead:
         try:
             with self.reading.conn.translate_errors():
                 replies = [_response(connection) for _ in range(self._count())]
+                _raised(replies[-2])  # the WATCH, before what it covers is trusted
                 reader.watching(self.leases, _raised(replies[-1]))
-                _raised(replies[-2])
                 return self._armed(replies) if self.armed else self._scripted(replies[1:-2])
         except BaseException:
             reader.close()

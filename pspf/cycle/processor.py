@@ -58,7 +58,8 @@ from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
-from pspf.partition.batch import Acknowledged, Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.durability import Acknowledged, Durability, flush
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import OutboxSettings
 from pspf.tables.global_tables import GlobalTables

@@ -19,7 +19,7 @@ Part ``cluster``: a Redis Cluster of ``--masters`` (3) masters without replicas,
 evenly (``pspf.embedded.LocalCluster``), and one standalone server, both up for the whole part.
 Each run pre-loads the entries into a fresh topic of ``--partitions`` (6) partitions on each, and a
 copy into a plain stream on the standalone server. A plain redis-py loop runs in this process over
-the copy (``throughput.run_plain``: ``XREADGROUP COUNT <batch>``, a msgspec decode, a dict update
+the copy (``baseline.run_plain``: ``XREADGROUP COUNT <batch>``, a msgspec decode, a dict update
 per entry and one ``XACK`` per batch, one stream). Then, on each topology (standalone first in odd
 runs, cluster first in even ones), ``pspf run benchmarks.cluster:main --workers 3`` (one
 supervisor, ``--workers`` worker processes), each time as a fresh app and state dir, twice:
@@ -57,7 +57,7 @@ Figures per topology and kind, medians over the runs (per run too):
 
 Part ``wait``: a master and one replica (``--replicaof``, no persistence, started once). For each
 of ``--wait-batch-sizes`` (500 and 100) and run, the entries go into a fresh ONE-partition topic and
-a plain stream on the master (``throughput.preload``); the plain loop runs over the copy, then one
+a plain stream on the master (``baseline.preload``); the plain loop runs over the copy, then one
 worker at a time (``Worker(app, settings).run(until_idle=True)`` in a child process, as in
 throughput.py) over the topic, each as a fresh app, through the master's ``redis://`` URL: with
 ``PSPF_WAIT_REPLICAS`` 0, 1, 1, 0 in odd runs and 1, 0, 0, 1 in even ones, so that a drift of the
@@ -115,8 +115,7 @@ import redis  # noqa: E402
 import redis.utils  # noqa: E402
 from redis.cluster import RedisCluster  # noqa: E402
 
-from benchmarks.scaling import POLL_S, Progress, _children_cpu_s, _sid, child_env, pspf_command, watch  # noqa: E402
-from benchmarks.throughput import (  # noqa: E402
+from benchmarks.baseline import (  # noqa: E402
     check,
     expected_totals,
     make_orders,
@@ -124,6 +123,7 @@ from benchmarks.throughput import (  # noqa: E402
     preload,
     run_plain,
 )
+from benchmarks.scaling import POLL_S, Progress, _children_cpu_s, _sid, child_env, pspf_command, watch  # noqa: E402
 from pspf import App, Producer, Settings, Worker  # noqa: E402
 from pspf.embedded import LocalCluster, LocalRedis, redis_server_binary  # noqa: E402
 from pspf.hooks import ProcessorHooks  # noqa: E402
@@ -488,7 +488,7 @@ def expected_per_key(orders: list[tuple[str, bytes]]) -> dict[str, list[int]]:
 
 
 def check_exact(what: str, got: dict[str, Any], orders: list[tuple[str, bytes]], times: int = 1) -> None:
-    """The sums (``throughput.check``), then every key's total and count: ``times`` the orders'."""
+    """The sums (``baseline.check``), then every key's total and count: ``times`` the orders'."""
     keys, total, count = expected_totals(orders)
     check(what, got, (keys, total * times, count * times))
     expected = {key: [t * times, c * times] for key, (t, c) in expected_per_key(orders).items()}

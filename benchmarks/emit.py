@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 
 import redis  # noqa: E402
 
-from benchmarks.throughput import make_orders, own_redis_server, preload, run_plain  # noqa: E402
+from benchmarks.baseline import make_orders, own_redis_server, preload, run_plain  # noqa: E402
 from pspf import App, Context, Settings, Worker  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.outbox.emit import SOURCE_ID_HEADER  # noqa: E402

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 
 import redis  # noqa: E402
 
-from benchmarks.throughput import make_orders, own_redis_server  # noqa: E402
+from benchmarks.baseline import make_orders, own_redis_server  # noqa: E402
 from pspf import Producer, Settings  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402

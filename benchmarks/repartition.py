@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run the checkout's code even when it is not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.throughput import max_rss_mb, own_redis_server  # noqa: E402
+from benchmarks.baseline import max_rss_mb, own_redis_server  # noqa: E402
 from pspf import App, Context, Producer, Settings, Worker  # noqa: E402
 from pspf.broker import Broker  # noqa: E402
 from pspf.repartition.run import Repartition, dry_run, make_plan  # noqa: E402

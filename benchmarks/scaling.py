@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.throughput import expected_totals, make_orders, own_redis_server  # noqa: E402
+from benchmarks.baseline import expected_totals, make_orders, own_redis_server  # noqa: E402
 from pspf import App, Context, Producer, Settings  # noqa: E402
 from pspf.keys import APPS_KEY, TOPICS_KEY, lease_key, stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402

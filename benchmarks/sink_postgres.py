@@ -7,7 +7,7 @@ Usage::
     python benchmarks/sink_postgres.py --dsn postgresql://me@127.0.0.1/bench
 
 Each run loads the same entries (~100-byte JSON values, 1,000 keys) into one partition of a fresh
-topic and a plain stream beside it (``benchmarks.throughput.preload``). Then, in this process:
+topic and a plain stream beside it (``benchmarks.baseline.preload``). Then, in this process:
 
 - the plain loop, the baseline: redis-py with hiredis, ``XREADGROUP COUNT <batch>`` with the reply
   left raw, each entry's row built from its flat field list, one transaction per batch with the
@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.throughput import make_orders, own_redis_server, preload  # noqa: E402
+from benchmarks.baseline import make_orders, own_redis_server, preload  # noqa: E402
 from pspf import Settings  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.sink_postgres import PostgresSink  # noqa: E402

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.throughput import expected_totals, make_orders, max_rss_mb, own_redis_server, preload  # noqa: E402
+from benchmarks.baseline import expected_totals, make_orders, max_rss_mb, own_redis_server, preload  # noqa: E402
 from pspf import App, Context, Settings, Worker  # noqa: E402
 from pspf.keys import partition_for, stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.throughput import max_rss_mb, order_totals_app, own_redis_server, preload, run_plain  # noqa: E402
+from benchmarks.baseline import max_rss_mb, order_totals_app, own_redis_server, preload, run_plain  # noqa: E402
 from pspf import App, Settings, Worker, windows  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402

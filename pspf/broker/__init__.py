@@ -32,14 +32,16 @@ reconnects itself and re-reads its pending entries instead.
 
 from __future__ import annotations
 
-from pspf.broker.acknowledging import BACKUP_LOG_LENGTH, Acknowledging, AckRequest, BackupUpdate, log_data
+from pspf.broker.acking import BACKUP_LOG_LENGTH, AckInFlight, AckRequest, BackupUpdate, log_data
+from pspf.broker.acknowledging import Acknowledging
+from pspf.broker.ahead import ReadAhead
 from pspf.broker.apps import Apps
 from pspf.broker.connection import Connection
 from pspf.broker.counts import CountSource, TopicCount, partition_count
 from pspf.broker.leasing import Leasing
 from pspf.broker.moving import Moving
 from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
-from pspf.broker.reading import ReadAhead, Reading
+from pspf.broker.reading import Reading
 from pspf.broker.records import (
     CLUSTER_POLL_MS,
     LAG_COUNT_LIMIT,
@@ -63,6 +65,7 @@ __all__ = [
     "LAG_COUNT_LIMIT",
     "MEMORY_CHECK_S",
     "MEMORY_PAUSE_S",
+    "AckInFlight",
     "AckRequest",
     "Acknowledging",
     "Apps",
@@ -112,4 +115,5 @@ class Broker:
         self.moving = Moving(conn)
 
     def close(self) -> None:
+        self.reading.reader.close()  # kept out of the pool: the client's close would miss it
         self.conn.close()

@@ -4,7 +4,7 @@ A batch's acknowledgement, its dead entries' moves to the DLQ and its partition'
 (values, checkpoints, one log entry) are applied together or not at all, and only while the
 partition's lease is held and the backup is where the update follows on (``BackupUpdate.follows``):
 one MULTI/EXEC with the leases and backup metas WATCHed in the common case, else ``lua/ack.lua``
-per partition, which refuses only the partition whose lease is lost. ``_backup_commands`` and
+per partition, which refuses only the partition whose lease is lost. ``acking._backup_commands`` and
 ``lua/ack.lua`` must keep the same effects. Also here: the reads and rewrites of a state backup.
 The leases that fence these calls are taken and kept in ``leases``.
 """
@@ -12,53 +12,23 @@ The leases that fence these calls are taken and kept in ``leases``.
 from __future__ import annotations
 
 from collections.abc import Collection, Generator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import hiredis
-import msgspec
 import redis
 
 from pspf import keys
+from pspf.broker.acking import (
+    BACKUP_LOG_LENGTH,
+    Acker,
+    AckInFlight,
+    AckRequest,
+    log_data,
+    transaction_sent,
+)
 from pspf.broker.connection import Connection
 from pspf.broker.records import _CLAIM_COUNT, Fields, _text
 from pspf.errors import BackupDamaged, BackupWentBack, LeaseLost
-
-#: Updates a state backup's log keeps (about): a store or standby at most this many updates
-#: behind catches up from the log; further behind, it restores the whole backup.
-BACKUP_LOG_LENGTH = 1000
-
-
-class BackupUpdate(NamedTuple):
-    """Writes to a partition's state backup, made in the call that acknowledges its batch."""
-
-    keys: keys.BackupKeys
-    #: the new batch identity; "" leaves it (a later part of an upload)
-    identity: str
-    checkpoints: Mapping[str, str]
-    #: fields and values to set, flat: field, value, field, value, ... (as the call sends them)
-    sets: Sequence[bytes]
-    deletes: Sequence[bytes]
-    #: "update" (logged), "replace" (the first part of a whole upload: the backup is emptied
-    #: first) or "upload" (a later part); uploads are not logged
-    mode: str = "update"
-    #: an update's fence: the identities the backup may hold now (empty: not checked); any other
-    #: means the backup went back (a fail-over lost writes) and nothing is done
-    follows: Collection[str] = ()
-
-
-class AckRequest(NamedTuple):
-    """Entries of one topic partition to acknowledge, and dead ones to move, under a lease."""
-
-    stream: str
-    group: str
-    lease_key: str
-    lease_value: str
-    ids: Sequence[bytes]
-    dlq: str = ""
-    #: (entry id, DLQ entry fields) of entries to move to the DLQ
-    dead: Sequence[tuple[bytes, Fields]] = ()
-    #: the partition's backup update, carried by the call of the app's first topic
-    backup: BackupUpdate | None = None
 
 
 class Acknowledging:
@@ -67,23 +37,42 @@ class Acknowledging:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._ack = conn.register("ack")
+        #: the connection of the acknowledgements, kept out of the pool (``pspf.broker.acking``)
+        self.acker = Acker(getattr(conn.client, "connection_pool", None))  # none on a cluster
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
         """Acknowledge several partitions' batches (and update their backups) under their leases.
 
-        Usually one MULTI/EXEC with the leases WATCHed (``_ack_in_transaction``). With DLQ moves,
-        an upload, or a lease not held, each partition's call runs in a Lua call that checks its
-        lease (one pipelined round trip), so one lost lease refuses only that partition's
-        acknowledgement. Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack
-        when the backup is not where the update follows on: ``BackupUpdate.follows``).
+        Usually one MULTI/EXEC with the leases WATCHed (``ack_sent``). With DLQ moves, an upload,
+        or a lease not held, each partition's call runs in a Lua call that checks its lease (one
+        pipelined round trip), so one lost lease refuses only that partition's acknowledgement.
+        Each result is (acknowledged, moved to the DLQ) or LeaseLost (BackupWentBack when the
+        backup is not where the update follows on: ``BackupUpdate.follows``).
+        """
+        return self.ack_sent(requests).result()
+
+    def ack_sent(self, requests: Sequence[AckRequest]) -> AckInFlight:
+        """``ack``, its reply read later (``AckInFlight.result``): the worker goes on meanwhile.
+
+        The common acknowledgement (no DLQ moves, no upload, not on a cluster) is a MULTI/EXEC
+        whose leases and backup keys are WATCHed and checked first (``pspf.broker.acking``): the
+        checks read after the previous acknowledgement when its connection still watches the
+        same keys, else one round trip waited for. EXEC applies nothing if a lease or a backup
+        changed meanwhile; ``result`` then runs the scripts, which say which. A batch's values
+        travel as command arguments, which Redis takes far faster than a script's. Any other
+        acknowledgement runs here, at once.
         """
         if not requests:
-            return []
+            return AckInFlight(self.conn, self.acker, requests, done=[])
         common = all(not r.dead and (r.backup is None or r.backup.mode == "update") for r in requests)
         if common and not self.conn.cluster:  # one MULTI cannot span a cluster's partitions
-            done = self._ack_in_transaction(requests)
-            if done is not None:
-                return done
+            sent = transaction_sent(self.conn, self.acker, self.ack_scripted, requests)
+            if sent is not None:
+                return sent
+        return AckInFlight(self.conn, self.acker, requests, done=self.ack_scripted(requests))
+
+    def ack_scripted(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
+        """Each partition's acknowledgement in ``lua/ack.lua``, pipelined: one refusal each."""
         results: list[tuple[int, int] | LeaseLost] = []
         calls = [_ack_call(r) for r in requests]
         for reply in self.conn.eval_pipelined(
@@ -103,57 +92,6 @@ class Acknowledging:
                     raise reply
             results.append((int(reply[0]), int(reply[1])))
         return results
-
-    def _ack_in_transaction(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost] | None:
-        """The common acknowledgement (no DLQ moves, no upload) as plain commands in MULTI/EXEC.
-
-        Same effects as ``lua/ack.lua``, fenced the way reads are: the leases (and backup metas)
-        are WATCHed and checked first, so EXEC applies nothing if any of them changed or expired
-        meanwhile. A batch's values travel as command arguments, which Redis takes far faster than
-        a script's. None when a lease is not held or changed: then the script decides, per
-        partition.
-        """
-        leases = [r.lease_key for r in requests]
-        fenced = [r.backup for r in requests if r.backup is not None]
-        backup_keys = [key for b in fenced for key in (b.keys.meta, b.keys.values)]
-        with self.conn.raw_connection(cast(redis.Redis, self.conn.client)) as send:
-            reads: list[tuple[Any, ...]] = [("WATCH", *leases, *backup_keys), ("MGET", *leases)]
-            reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
-            reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
-            replies = send(reads)
-            held, heads, marks = replies[1], replies[2 : 2 + len(fenced)], replies[2 + len(fenced) :]
-            identities = [identity for identity, _ in heads]
-            if (
-                any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
-                or any(
-                    b.follows and _text(i) not in b.follows for b, i in zip(fenced, identities, strict=True)
-                )
-                or any(
-                    marked and mark != identity for (identity, marked), mark in zip(heads, marks, strict=True)
-                )
-            ):  # the script says which: a lost lease, a backup gone back or damaged
-                send([("UNWATCH",)])
-                return None
-            commands: list[tuple[Any, ...]] = [("MULTI",)]
-            acks: list[int | None] = []
-            prevs = iter(identities)
-            for r in requests:
-                if r.backup is not None:
-                    commands += _backup_commands(r.backup, _text(next(prevs)))
-                acks.append(len(commands) - 1 if r.ids else None)
-                if r.ids:
-                    commands.append(("XACK", r.stream, r.group, *r.ids))
-            replies = send([*commands, ("EXEC",), *([self.conn.ack_wait] if self.conn.ack_wait else [])])
-        if self.conn.ack_wait:
-            self.conn.replicated(replies.pop())
-        done = replies[-1]  # after OK and QUEUED..., EXEC's
-        if done is None:
-            return None  # a lease or backup changed under us: nothing was applied
-        for reply in done:
-            if isinstance(reply, redis.ResponseError):
-                with self.conn.translate_errors():
-                    raise reply
-        return [(0, 0) if at is None else (int(done[at]), 0) for at in acks]
 
     # -- state backup ---------------------------------------------------------------------------
 
@@ -305,34 +243,3 @@ def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
         args.append(log_data(b) if b.mode == "update" else b"")
     backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
     return [r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args
-
-
-_log_encoder = msgspec.msgpack.Encoder()
-
-
-def log_data(b: BackupUpdate) -> bytes:
-    """An update as its log entry's ``data``: (checkpoints, flat sets, deleted fields), msgpack.
-
-    One field, not a field per value: Redis builds a stream entry by appending to one buffer, so
-    an entry of many fields costs far more than one of a single value of the same size.
-    """
-    return _log_encoder.encode((b.checkpoints, b.sets, b.deletes))
-
-
-def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
-    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry."""
-    commands: list[tuple[Any, ...]] = []
-    if b.deletes:
-        commands.append(("HDEL", b.keys.values, *b.deletes))
-    sets = [*b.sets, keys.BACKUP_MARK, b.identity] if b.identity else b.sets
-    if sets:
-        commands.append(("HSET", b.keys.values, *sets))
-    meta: list[Any] = [x for topic, checkpoint in b.checkpoints.items() for x in ("cp:" + topic, checkpoint)]
-    if b.identity:
-        meta += ["identity", b.identity, keys.BACKUP_MARKED, "1"]
-    if meta:
-        commands.append(("HSET", b.keys.meta, *meta))
-    if BACKUP_LOG_LENGTH > 0:
-        head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
-        commands.append((*head, "id", b.identity or prev, "data", log_data(b)))
-    return commands

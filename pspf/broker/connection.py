@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Any, cast
 
-import hiredis
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -37,7 +36,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from pspf.broker.records import ServerInfo, _text
+from pspf.broker.records import ServerInfo, _text, packed
 from pspf.errors import (
     AuthenticationFailed,
     BrokerError,
@@ -146,14 +145,6 @@ def _raw_stream_replies(client: redis.Redis) -> None:
     """Stream replies are parsed by ``_entries``, which keeps deleted entries visible."""
     for command in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):
         client.response_callbacks.pop(command, None)
-
-
-def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
-    """Commands packed into ONE buffer: one write, so the server wakes once for the whole call.
-
-    (redis-py writes each packed item with a ``sendall`` of its own.)
-    """
-    return [b"".join([hiredis.pack_command(command) for command in commands])]
 
 
 def _script(name: str) -> str:

@@ -19,8 +19,8 @@ import redis
 from redis.exceptions import NoScriptError
 
 from pspf import keys
-from pspf.broker.connection import Connection, packed
-from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields
+from pspf.broker.connection import Connection
+from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, packed
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import redis
-from redis.exceptions import NoScriptError
 
 from pspf import keys
-from pspf.broker.connection import Connection, packed
+from pspf.broker.ahead import ReadAhead, Reader, fenced_reads
+from pspf.broker.connection import Connection
 from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text
-from pspf.errors import BrokerError
 from pspf.keys import StreamId
 
 log = logging.getLogger(__name__)
@@ -35,6 +34,8 @@ class Reading:
         self._read = conn.register("read")
         self._last_ids = conn.register("last_ids")
         self._read_loaded = False
+        #: the connection of the reads sent ahead, kept out of the pool (``pspf.broker.ahead``)
+        self.reader = Reader(getattr(conn.client, "connection_pool", None))  # none on a cluster
 
     def oldest_pending(self, stream: str, group: str) -> bytes | None:
         """The id of the group's oldest pending entry in the stream (None when nothing is pending)."""
@@ -140,33 +141,31 @@ class Reading:
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
         calls = [([stream, lease], [group, consumer, count, value]) for stream, lease, value in streams]
-        return _fenced_reads([s for s, _, _ in streams], self.conn.eval_pipelined(self._read, calls))
+        return fenced_reads([s for s, _, _ in streams], self.conn.eval_pipelined(self._read, calls))
 
     def read_ahead(
         self, group: str, consumer: str, streams: Sequence[tuple[str, str, str]], count: int
     ) -> ReadAhead:
-        """Send ``read_new`` of the streams now and read its reply later (``ReadAhead``).
+        """Send ``read_new`` of the streams now and read its reply later (``pspf.broker.ahead``).
 
         The server builds the next batch while this process runs the current one. The read is
-        fenced like any other (``lua/read.lua`` per stream): under a lease no longer held it
-        delivers nothing. Not on a cluster, whose partitions' reads go to several nodes.
+        fenced like any other: in MULTI/EXEC under leases watched since the last read sent ahead,
+        or through ``lua/read.lua``. Not on a cluster, whose partitions' reads go to several nodes.
         """
-        if not self._read_loaded:  # else the first read ahead finds no script and is read again
-            self.load_read_script()
-        pool = self.conn.client.connection_pool
-        commands: list[tuple[Any, ...]] = [
-            ("EVALSHA", self._read.sha, 2, stream, lease, group, consumer, count, value)
-            for stream, lease, value in streams
-        ]
         with self.conn.translate_errors():
-            connection = pool.get_connection()
             try:
-                connection.send_packed_command(packed(commands))
+                armed = self.reader.armed(streams)
+                if not armed and not self._read_loaded:  # else the first read ahead finds no script
+                    self.load_read_script()
+                self.reader.send(ReadAhead.commands(self, group, consumer, streams, count, armed))
             except BaseException:
-                connection.disconnect()
-                pool.release(connection)
+                self.reader.close()
                 raise
-        return ReadAhead(self, connection, [s for s, _, _ in streams])
+        return ReadAhead(self, list(streams), armed)
+
+    @property
+    def read_sha(self) -> str:
+        return str(self._read.sha)
 
     def load_read_script(self) -> None:
         """Load ``lua/read.lua`` into the server's script cache (a read sent ahead cannot load it)."""
@@ -345,85 +344,3 @@ class Reading:
                 except redis.WatchError:
                     continue
         return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
-
-
-class ReadAhead:
-    """A fenced read sent ahead (``Reading.read_ahead``); its connection is its own until then.
-
-    What it delivered is pending for this consumer either way: ``take`` returns it as
-    ``read_new`` would, ``drop`` only says which entries they were (to be read again from the
-    pending list, in order), ``abandon`` closes the connection without reading.
-    """
-
-    def __init__(self, reading: Reading, connection: Any, streams: list[str]) -> None:
-        self.reading = reading
-        self.streams = streams
-        self._connection = connection
-
-    def take(self) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]] | None:
-        """The read's result as ``read_new`` returns it.
-
-        None when the server had no script (a restart emptied its cache): then nothing was
-        delivered, and the caller reads again.
-        """
-        replies = self._replies()
-        if any(isinstance(reply, NoScriptError) for reply in replies):
-            self.reading.load_read_script()
-            return None
-        return _fenced_reads(self.streams, replies)
-
-    def drop(self) -> dict[str, list[bytes]]:
-        """Read the replies without using them: the ids delivered, per stream."""
-        replies = self._replies()
-        if any(isinstance(reply, NoScriptError) for reply in replies):
-            return {}  # nothing ran
-        _, read, _ = _fenced_reads(self.streams, replies)
-        return {stream.decode(): [entry_id for entry_id, _ in entries] for stream, entries in read}
-
-    def abandon(self) -> None:
-        """Close the connection unread: what the read delivered stays pending for this consumer."""
-        if self._connection is not None:
-            self._connection.disconnect()
-            self._release()
-
-    def _replies(self) -> list[Any]:
-        connection = self._connection
-        if connection is None:
-            raise BrokerError("a read sent ahead was already read")
-        replies: list[Any] = []
-        try:
-            with self.reading.conn.translate_errors():
-                for _ in self.streams:
-                    try:
-                        replies.append(connection.read_response())
-                    except redis.ResponseError as exc:
-                        if not isinstance(exc, NoScriptError):
-                            raise
-                        replies.append(exc)
-        except BaseException:
-            connection.disconnect()
-            raise
-        finally:
-            self._release()
-        return replies
-
-    def _release(self) -> None:
-        self.reading.conn.client.connection_pool.release(self._connection)
-        self._connection = None
-
-
-def _fenced_reads(
-    streams: Sequence[str], replies: Sequence[Any]
-) -> tuple[list[str], list[tuple[bytes, list[RawEntry]]], dict[str, bytes]]:
-    """``lua/read.lua``'s replies as ``Reading.read_new`` returns them: lost, read, last ids."""
-    lost: list[str] = []
-    read: list[tuple[bytes, list[RawEntry]]] = []
-    last: dict[str, bytes] = {}
-    for stream, reply in zip(streams, replies, strict=True):
-        if reply[0] == 0:
-            lost.append(stream)
-        elif reply[0] == 1:
-            read.append((stream.encode(), _entries(reply[1])))
-        else:
-            last[stream] = bytes(reply[1])
-    return lost, read, ({} if read else last)

@@ -7,7 +7,11 @@ these parsers (or a family's method) turn them into text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import hiredis
+import redis
 
 from pspf import codec
 
@@ -104,3 +108,28 @@ def _entries(raw: list[Any]) -> list[RawEntry]:
         else:
             append((entry_id, codec.entry_fields_of(flat)))
     return parsed
+
+
+def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
+    """Commands packed into ONE buffer: one write, so the server wakes once for the whole call.
+
+    (redis-py writes each packed item with a ``sendall`` of its own.)
+    """
+    return [b"".join([hiredis.pack_command(command) for command in commands])]
+
+
+def usable(pool: Any, connection: Any) -> Any:
+    """``connection`` (taken from ``pool`` when None), checked as the pool checks those it hands out.
+
+    A connection kept out of the pool (a read sent ahead's, an acknowledgement's) would otherwise
+    fail its next call after a server restart: one the server closed is made anew here, silently.
+    """
+    if connection is None:
+        return pool.get_connection()
+    try:
+        if connection.can_read():  # a closed socket reads as end of file; a live one has nothing
+            raise ConnectionError("the connection has unread data")
+    except (ConnectionError, OSError, redis.ConnectionError):
+        connection.disconnect()
+        connection.connect()
+    return connection

@@ -131,6 +131,12 @@ class Topics:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
         return self.stream_info(stream).last_id
 
+    def last_id_up_to(self, stream: str, at: keys.StreamId) -> bytes | None:
+        """The id of the stream's last entry at or before ``at``; None when it holds none."""
+        with self.conn.translate_errors(stream):
+            found = self.conn.client.xrevrange(stream, str(at), "-", count=1)
+        return found[0][0] if found else None
+
     def group_position(self, stream: str, group: str) -> GroupPosition:
         """Length, last id, lag and pending of ``group`` in ``stream``, in one or two round trips."""
         with self.conn.translate_errors(stream):

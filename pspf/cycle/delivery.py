@@ -85,6 +85,11 @@ class Delivery:
         #: id order across each partition's topics (apps with tables; see ``pspf.cycle.ordering``)
         self.order = None if not tables else CrossTopicOrder(reading, tables, owned, batch_size)
 
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether a read was sent ahead: the next cycle's entries are on their way."""
+        return self._ahead is not None
+
     def read(self, block: bool, block_ms: int | None = None) -> tuple[list[Read], list[str]]:
         """One cycle's reads, and the streams whose lease the read found taken.
 

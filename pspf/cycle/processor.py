@@ -58,7 +58,8 @@ from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
-from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.durability import Acknowledged, Durability, flush
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import OutboxSettings
 from pspf.tables.global_tables import GlobalTables
@@ -109,7 +110,7 @@ class BatchProcessor:
         # Decided once: after the app's code and any ``opentelemetry-instrument`` set-up ran.
         tracing = configured(app.name)
         self.attempts = Attempts(app, consumer, self.emitter, policies, tracing)
-        self.durability = Durability(broker.acks, app.name, self.hooks, tracing)
+        self.durability = Durability(broker.acks, app.name, self.hooks, tracing, sends=broker.acks)
         #: the app's tables, once the worker knows the partition count (``start_tables``)
         self.lookups: Lookups | None = None
 
@@ -145,10 +146,22 @@ class BatchProcessor:
     def rewind_all(self) -> None:
         """After a lost connection nothing read is trusted: re-read every own pending entry."""
         self.delivery.close()
+        self.durability.abandon()
         for owned in self.owned.values():
             owned.rewind()
 
+    def settle(self) -> CycleResult:
+        """Read the acknowledgement still in flight; what it came to (the partitions it lost).
+
+        Before anything else is sent for the owned partitions outside a cycle: a lease round's
+        hand-overs and claims, the end.
+        """
+        result = CycleResult()
+        self._settled(self.durability.settle(), result)
+        return result
+
     def close(self) -> None:
+        self.durability.abandon()
         self.delivery.close()
         for owned in self.owned.values():
             self.relay.finish(owned.outbox)
@@ -165,6 +178,8 @@ class BatchProcessor:
         less when given: the worker's next lease round); without, it only looks.
         """
         result = CycleResult()
+        if not self.delivery.reading_ahead:  # this read may wait: nothing to overlap the reply with
+            self._settled(self.durability.settle(), result)
         reads = self._read(block, block_ms, result)
         by_partition: dict[int, list[Read]] = {}
         for read in reads:
@@ -172,23 +187,11 @@ class BatchProcessor:
             result.read += len(read.entries)
         if result.read:
             call_hook(self.hooks.on_read, result.read)
-        outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]] = []
-        for partition, partition_reads in by_partition.items():
-            batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter, self.lookups)
-            stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
-            if self.delivery.order is not None:
-                stream_outcomes, taken = self.delivery.order.stop_tables(
-                    partition_reads, stream_outcomes, batch.table_writes
-                )
-                result.handled -= taken
-            if batch.owned.keeps_time:
-                self.time.advance(batch, result)
-            try:
-                self.durability.commit(batch, stream_outcomes)
-            except BrokerUnavailable:
-                _outcomes_lost(partition_reads)
-                raise
-            outcomes.append((batch, stream_outcomes))
+        outcomes = [
+            done
+            for partition, partition_reads in by_partition.items()
+            if (done := self._apply(partition, partition_reads, result)) is not None
+        ]
         self._acknowledge(outcomes, result)
         self._publish(result)
         self.delivery.advance(
@@ -201,17 +204,43 @@ class BatchProcessor:
         )
         result.idle = (
             result.read == 0
+            and not result.lost_partitions  # taken again by the next lease round, or handed over
             and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
             and not any(owned.has_parked for owned in self.owned.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
         )
         for batch in self.time.passes(list(self.owned.values()), set(by_partition), result):
+            self._settled(self.durability.settle(), result)
             self._given_up(self.durability.commit_alone(batch), result)
         if result.read == 0:  # no acknowledgement carries the relay's writes to the backups
+            self._settled(self.durability.settle(), result)
             for owned in self.owned.values():
                 if owned.backup is not None:
                     self._given_up(flush(owned), result)
         return result
+
+    def _apply(
+        self, partition: int, partition_reads: list[Read], result: CycleResult
+    ) -> tuple[PartitionBatch, list[StreamOutcome]] | None:
+        """Steps 2-5 for one partition: its batch handled and committed; None when it was lost."""
+        batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter, self.lookups)
+        stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
+        if self.delivery.order is not None:
+            stream_outcomes, taken = self.delivery.order.stop_tables(
+                partition_reads, stream_outcomes, batch.table_writes
+            )
+            result.handled -= taken
+        if batch.owned.keeps_time:
+            self.time.advance(batch, result)
+        self._settled(self.durability.settle(), result)  # no commit after a refused acknowledgement
+        if partition in result.lost_partitions:
+            return None  # its entries stay pending, for the partition's next owner
+        try:
+            self.durability.commit(batch, stream_outcomes)
+        except BrokerUnavailable:
+            _outcomes_lost(partition_reads)
+            raise
+        return batch, stream_outcomes
 
     def _read(self, block: bool, block_ms: int | None, result: CycleResult) -> list[Read]:
         """Step 1: what the global tables have new, then the owned streams' entries to apply now."""
@@ -285,7 +314,11 @@ class BatchProcessor:
     def _acknowledge(
         self, outcomes: list[tuple[PartitionBatch, list[StreamOutcome]]], result: CycleResult
     ) -> None:
-        acked = self.durability.acknowledge(outcomes)
+        self._settled(self.durability.acknowledge(outcomes), result)
+        if not self.delivery.reading_ahead:  # no next batch on its way to overlap the reply with
+            self._settled(self.durability.settle(), result)
+
+    def _settled(self, acked: Acknowledged, result: CycleResult) -> None:
         result.dead_lettered += acked.dead_lettered
         for stream, exc in acked.lost.values():
             self._lease_lost(stream, exc, result)
@@ -296,7 +329,11 @@ class BatchProcessor:
 
     def _lease_lost(self, stream: str, exc: LeaseLost, result: CycleResult) -> None:
         """Give the partition up, logged as what refused it (a lost lease, a backup that went back)."""
-        partition = self._by_stream[stream].partition
+        cursor = self._by_stream.get(stream)
+        if cursor is None:  # given up already (an acknowledgement read after its partition went)
+            log.info("%s after the partition was given up stream=%s: %s", exc.what, stream, exc)
+            return
+        partition = cursor.partition
         log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)

@@ -25,7 +25,7 @@ from pspf.errors import BrokerDataLost, StateError
 from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.partition.backup import PartitionBackup, Restored, delete_backup
-from pspf.partition.batch import flush
+from pspf.partition.durability import flush
 from pspf.partition.owned import OwnedPartition, StreamCursor, check_tail
 
 if TYPE_CHECKING:

@@ -5,7 +5,8 @@ and the cycle (``pspf.cycle``) works on it until the worker gives it up. The roo
 
 - ``owned``: the partition's stream cursors, store and bookkeeping, and ``Read`` (one stream's
   entries read in a cycle);
-- ``batch``: the overlay handlers see, the ONE store transaction of a batch, the fenced ack;
+- ``batch``: the overlay handlers see, the ONE store transaction of a batch;
+- ``durability``: a committed batch made durable: the fenced acknowledgement with the backup's update;
 - ``backup``: the state backup in Redis that lets the partition's state follow it anywhere: its
   keys, its log, restore and catch-up;
 - ``adoption``: which store is the partition's state after Redis lost its data.
@@ -31,7 +32,8 @@ from pspf.partition.backup import (
     snapshot,
     split_field,
 )
-from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.durability import Durability, flush
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor, check_tail, parked
 
 __all__ = [

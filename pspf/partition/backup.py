@@ -372,17 +372,39 @@ class PartitionBackup:
             self.held.add(self._pending)
             self._pending = ""
 
-    def went_back(self) -> bool:
+    def went_back(self, last_id_up_to: Callable[[str, StreamId], bytes | None]) -> bool:
         """Whether the backup no longer holds what this owner sent it (a fail-over lost writes).
 
         A backup at a later owner's identity (a larger token: the lease expired and moved while
         this worker was cut off) went on, not back: the worker lost the partition, Redis nothing.
+        A backup at an identity this owner sent may still be behind the store, by a call whose
+        reply was never read or one not yet sent: its writes go again with the next call, which
+        is right only while the server still holds the entries they came from. The entry a
+        store's checkpoint names gone while earlier ones remain (``last_id_up_to``, the stream's
+        last id at or before an id) means the server lost it with the call: that went back too.
         """
-        identity = self.acks.backup_meta(self.keys.meta).get(BACKUP_IDENTITY, "")
-        if not self.held or identity in self.held:
+        meta = self.acks.backup_meta(self.keys.meta)
+        identity = meta.get(BACKUP_IDENTITY, "")
+        if not self.held:
             return False
+        if identity in self.held:
+            return self._lost_entries(meta_checkpoints(meta), last_id_up_to)
         order, token = _order(identity), self.journal.token
         return order is None or not token.isdigit() or order[0] <= int(token)
+
+    def _lost_entries(
+        self, backed: dict[str, StreamId], last_id_up_to: Callable[[str, StreamId], bytes | None]
+    ) -> bool:
+        """Whether an entry the store applied beyond the backup's checkpoint is gone from its stream."""
+        if self.store is None:
+            return False
+        for topic, checkpoint in self.store.checkpoints().items():
+            if topic in backed and backed[topic] >= checkpoint:
+                continue
+            found = last_id_up_to(keys.stream_key(topic, self.partition), checkpoint)
+            if found is not None and StreamId.parse(found) != checkpoint:
+                return True
+        return False
 
     def request(
         self, ids: Iterable[bytes] = (), dlq: str = "", dead: Iterable[tuple[bytes, Fields]] = ()

@@ -1,34 +1,27 @@
-"""One partition's batch and its durability: the overlay, its ONE commit, then the fenced ack.
+"""One partition's batch: the overlay handlers see and its ONE commit.
 
 Handlers see the batch's own writes first (the overlay), then the values this worker committed
 (a cache: the store is ours alone while we own the partition), then the store. The commit is one
 store transaction holding the state writes, the new checkpoints, the outbox rows and the retry
-bookkeeping of every stream of the partition (step 5 of the cycle).
-
-``Durability`` is the one place that makes a commit durable, in this order and nowhere else:
-commit (``commit``), then the acknowledgement under the leases that carries the state backup's
-update and the DLQ moves (``acknowledge``; ``flush`` for work that acknowledges nothing), then
-the outbox rows may be published (``PartitionOutbox.confirm``). It returns the partitions whose
-lease (or backup) refused the call; it calls nothing back.
+bookkeeping of every stream of the partition (step 5 of the cycle). ``pspf.partition.durability``
+makes a committed batch durable (the fenced acknowledgement with the backup's update).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from pspf import codec, keys
-from pspf.broker import AckRequest, Fields
+from pspf.broker import Fields
 from pspf.codec import StateDecoder
-from pspf.errors import BackupDamaged, LeaseLost, StateError
-from pspf.failures import DeadLetter, Failure
-from pspf.hooks import ProcessorHooks, call_hook
+from pspf.errors import StateError
+from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
-from pspf.observability.tracing import Tracing
 from pspf.outbox.emit import Emitted, Emitter
 from pspf.partition.owned import CACHE_LIMIT, OwnedPartition, StreamCursor
 from pspf.tables.lookups import Lookups, check_lookup_key
@@ -41,6 +34,7 @@ if TYPE_CHECKING:
     from pspf.state_stores.base import StoreTransaction
 
 log = logging.getLogger("pspf.batch")
+
 
 #: Not in a map (a key's value may be None: it has no state).
 _MISSING: Any = object()
@@ -309,165 +303,6 @@ class PartitionBatch:
         for o in outcomes:
             if o.checkpoint is not None:
                 o.cursor.checkpoint = o.checkpoint
-
-
-class Acknowledger(Protocol):
-    """What acknowledging needs of the broker (``Acknowledging.ack``; ``TestApp`` has its own)."""
-
-    def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]: ...
-
-
-class Acknowledged(NamedTuple):
-    """What one acknowledgement came to."""
-
-    #: partition -> (stream, why) of each partition whose lease (or backup) refused the call
-    lost: dict[int, tuple[str, LeaseLost]]
-    dead_lettered: int
-
-
-class Durability:
-    """Makes committed batches durable: commit, fenced acknowledgement with the backup, confirm."""
-
-    def __init__(
-        self, acknowledger: Acknowledger, group: str, hooks: ProcessorHooks, tracing: Tracing | None = None
-    ) -> None:
-        self.acknowledger = acknowledger
-        self.group = group
-        self.hooks = hooks
-        #: a span per commit; None: no tracer provider configured (``tracing.configured``)
-        self.tracing = tracing
-
-    def commit(self, batch: PartitionBatch, outcomes: list[StreamOutcome]) -> float | None:
-        """Step 5 for one partition; the seconds it took, None when there was nothing to write."""
-        tracing = self.tracing
-        started_ns = 0 if tracing is None else time.time_ns()
-        took = batch.commit(outcomes)
-        if took is not None:
-            call_hook(self.hooks.on_commit, batch.owned.partition, took)
-            if tracing is not None:
-                topics = sorted({o.cursor.topic for o in outcomes})
-                counts = [(o.handled, o.skipped, len(o.dead)) for o in outcomes]
-                totals = (sum(c[0] for c in counts), sum(c[1] for c in counts), sum(c[2] for c in counts))
-                tracing.commit(batch.owned.partition, topics, totals, started_ns)
-        for o in outcomes:  # with nothing to write, the entries done are reported all the same
-            if took is not None or o.handled or o.skipped:
-                c = o.cursor
-                call_hook(self.hooks.on_batch_committed, c.topic, c.partition, o.handled, o.skipped)
-        return took
-
-    def commit_alone(self, batch: PartitionBatch) -> tuple[str, LeaseLost] | None:
-        """Commit a batch of no entries (time's work) and flush it: ``flush``'s answer."""
-        if self.commit(batch, []) is None:
-            return None
-        return flush(batch.owned)
-
-    def acknowledge(self, done: list[tuple[PartitionBatch, list[StreamOutcome]]]) -> Acknowledged:
-        """Step 6: acknowledge committed batches; each backup's update travels with the first call.
-
-        Per partition, the call of the backup's stream carries the backup update (also with
-        nothing to acknowledge). Where an app reads several topics, the other topics' calls go in
-        a second round trip, only for the partitions whose backup call succeeded. The outbox rows
-        of a partition whose first call succeeded are confirmed in between.
-        """
-        merged: dict[str, tuple[list[bytes], list[tuple[bytes, Fields]]]] = {}
-        for _, stream_outcomes in done:
-            for o in stream_outcomes:
-                ids, dead = merged.setdefault(o.cursor.stream, ([], []))
-                ids += o.ack_ids
-                dead += o.dead
-        first: list[AckRequest] = []
-        then: list[AckRequest] = []
-        of: dict[str, tuple[OwnedPartition, StreamCursor]] = {}
-        for batch, _ in done:
-            owned = batch.owned
-            backup = owned.backup
-            for c in owned.streams.values():
-                of[c.stream] = (owned, c)
-                ids, dead = merged.get(c.stream, ([], []))
-                if backup is not None and c.stream == backup.stream:
-                    first.append(backup.request(ids, c.dlq, dead))
-                elif ids or dead:
-                    request = AckRequest(c.stream, self.group, c.lease_key, c.lease_value, ids, c.dlq, dead)
-                    (then if backup is not None else first).append(request)
-        first = [r for r in first if r.ids or r.dead or r.backup is not None]
-        if not first and not then:
-            return Acknowledged({}, 0)
-        call_hook(self.hooks.on_acknowledging, {r.stream: len(r.ids) + len(r.dead) for r in [*first, *then]})
-        started = time.perf_counter()
-        acked = self._send(first, of, backups=True)
-        for batch, _ in done:
-            if batch.owned.partition not in acked.lost:  # its rows are in the backup, under the lease
-                batch.owned.outbox.confirm()
-        more = self._send([r for r in then if of[r.stream][0].partition not in acked.lost], of)
-        call_hook(self.hooks.on_ack, time.perf_counter() - started)
-        return Acknowledged({**acked.lost, **more.lost}, acked.dead_lettered + more.dead_lettered)
-
-    def _send(
-        self,
-        requests: list[AckRequest],
-        of: dict[str, tuple[OwnedPartition, StreamCursor]],
-        backups: bool = False,
-    ) -> Acknowledged:
-        """One pipelined round trip of acknowledging calls."""
-        if not requests:
-            return Acknowledged({}, 0)
-        try:
-            replies = self.acknowledger.ack(requests)
-        except BaseException:
-            if backups:  # the calls may not have run: their backup writes go again next time
-                for request in requests:
-                    backup = of[request.stream][0].backup
-                    if request.backup is not None and backup is not None:
-                        backup.not_sent()
-            raise
-        lost: dict[int, tuple[str, LeaseLost]] = {}
-        dead_lettered = 0
-        for request, reply in zip(requests, replies, strict=True):
-            owned, cursor = of[request.stream]
-            backup = owned.backup
-            if isinstance(reply, BackupDamaged) and backup is not None:
-                reply = backup.repaired(request)
-            if isinstance(reply, LeaseLost):
-                lost[owned.partition] = (request.stream, reply)
-                continue
-            if request.backup is not None and backup is not None:
-                backup.sent()
-            if request.dead:
-                dead_lettered += reply[1]
-                self._forget_dead(owned, cursor.topic, request.dead)
-        return Acknowledged(lost, dead_lettered)
-
-    def _forget_dead(self, owned: OwnedPartition, topic: str, dead: Sequence[tuple[bytes, Fields]]) -> None:
-        """The DLQ moves are confirmed: drop their records (a crash first only repeats a no-op)."""
-        with owned.store.transaction() as tx:
-            for entry_id, fields in dead:
-                tx.delete(keys.DEAD_NAMESPACE, entry_name(topic, entry_id))
-                owned.dead.pop(entry_name(topic, entry_id), None)
-                log.error(
-                    "entry moved to the DLQ topic=%s partition=%s id=%s error=%s",
-                    topic,
-                    owned.partition,
-                    entry_id.decode(),
-                    fields.get(b"error_type", b"").decode(),
-                )
-                call_hook(self.hooks.on_dead_letter, DeadLetter.from_fields(fields))
-
-
-def flush(owned: OwnedPartition) -> tuple[str, LeaseLost] | None:
-    """Make what the partition's store committed durable without acknowledging anything.
-
-    Its journaled writes go to the state backup under the lease, then its outbox rows may be
-    published. Returns (stream, why) when the lease (or the backup) refused: the store is then
-    ahead of the backup, and the partition's next owner reconciles them.
-    """
-    backup = owned.backup
-    if backup is not None:
-        try:
-            backup.flush()
-        except LeaseLost as exc:
-            return backup.stream, exc
-    owned.outbox.confirm()
-    return None
 
 
 def _encode(value: Any) -> bytes | None:

@@ -4,7 +4,7 @@ What Kafka Streams' TopologyTestDriver is to a topology. ``TestApp`` drives the 
 over the entries a test sends: the entry codec, the worker's attempt loop (``attempts``: sync and
 async handlers, timeouts, the retry policy and its dead-letter decisions), ``ctx.emit``'s checks
 and encoding, windows, scheduled callbacks, timers and state expiry, and the worker's commit and
-acknowledgement (``batch.Durability``) on an in-memory store per partition. What it replaces is
+acknowledgement (``durability.Durability``) on an in-memory store per partition. What it replaces is
 Redis: no consumer groups, leases or relay; the acknowledgement is a stand-in that keeps the dead
 letters; a failed attempt is retried at once instead of after its backoff.
 
@@ -44,7 +44,8 @@ from pspf.keys import StreamId
 from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.partition_outbox import PartitionOutbox
-from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.durability import Durability
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
 from pspf.settings import Settings
 from pspf.state_stores.memory import MemoryStore

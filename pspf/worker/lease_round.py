@@ -151,7 +151,7 @@ class LeaseRound:
             if any(v != c.lease_value for v, c in zip(values, cursors, strict=True)):
                 say_gone(self.leases, partition, "expired while Redis was unreachable")
                 self.drop(partition, release=False)
-            elif owned.backup is not None and owned.backup.went_back():
+            elif owned.backup is not None and owned.backup.went_back(self.broker.topics.last_id_up_to):
                 log.warning(
                     "the state backup of partition %s went back (the server lost writes): "
                     "taking the partition again to restore its store from the backup",

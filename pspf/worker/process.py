@@ -364,12 +364,15 @@ class Worker:
             self.keeper.beat()
             try:
                 if time.monotonic() >= next_lease_round:
+                    self._settle(summary)  # before hand-overs
                     self.lease_round.step()
                     next_lease_round = self.lease_round.next_at()
                 # "Nothing left to read" needs only a look, not a blocking read; a blocking read
                 # ends by the next lease round, so that round is neither late nor missed.
                 until_round_ms = math.ceil((next_lease_round - time.monotonic()) * 1000)
                 result = self.processor.run_once(block=not until_idle, block_ms=max(0, until_round_ms))
+                if failures or self._memory_episode.since is not None:
+                    self._settle(summary)  # the server took the writes only once their reply says so
                 finished = until_idle and result.idle and self._others_drained()
                 if failures and self.metrics is not None:
                     self.metrics.broker_lost(False)
@@ -390,14 +393,26 @@ class Worker:
                 continue
             summary.cycles += 1
             summary.add(result)
-            self.lease_round.vanished(result.lost_partitions, look=True)
-            for partition in result.lost_partitions:
-                # releasing is a no-op for a lease that moved on, and frees one whose backup went back
-                self.lease_round.drop(partition, release=True)
+            self._drop_lost(result.lost_partitions)
             if finished:
                 return
             if until_idle and result.read == 0:
                 self._stopping.wait(_IDLE_POLL_S)
+        with suppress(BrokerError):  # stopped: the last acknowledgement counts (shutdown tries again)
+            self._settle(summary)
+
+    def _settle(self, summary: RunSummary) -> None:
+        """Read the acknowledgement still in flight into ``summary``; give up what it lost."""
+        settled = self.processor.settle()
+        summary.add(settled)
+        self._drop_lost(settled.lost_partitions)
+
+    def _drop_lost(self, partitions: list[int]) -> None:
+        """Give up the partitions a cycle (or its acknowledgement) found refused."""
+        self.lease_round.vanished(partitions, look=True)
+        for partition in partitions:
+            # releasing is a no-op for a lease that moved on, and frees one whose backup went back
+            self.lease_round.drop(partition, release=True)
 
     def _wait_for_broker(self, exc: BrokerUnavailable, failures: int) -> None:
         """Back off after a lost connection or a write refused for memory, then go on.
@@ -428,6 +443,10 @@ class Worker:
         self.keeper.close()  # first: nothing renews what is released or left to run out below
         if self.standby is not None:
             self.standby.close()
+        try:  # the last acknowledgement before the leases go (every partition is dropped below)
+            self.processor.settle()
+        except BrokerError as exc:
+            log.warning("the last acknowledgement's reply was not read (its entries stay pending): %s", exc)
         with suppress(BrokerError):
             self.membership.leave()  # first: the others take the partitions as soon as they are free
         for partition in list(self.lease_round.held):

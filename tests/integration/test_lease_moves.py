@@ -8,17 +8,22 @@ owner (or a server that lost writes) would leave them, then the worker's connect
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import redis
 
 from pspf import Settings
+from pspf.broker import Acknowledging, AckRequest
+from pspf.errors import BrokerUnavailable
 from pspf.keys import backup_meta_key, lease_key, stream_key
 from tests.conftest import Names, standalone_only
-from tests.integration.failures_support import WorkerThread, summing_app
+from tests.integration.failures_support import WorkerThread, read_state, summing_app
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, standalone_only]
@@ -122,3 +127,59 @@ def test_a_backup_that_went_back_under_a_lease_still_held_is_lost_writes(
     # Said by the check after the reconnect, or by an acknowledgement the backup refused first.
     assert any("state backup" in m and "went back" in m for m in said), said
     assert not [m for m in said if "now held by" in m], said
+
+
+class _LostWithTheServer:
+    """An acknowledgement whose connection died before its reply: it may have run, or not."""
+
+    def result(self) -> list[object]:
+        raise BrokerUnavailable("connection lost (the test's fail-over)")
+
+    def abandon(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("entry_kept", [True, False], ids=["entries-kept", "last-entry-lost"])
+def test_a_call_never_read_is_sent_again_only_while_the_server_holds_its_entries(
+    owner: tuple[str, str],
+    make_settings: Callable[..., Settings],
+    produce: Callable[..., int],
+    rclient: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    entry_kept: bool,
+) -> None:
+    """A fail-over to a replica that had none of a batch's acknowledging call (the worker never
+    read its reply) and, in one case, not the batch's last entry either. The store applied that
+    batch: its writes may go again only when its entries are all still there; otherwise the
+    store is rebuilt from the backup and the entries left are applied. Either way the state is
+    the sum of the entries the server holds."""
+    topic, app = owner
+    caplog.set_level(logging.INFO, logger="pspf")
+    stream = stream_key(topic, 0)
+    lose = threading.Event()
+    real = Acknowledging.ack_sent
+
+    def ack_sent(self: Acknowledging, requests: Sequence[AckRequest]) -> object:
+        if lose.is_set() and any(r.ids for r in requests):
+            lose.clear()
+            if not entry_kept:
+                rclient.xdel(stream, requests[0].ids[-1])
+            return _LostWithTheServer()
+        return real(self, requests)
+
+    monkeypatch.setattr(Acknowledging, "ack_sent", ack_sent)
+    with WorkerThread(summing_app(app, topic), make_settings(PSPF_LEASE_TTL_MS=3000)) as runner:
+        _settled(rclient, topic, app)
+        lose.set()
+        produce(topic, [("k", {"n": 10})] * 5)
+        wait_until(lambda: not lose.is_set(), 15, "the batch's acknowledgement")
+        wait_until(lambda: rclient.xpending(stream, app)["pending"] == 0, 15, "the entries acknowledged")
+        runner.stop()
+    held = sum(json.loads(fields[b"value"])["n"] for _, fields in rclient.xrange(stream))
+    assert held == 10 + (50 if entry_kept else 40)
+    assert read_state(tmp_path / "state", app, 1)["k"]["total"] == held
+    said = _messages(caplog)
+    went_back = [m for m in said if "state backup of partition 0 went back" in m]
+    assert bool(went_back) is not entry_kept, said

@@ -99,7 +99,7 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
     def count(value: dict[str, int], ctx: Context) -> None:
         ctx.state["count"] = ctx.state.get("count", 0) + value["n"]
 
-    real_ack = Acknowledging.ack
+    real_ack = Acknowledging.ack_sent
     failures = []
 
     def ack_lost_once(self: Acknowledging, requests: Any) -> Any:
@@ -108,7 +108,7 @@ def test_entries_committed_but_not_acknowledged_are_acknowledged_after_reconnect
             raise BrokerUnavailable("connection dropped before the acknowledgement")
         return real_ack(self, requests)
 
-    monkeypatch.setattr(Acknowledging, "ack", ack_lost_once)
+    monkeypatch.setattr(Acknowledging, "ack_sent", ack_lost_once)
     settings = make_settings(PSPF_BATCH_SIZE=100)
     summary = Worker(app, settings).run(until_idle=True)
 

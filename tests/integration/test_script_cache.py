@@ -50,6 +50,7 @@ def test_pipelined_scripts_reload_after_a_script_flush_and_run_once(
         )  # loads the script
         assert broker.publishing.add_chunks(topic, "0", {0: (None, flat)}, 60) == {0: 3}
         rclient.script_flush()
+        broker.reading.reader.close()  # a connection made anew watches nothing: read through the script
         assert broker.reading.read_ahead("g", "c", [(stream, lease, value)], 10).take() is None
         assert rclient.xpending(stream, "g")["pending"] == 0
         taken = broker.reading.read_ahead("g", "c", [(stream, lease, value)], 10).take()

@@ -16,7 +16,7 @@ lease and the backup (acknowledged ids are only counted).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import msgspec
@@ -336,7 +336,7 @@ def test_an_update_the_backup_does_not_follow_on_from_is_refused_as_gone_back() 
     meta = broker.metas[keys.backup_keys(TOPIC, 0, GROUP).meta]
     meta[BACKUP_IDENTITY] = "1-1"  # the server came back without the batch
     broker.hashes[keys.backup_keys(TOPIC, 0, GROUP).values][BACKUP_MARK] = b"1-1"
-    assert backup.went_back()
+    assert backup.went_back(_entries_up_to("1-0"))
 
     commit(store, {"a": 2}, "2-0")
     with pytest.raises(BackupWentBack):
@@ -349,8 +349,50 @@ def test_went_back_is_false_while_the_backup_holds_what_was_sent() -> None:
     backup, _ = take_over(broker, store, 1)
     batch(store, backup, {"a": 1}, "1-0")
 
-    assert not backup.went_back()
-    assert not owner(broker, 2).went_back()  # before its reconcile an owner knows of nothing sent
+    assert not backup.went_back(_entries_up_to("1-0"))
+    assert not owner(broker, 2).went_back(_entries_up_to("1-0"))  # no reconcile: nothing sent yet
+
+
+def _entries_up_to(*ids: str) -> Callable[[str, StreamId], bytes | None]:
+    """``Topics.last_id_up_to`` over a stream holding ``ids``."""
+
+    def last_id_up_to(stream: str, at: StreamId) -> bytes | None:
+        assert stream == keys.stream_key(TOPIC, 0)
+        found = [StreamId.parse(i) for i in ids if StreamId.parse(i) <= at]
+        return str(max(found)).encode() if found else None
+
+    return last_id_up_to
+
+
+def _a_call_never_read(store: MemoryStore, backup: PartitionBackup) -> None:
+    """A committed batch whose acknowledging call was sent and its reply never read (2-0)."""
+    batch(store, backup, {"a": 1}, "1-0")
+    commit(store, {"a": 2}, "2-0")
+    backup.request([b"2-0"])
+    backup.not_sent()  # the connection was lost before its reply: it may have run, or not
+
+
+def test_a_call_never_read_that_did_not_run_with_its_entries_still_there_did_not_go_back() -> None:
+    """The backup is at the identity before the call: its writes simply go again."""
+    broker = FakeBroker()
+    store = MemoryStore()
+    backup, _ = take_over(broker, store, 1)
+    _a_call_never_read(store, backup)
+    assert len(backup.held) == 2
+
+    assert not backup.went_back(_entries_up_to("1-0", "2-0"))
+    assert not backup.went_back(_entries_up_to())  # nothing left up to it: trimmed, not lost
+
+
+def test_a_call_never_read_whose_entries_the_server_lost_went_back() -> None:
+    """A fail-over to a replica that had neither the call nor the batch's last entry: the store
+    holds effects of entries the server no longer has, which the call would send again."""
+    broker = FakeBroker()
+    store = MemoryStore()
+    backup, _ = take_over(broker, store, 1)
+    _a_call_never_read(store, backup)
+
+    assert backup.went_back(_entries_up_to("1-0"))
 
 
 # -- at takeover: reconcile -----------------------------------------------------------------------

@@ -20,7 +20,8 @@ from pspf.hooks import ProcessorHooks
 from pspf.keys import StreamId
 from pspf.outbox.emit import Emitted, Emitter
 from pspf.outbox.partition_outbox import PartitionOutbox
-from pspf.partition.batch import Durability, PartitionBatch, StreamOutcome, flush
+from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.durability import Durability, flush
 from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.state_stores import MemoryStore
 

@@ -1,0 +1,136 @@
+"""Acknowledgements sent and read later, on a connection that keeps the leases and backups watched.
+
+After a first acknowledgement (its checks waited for), the next one for the same partition is
+sent at once, checked against what was read after the first. Each test changes a watched key at
+the moment a fence could be missed and checks that nothing was applied: the entries stay pending
+and the backup stays where it was; the scripts then say what refused it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from pspf import keys
+from pspf.broker import AckRequest, BackupUpdate, Broker
+from pspf.errors import BackupWentBack, LeaseLost
+from pspf.settings import RedisSettings
+from tests.conftest import Names
+
+pytestmark = pytest.mark.integration
+
+GROUP = "g"
+Setup = tuple[Broker, str, str, str, keys.BackupKeys]
+
+
+@pytest.fixture
+def setup(redis_url: str, rclient: redis.Redis, names: Names) -> Iterator[Setup]:
+    """A broker holding the lease of partition 0 of a new topic with a group, and the keys it uses."""
+    topic = names.topic()
+    stream = keys.stream_key(topic, 0)
+    lease, fence = keys.lease_key(topic, 0, GROUP), keys.fence_key(topic, 0, GROUP)
+    backup = keys.backup_keys(topic, 0, GROUP)
+    broker = Broker(RedisSettings(url=redis_url))
+    value = broker.leases.acquire_lease(lease, fence, "w", 30_000)
+    assert value is not None
+    broker.apps.ensure_group(stream, GROUP, "0")
+    try:
+        yield broker, stream, lease, value, backup
+    finally:
+        broker.close()
+        rclient.delete(stream, lease, fence, *backup)
+
+
+def delivered(rclient: redis.Redis, stream: str, count: int) -> list[bytes]:
+    """``count`` new entries delivered to the group: their ids."""
+    for n in range(count):
+        rclient.xadd(stream, {"key": "k", "value": str(n)})
+    reply = rclient.xreadgroup(GROUP, "c", {stream: ">"})
+    return [entry_id for _, entries in reply for entry_id, _ in entries]
+
+
+def update(backup: keys.BackupKeys, identity: str, follows: tuple[str, ...], total: int) -> BackupUpdate:
+    return BackupUpdate(
+        backup, identity, {"t": f"0-{total}"}, [b"state\0k", str(total).encode()], [], follows=follows
+    )
+
+
+def first_ack(setup: Setup, rclient: redis.Redis) -> None:
+    """The first acknowledgement: its checks waited for; then its connection watches the keys."""
+    broker, stream, lease, value, backup = setup
+    ids = delivered(rclient, stream, 2)
+    request = AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-1", (), 2))
+    assert broker.acks.acker.checks((lease, backup.meta, backup.values)) is None
+    assert broker.acks.ack_sent([request]).result() == [(2, 0)]
+    assert broker.acks.acker.checks((lease, backup.meta, backup.values)) is not None
+
+
+def test_the_next_acknowledgement_is_sent_without_waiting_and_applies(
+    setup: Setup, rclient: redis.Redis
+) -> None:
+    broker, stream, lease, value, backup = setup
+    first_ack(setup, rclient)
+    ids = delivered(rclient, stream, 3)
+    sent = broker.acks.ack_sent(
+        [AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-2", ("1-1",), 5))]
+    )
+    assert sent.result() == [(3, 0)]
+    assert rclient.xpending(stream, GROUP)["pending"] == 0
+    assert rclient.hget(backup.meta, "identity") == b"1-2"
+    assert rclient.hget(backup.values, b"state\0k") == b"5"
+    [(_, fields)] = rclient.xrevrange(backup.log, count=1)
+    assert fields[b"prev"] == b"1-1" and fields[b"id"] == b"1-2"
+
+
+def test_a_lease_taken_after_the_last_acknowledgement_refuses_the_next(
+    setup: Setup, rclient: redis.Redis
+) -> None:
+    broker, stream, lease, value, backup = setup
+    first_ack(setup, rclient)
+    ids = delivered(rclient, stream, 3)
+    rclient.set(lease, "another|2")  # another worker took the partition
+    request = AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-2", ("1-1",), 5))
+    [refused] = broker.acks.ack_sent([request]).result()
+    assert isinstance(refused, LeaseLost)
+    assert rclient.xpending(stream, GROUP)["pending"] == 3
+    assert rclient.hget(backup.meta, "identity") == b"1-1"
+    assert rclient.hget(backup.values, b"state\0k") == b"2"
+
+
+def test_a_backup_gone_back_after_the_last_acknowledgement_refuses_the_next(
+    setup: Setup, rclient: redis.Redis
+) -> None:
+    broker, stream, lease, value, backup = setup
+    first_ack(setup, rclient)
+    ids = delivered(rclient, stream, 3)
+    rclient.hset(backup.meta, "identity", "1-0")  # a fail-over to a replica that missed the last write
+    request = AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-2", ("1-1",), 5))
+    [refused] = broker.acks.ack_sent([request]).result()
+    assert isinstance(refused, BackupWentBack)
+    assert rclient.xpending(stream, GROUP)["pending"] == 3
+    assert rclient.hget(backup.values, b"state\0k") == b"2"
+
+
+def test_a_connection_made_anew_waits_for_its_checks(setup: Setup, rclient: redis.Redis) -> None:
+    broker, stream, lease, value, backup = setup
+    first_ack(setup, rclient)
+    ids = delivered(rclient, stream, 3)
+    broker.acks.acker.connection.disconnect()  # redis-py connects again on the next send, with no WATCH
+    rclient.set(lease, "another|2")
+    request = AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-2", ("1-1",), 5))
+    [refused] = broker.acks.ack_sent([request]).result()
+    assert isinstance(refused, LeaseLost)
+    assert rclient.xpending(stream, GROUP)["pending"] == 3
+
+
+def test_a_lease_renewed_meanwhile_applies_through_the_scripts(setup: Setup, rclient: redis.Redis) -> None:
+    broker, stream, lease, value, backup = setup
+    first_ack(setup, rclient)
+    ids = delivered(rclient, stream, 3)
+    assert broker.leases.renew_leases([(lease, value)], 30_000) == [True]  # as the keeper's thread does
+    request = AckRequest(stream, GROUP, lease, value, ids, backup=update(backup, "1-2", ("1-1",), 5))
+    assert broker.acks.ack_sent([request]).result() == [(3, 0)]
+    assert rclient.xpending(stream, GROUP)["pending"] == 0
+    assert rclient.hget(backup.meta, "identity") == b"1-2"

@@ -19,7 +19,8 @@ RSS and CPU seconds are its own. The curves:
   within the run); ``--entries`` entries over 1,000 keys, the same entries at every point. With
   1,000 keys some partitions of the larger topics get no entry ("fed" counts those that do);
 - ``keys``: 10^3 .. ``--max-keys`` state keys (10^6; 10^7 takes minutes and GBs), max(keys,
-  ``--entries``) entries of which the first ``keys`` write every key once, one partition;
+  ``--entries``) entries of which the first ``keys`` write every key once (so where keys >=
+  entries, every entry writes a key new to the store), one partition (``--keys-partitions``);
 - ``value-size``: values of 100 B, 1 KB, 10 KB, 100 KB over 1,000 keys, one partition; the entry
   count is lowered for large values so that the values written stay under ``--value-bytes``;
 - ``apps``: 1, 2, 4, 8, 16 apps reading one one-partition topic at the same time, each app one
@@ -75,6 +76,7 @@ from benchmarks.baseline import (  # noqa: E402
 from benchmarks.baseline import preload as preload_one  # noqa: E402
 from benchmarks.scale_report import MB, Point, dump_json, plot, plot_memory, print_memory, print_table  # noqa: E402
 from benchmarks.scale_runs import (  # noqa: E402
+    Loaded,
     check_app,
     cleanup,
     preload,
@@ -152,6 +154,18 @@ def run_point(
         memory = redis_memory(bench.url, topic, names)
     finally:
         cleanup(bench.url, [topic])
+    point = make_point(curve, series, x, loaded, apps, got, (before, after))
+    point.memory = memory
+    point.extra.update(memory_figures(memory, expected, apps, got))
+    timed(f"{curve} {x:,} {series}", since)
+    return point
+
+
+def make_point(
+    curve: str, series: str, x: int, loaded: Loaded, apps: int, got: dict[str, Any], memory: tuple[int, int]
+) -> Point:
+    """A point of ``run_workers``'s figures; ``memory``: used_memory before and after (bytes)."""
+    expected = loaded.expected
     entries = expected[2] * apps
     per_m = 1_000_000 / entries
     steady = got["steady_seconds"]
@@ -163,18 +177,18 @@ def run_point(
         rate=entries / got["seconds"],
         steady_rate=entries / steady if steady else None,
         worker_rss_mb=got["rss_peak_mb"],
-        redis_mb=after / MB,
-        redis_delta_mb=(after - before) / MB,
+        redis_mb=memory[1] / MB,
+        redis_delta_mb=(memory[1] - memory[0]) / MB,
         worker_cpu_per_m=got["cpu_seconds"] * per_m,
         server_cpu_per_m=got["server_cpu_seconds"] * per_m,
-        extra={"startup_s": got["startup_seconds"], "rss_sum_mb": got["rss_sum_mb"]},
-        memory=memory,
+        extra={
+            "startup_s": got["startup_seconds"],
+            "rss_sum_mb": got["rss_sum_mb"],
+            "mean_value_bytes": loaded.value_bytes / expected[2],
+        },
     )
     if got["tail_seconds"] is not None:
         point.extra["tail_s"] = got["tail_seconds"]
-    point.extra.update(memory_figures(memory, expected, apps, got))
-    point.extra["mean_value_bytes"] = loaded.value_bytes / expected[2]
-    timed(f"{curve} {x:,} {series}", since)
     return point
 
 
@@ -184,8 +198,10 @@ def memory_figures(
     """Bytes per stream entry, per state key of the backup, of the store; the bookkeeping's bytes."""
     stream = memory.get("pspf:{T:P}", [0, 0])[1]
     backup = sum(memory.get(f"pspf:{{T:P}}:{kind}:APP", [0, 0])[1] for kind in ("backup", "backup-meta"))
+    log = memory.get("pspf:{T:P}:backup-log:APP", [0, 0])[1]
     figures = {
         "stream_b_per_entry": stream / expected[2],
+        "backup_log_bytes": log,
         "backup_bytes": backup,
         "backup_b_per_key": backup / (expected[0] * apps),
         "bookkeeping_bytes": sum(size for _, size in memory.values()) - stream - backup,
@@ -195,6 +211,7 @@ def memory_figures(
         for name in ("store_values", "store_bytes", "state_keys", "state_bytes"):
             figures[name] = got[name]
         figures["overhead"] = backup / got["store_bytes"]
+        figures["overhead_with_log"] = (backup + log) / got["store_bytes"]
     return figures
 
 
@@ -219,8 +236,19 @@ def partitions_curve(bench: Bench) -> list[Point]:
 
 def keys_curve(bench: Bench) -> list[Point]:
     args = bench.args
+    parts = args.keys_partitions
+    series = "1 worker" if parts == 1 else f"{parts} parts"
     return [
-        run_point(bench, "keys", "1 worker", k, sized_orders(max(k, args.entries), k), keys=k, sizes=True)
+        run_point(
+            bench,
+            "keys",
+            series,
+            k,
+            sized_orders(max(k, args.entries), k),
+            partitions=parts,
+            keys=k,
+            sizes=True,
+        )
         for k in upto(KEYS, args.max_keys)
     ]
 
@@ -318,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--entries", type=int, help="entries per point (200000; --quick 20000)")
     parser.add_argument("--max-partitions", type=int, help="largest partition count (1024; --quick 64)")
     parser.add_argument("--max-keys", type=int, help="largest key count, up to 10^7 (10^6; --quick 10^4)")
+    parser.add_argument(
+        "--keys-partitions", type=int, default=1, help="partitions of the keys curve's topic (1)"
+    )
     parser.add_argument("--max-apps", type=int, help="most apps on one topic (16; --quick 4)")
     parser.add_argument("--max-rows", type=int, help="largest global table (10^6; --quick 10^4)")
     parser.add_argument("--memory-keys", type=int, help="keys of the memory curve (10^6; --quick 10^4)")

@@ -99,7 +99,11 @@ def print_memory(point: Point) -> None:
         f"per state key; overhead = backup bytes / store bytes = {e['overhead']:.2f}"
     )
     print(
-        f"  bookkeeping (backup log, fences, leases, app and topic records): "
+        f"  backup log (the last updates, for standbys and stores a few batches behind): "
+        f"{e['backup_log_bytes'] / MB:.2f} MB; (backup + log) / store bytes = {e['overhead_with_log']:.2f}"
+    )
+    print(
+        f"  bookkeeping (the log, fences, leases, app and topic records): "
         f"{e['bookkeeping_bytes'] / MB:.3f} MB; entries left pending in the group: none (checked)"
     )
 

@@ -79,9 +79,7 @@ def sized_orders(entries: int, keys: int, size: int = 100, seed: int = 17) -> It
         yield f"u{k}", (head + "." * max(0, size - len(head) - 2) + '"}').encode()
 
 
-def preload(
-    url: str, topic: str, partitions: int, orders: Iterable[tuple[str, bytes]], keys: int
-) -> Expected:
+def preload(url: str, topic: str, partitions: int, orders: Iterable[tuple[str, bytes]], keys: int) -> Loaded:
     """The entries into a new topic of ``partitions`` partitions (keyed); the totals they make.
 
     Keys are ``u<n>`` with n < ``keys`` (``make_orders`` and ``sized_orders`` both).
@@ -324,6 +322,11 @@ def cleanup(url: str, names: list[str]) -> None:
                 client.delete(*found[start : start + 1_000])
         client.srem(TOPICS_KEY, *names)
         client.srem(APPS_KEY, *names)
+        # Valkey frees deleted keys in the background by default (lazyfree-lazy-user-del): the
+        # next point's "before" must not still hold this one's keys.
+        deadline = time.monotonic() + 60
+        while int(client.info("memory").get("lazyfree_pending_objects", 0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         client.close()
 

@@ -41,7 +41,14 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.baseline import expected_totals, make_orders, max_rss_mb, own_redis_server, preload  # noqa: E402
+from benchmarks.baseline import (  # noqa: E402
+    cpu_seconds,
+    expected_totals,
+    make_orders,
+    max_rss_mb,
+    own_redis_server,
+    preload,
+)
 from pspf import App, Context, Settings, Worker  # noqa: E402
 from pspf.keys import partition_for, stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402
@@ -76,7 +83,7 @@ def lookup_app(name: str, topic: str, customers: str | None, products: str | Non
 
 
 def worker_child(args: argparse.Namespace) -> None:
-    """Run one worker until idle; print {"seconds", "first_entry_s", "rss", "total", "count", "missing"}."""
+    """Run one worker until idle; print {"seconds", "first_entry_s", "rss", "cpu_seconds", "total", ...}."""
     import logging
 
     logging.getLogger("pspf").setLevel(logging.ERROR)
@@ -92,6 +99,7 @@ def worker_child(args: argparse.Namespace) -> None:
     )
     app = lookup_app(args.app, args.topic, args.customers or None, args.products or None)
     first: list[float] = []
+    cpu = cpu_seconds()
     start = time.perf_counter()
 
     class FirstEntry:
@@ -118,6 +126,7 @@ def worker_child(args: argparse.Namespace) -> None:
                 "seconds": seconds,
                 "first_entry_s": first[0] if first else None,
                 "rss": max_rss_mb(),
+                "cpu_seconds": cpu_seconds() - cpu,
                 "handled": summary.handled,
                 **totals,
             }

@@ -83,10 +83,11 @@ class SQLiteStore(StateStore):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._lock_fd = _lock(path.with_suffix(".lock"))
                 self._db = sqlite3.connect(path, isolation_level=None)
-                self._db.execute("PRAGMA journal_mode=WAL")
                 sync = "FULL" if durability == "fsync" else "NORMAL"
-                self._db.execute(f"PRAGMA synchronous={sync}")
-                self._db.executescript(_SCHEMA)
+                self._db.execute(f"PRAGMA synchronous={sync}")  # first: the switch to WAL obeys it
+                self._db.execute("PRAGMA journal_mode=WAL")
+                if self._tables() < set(_TABLES) | {"checkpoints"}:  # a write only where one is missing
+                    self._db.executescript(_SCHEMA)
                 self._remember_identity()
             #: where large values are: in a store an older version made (read only), with the rest
             self._large = "large" if self._has_table("large") else "state"
@@ -105,10 +106,10 @@ class SQLiteStore(StateStore):
         return self._has_table("checkpoints")
 
     def _has_table(self, name: str) -> bool:
-        found = self._db.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
-        ).fetchone()
-        return found is not None
+        return name in self._tables()
+
+    def _tables(self) -> set[str]:
+        return {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
     @contextmanager
     def _reading(self) -> Iterator[None]:

@@ -113,11 +113,14 @@ class Topics:
 
     def stream_info(self, stream: str) -> StreamInfo:
         """Length, last entry id and consumer groups of a stream (zero and none if absent)."""
-        with self.conn.translate_errors(stream):
-            if not self.conn.client.exists(stream):
+        with self.conn.translate_errors(stream), self.conn.client.pipeline(transaction=False) as pipe:
+            pipe.exists(stream).xinfo_stream(stream).xinfo_groups(stream)  # one round trip
+            exists, info, groups = pipe.execute(raise_on_error=False)
+            if not exists:
                 return StreamInfo(0, None, {})
-            info = self.conn.client.xinfo_stream(stream)
-            groups = self.conn.client.xinfo_groups(stream)
+            for reply in (info, groups):
+                if isinstance(reply, Exception):
+                    raise reply
         return StreamInfo(
             int(info["length"]),
             info.get("last-generated-id"),

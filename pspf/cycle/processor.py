@@ -60,7 +60,7 @@ from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
 from pspf.partition.batch import PartitionBatch, StreamOutcome
 from pspf.partition.durability import Acknowledged, Durability, flush
-from pspf.partition.owned import OwnedPartition, Read, StreamCursor
+from pspf.partition.owned import CACHE_LIMIT, MIN_CACHE_SHARE, OwnedPartition, Read, StreamCursor
 from pspf.settings import OutboxSettings
 from pspf.tables.global_tables import GlobalTables
 from pspf.tables.lookups import Lookups
@@ -132,13 +132,21 @@ class BatchProcessor:
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
             self._by_stream[cursor.stream] = cursor
+        self._share_cache()
 
     def remove(self, partition: int) -> OwnedPartition:
         owned = self.owned.pop(partition)
         self.relay.finish(owned.outbox)
         for cursor in owned.streams.values():
             self._by_stream.pop(cursor.stream, None)
+        self._share_cache()
         return owned
+
+    def _share_cache(self) -> None:
+        """Each owned partition's share of the worker's cache of committed values."""
+        limit = max(MIN_CACHE_SHARE, CACHE_LIMIT // max(1, len(self.owned)))
+        for owned in self.owned.values():
+            owned.cache_limit = limit
 
     def cursors(self) -> list[StreamCursor]:
         return list(self._by_stream.values())
@@ -302,6 +310,7 @@ class BatchProcessor:
         result.skipped += screened.skipped
         result.lost_entries += screened.lost
         passed = self.time.clock(batch, cursor.topic, result)
+        batch.prefetch(todo)
         attempted = self.attempts.run(batch, read, todo, passed)
         attempted.report(result, self.hooks, cursor.topic, cursor.partition)
         for id_b, _ in todo[attempted.ran :]:  # delivered, not attempted: it did not crash us

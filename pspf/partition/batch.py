@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -23,7 +24,7 @@ from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.partition.owned import CACHE_LIMIT, OwnedPartition, StreamCursor
+from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.tables.lookups import Lookups, check_lookup_key
 from pspf.tables.table import MISSING, Table, TableError, TableWrites, add_history, row_then
 from pspf.windows.aggregation import PartitionWindows
@@ -71,6 +72,7 @@ class PartitionBatch:
         "emitted",
         "emitter",
         "failures",
+        "fetched",
         "lookups",
         "overlay",
         "owned",
@@ -94,6 +96,8 @@ class PartitionBatch:
         #: the batch's table updates, each with its entry's id
         self.table_writes = TableWrites()
         self.overlay: dict[str, bytes | None] = {}
+        #: values read ahead for the batch (``prefetch``) that the cache had no room for
+        self.fetched: dict[str, bytes | None] = {}
         #: entries emitted by the attempts that returned, in the order they ran
         self.emitted: list[Emitted] = []
         self.failures: dict[str, Failure | None] = {}
@@ -109,18 +113,65 @@ class PartitionBatch:
         value: bytes | None = self.overlay.get(key, _MISSING)
         if value is not _MISSING:
             return value
-        cache = self.owned.cache
+        owned = self.owned
+        cache = owned.cache
         value = cache.get(key, _MISSING)
         if value is not _MISSING:
             return value
+        value = self.fetched.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
+        owned.misses += 1
+        with self._reading():
+            value = owned.store.get(keys.STATE_NAMESPACE, key)
+        if len(cache) < owned.cache_limit:
+            cache[key] = value
+        return value
+
+    def prefetch(self, entries: Iterable[tuple[bytes, Fields]]) -> None:
+        """Read the state of the entries' keys not in memory in one store query.
+
+        A key not in memory costs a store read of its own (about 13 µs in SQLite, more than
+        handling the entry); many at once cost a fraction each. Only after a batch that read
+        keys one by one: when every key is in memory, as in a steady run over few keys, the
+        batch pays nothing.
+        """
+        owned = self.owned
+        if not owned.misses:
+            return
+        owned.misses = 0
+        cache, overlay = owned.cache, self.overlay
+        wanted: set[str] = set()
+        for _, fields in entries:
+            raw = fields.get(codec.KEY)
+            if raw is None or type(raw) is not bytes:
+                continue
+            try:
+                key = raw.decode()
+            except UnicodeDecodeError:
+                continue  # refused when its entry runs
+            if key not in cache and key not in overlay:
+                wanted.add(key)
+        if len(wanted) < 2:
+            return
+        with self._reading():
+            found = owned.store.get_many(keys.STATE_NAMESPACE, wanted)
+        room = owned.cache_limit - len(cache)
+        for key in wanted:
+            if room > 0:
+                cache[key] = found.get(key)
+                room -= 1
+            else:
+                self.fetched[key] = found.get(key)
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A store read that fails under a handler stops the worker (``broken``), never the entry."""
         try:
-            value = self.owned.store.get(keys.STATE_NAMESPACE, key)
+            yield
         except Exception as exc:
             self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
             raise self.broken from exc
-        if len(cache) < CACHE_LIMIT:
-            cache[key] = value
-        return value
 
     def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
         """``ctx.table``'s row as of the entry ``before`` (None: the latest), decoded (``pspf.tables.table``).

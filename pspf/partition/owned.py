@@ -27,8 +27,11 @@ from pspf.windows.timers import PartitionTimers
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
 
-#: Committed values kept in memory per partition; the store is ours alone while we own it.
+#: Committed values a worker keeps in memory, shared by the partitions it owns (the store is ours
+#: alone while we own the partition); the worker's memory stays bounded however many it owns.
 CACHE_LIMIT = 100_000
+#: The least a partition keeps, however many the worker owns: a batch's keys are read at once.
+MIN_CACHE_SHARE = 100
 
 _failure_decoder = msgspec.msgpack.Decoder(Failure)
 _fields_decoder = msgspec.msgpack.Decoder(dict[bytes, bytes])
@@ -142,6 +145,10 @@ class OwnedPartition:
     #: what the partition's handlers emitted, to publish
     outbox: PartitionOutbox
     cache: dict[str, bytes | None] = field(default_factory=dict)
+    #: the most values ``cache`` keeps: the worker's budget shared by its partitions
+    cache_limit: int = CACHE_LIMIT
+    #: keys read from the store one by one since the last batch read ahead (the first reads ahead)
+    misses: int = 1
     #: committed rows of the app's tables, by ``keys.table_key``
     table_cache: dict[str, bytes | None] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)
@@ -208,7 +215,7 @@ class OwnedPartition:
         dead: dict[str, Fields | None],
     ) -> None:
         """After a commit: its values (cached), retry bookkeeping and DLQ decisions are ours."""
-        if len(self.cache) + len(values) > CACHE_LIMIT:
+        if len(self.cache) + len(values) > self.cache_limit:
             self.cache.clear()
         self.cache.update(values)
         for name, failure in failures.items():
@@ -227,7 +234,7 @@ class OwnedPartition:
             self.history = history
         if not rows:
             return
-        if len(self.table_cache) + len(rows) > CACHE_LIMIT:
+        if len(self.table_cache) + len(rows) > self.cache_limit:
             self.table_cache.clear()
         self.table_cache.update(rows)
 

@@ -132,14 +132,13 @@ class PartitionBatch:
         """Read the state of the entries' keys not in memory in one store query.
 
         A key not in memory costs a store read of its own (about 13 µs in SQLite, more than
-        handling the entry); many at once cost a fraction each. Only after a batch that read
-        keys one by one: when every key is in memory, as in a steady run over few keys, the
-        batch pays nothing.
+        handling the entry); many at once cost a fraction each. Only while batches find keys
+        to read (or read one alone): when every key is in memory, as in a steady run over few
+        keys, the batch pays nothing.
         """
         owned = self.owned
         if not owned.misses:
             return
-        owned.misses = 0
         cache, overlay = owned.cache, self.overlay
         wanted: set[str] = set()
         for _, fields in entries:
@@ -152,6 +151,7 @@ class PartitionBatch:
                 continue  # refused when its entry runs
             if key not in cache and key not in overlay:
                 wanted.add(key)
+        owned.misses = len(wanted)  # the next batch reads ahead while this one found keys to read
         if len(wanted) < 2:
             return
         with self._reading():

@@ -147,7 +147,7 @@ class OwnedPartition:
     cache: dict[str, bytes | None] = field(default_factory=dict)
     #: the most values ``cache`` keeps: the worker's budget shared by its partitions
     cache_limit: int = CACHE_LIMIT
-    #: keys read from the store one by one since the last batch read ahead (the first reads ahead)
+    #: keys the last batch read ahead or read one by one: while any, the next reads ahead (the first does)
     misses: int = 1
     #: committed rows of the app's tables, by ``keys.table_key``
     table_cache: dict[str, bytes | None] = field(default_factory=dict)

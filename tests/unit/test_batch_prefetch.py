@@ -101,3 +101,12 @@ def test_a_key_written_in_the_batch_is_not_read_ahead() -> None:
     first.prefetch(entries("a", "b", "c"))
     assert store.many == [{"b", "c"}]
     assert first.base("a") == msgspec.msgpack.encode(7)
+
+
+def test_batches_that_keep_finding_new_keys_keep_reading_ahead() -> None:
+    """A key space larger than the batches: each batch finds keys not in memory, read at once."""
+    owned, store = with_store({})
+    for names in (("a", "b"), ("c", "d"), ("e", "f")):
+        batch(owned).prefetch(entries(*names))
+    assert store.many == [{"a", "b"}, {"c", "d"}, {"e", "f"}]
+    assert store.gets == 0

@@ -17,7 +17,14 @@ from typing import NamedTuple
 
 from pspf.app import App
 from pspf.broker import Fields
-from pspf.cycle.execution import Entry, EntryMeta, run_async_into, run_sync
+from pspf.cycle.execution import (
+    KNOWN_KEYS_LIMIT,
+    KNOWN_KEYS_MIN_SHARE,
+    Entry,
+    EntryMeta,
+    run_async_into,
+    run_sync,
+)
 from pspf.failures import DeadLetter, Failure, Outcome, RetryPolicy, decide
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.keys import StreamId, entry_name
@@ -157,6 +164,7 @@ class Attempts:
             partitions,
             self._known.setdefault((cursor.topic, cursor.partition, partitions), {}),
             self.tracing,
+            max(KNOWN_KEYS_MIN_SHARE, KNOWN_KEYS_LIMIT // len(self._known)),
         )
         decisions: dict[int, tuple[Outcome, Failure]] = {}
         tracing = self.tracing

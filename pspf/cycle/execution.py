@@ -36,6 +36,13 @@ UNCHANGED = b"\x00unchanged"
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
+#: Keys a worker remembers as checked, shared by its partitions: past its share a partition's
+#: memory starts again, so that a large key space costs a check per entry rather than memory.
+KNOWN_KEYS_LIMIT = 50_000
+#: The least share of a partition, however many the worker runs.
+KNOWN_KEYS_MIN_SHARE = 1_000
+
+
 class EntryMeta(NamedTuple):
     """What the runner needs besides the entries: where they come from, how often delivered."""
 
@@ -54,11 +61,8 @@ class EntryMeta(NamedTuple):
     known: dict[bytes, str] | None = None
     #: spans of the attempts (``pspf.observability.tracing``); None: no tracer provider, no tracing work
     tracing: Tracing | None = None
-
-
-#: Keys remembered per partition: past this many the memory starts again, so that a large key
-#: space costs a check per entry again rather than a worker's memory.
-KNOWN_KEYS_LIMIT = 10_000
+    #: the most keys ``known`` holds: this partition's share of ``KNOWN_KEYS_LIMIT``
+    known_limit: int = KNOWN_KEYS_LIMIT
 
 
 #: What an async handler's attempt that returned did: (key, new state or UNCHANGED, emits, schedules).
@@ -94,7 +98,7 @@ def _checked_key(meta: EntryMeta, raw: bytes) -> str:
             )
     known = meta.known
     if known is not None:
-        if len(known) >= KNOWN_KEYS_LIMIT:
+        if len(known) >= meta.known_limit:
             known.clear()
         known[raw] = key
     return key

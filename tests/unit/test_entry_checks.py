@@ -60,9 +60,10 @@ def run(
     known: dict[bytes, str],
     counts: dict[bytes, int] | None = None,
     poison: frozenset[bytes] = frozenset(),
+    known_limit: int = KNOWN_KEYS_LIMIT,
 ) -> tuple[dict[str, Any], dict[int, BaseException]]:
     handler = counting_app().handlers["orders"]
-    meta = EntryMeta("orders", 0, counts or {}, poison, 3, None, PARTITIONS, known)
+    meta = EntryMeta("orders", 0, counts or {}, poison, 3, None, PARTITIONS, known, None, known_limit)
     source = Batch()
     overlay = source.overlay
     ran, errors = run_sync(handler, meta, entries, overlay, [], source, lambda i, e: False)
@@ -148,3 +149,13 @@ def test_the_memory_of_keys_starts_again_past_its_limit() -> None:
     _, errors = run([entry(1, mine.encode())], known)
     assert not errors
     assert known == {mine.encode(): mine}
+
+
+def test_a_partition_remembers_keys_up_to_its_share_of_the_worker() -> None:
+    """The worker's budget is shared by its partitions: one of many starts again sooner."""
+    mine = keys_of(0, 3)
+    known: dict[bytes, str] = {}
+    _, errors = run([entry(i, key.encode()) for i, key in enumerate(mine[:2])], known, known_limit=2)
+    assert not errors and len(known) == 2
+    _, errors = run([entry(3, mine[2].encode())], known, known_limit=2)
+    assert not errors and known == {mine[2].encode(): mine[2]}

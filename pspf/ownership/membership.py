@@ -162,7 +162,9 @@ class Membership:
         replied = time.monotonic()
         members = [_member(*row) for row in found]
         with self._lock:
-            if not present and self._renewed_at is not None and asked > self._renewed_at:
+            # Only a call sent after a renewal's reply came: two in flight at once (this thread's
+            # and the other's) may be served in the other order, the later sent finding no member.
+            if not present and self._renewed_at is not None and asked > self._replied_at:
                 self._say_gone(time.monotonic() - self._renewed_at)
             if asked >= self._asked:  # an older reply (the other thread's) changes nothing
                 self._asked = self._renewed_at = asked

@@ -246,18 +246,23 @@ class TimeKeeping:
         for owned in owned_partitions:
             windows, timers = owned.windows, owned.timers
             batch = PartitionBatch(owned, self.app.state_decoder, self.emitter, self.lookups)
+            acted = False
             if timers is not None:
                 for timer in self.app.timers:
                     for period in timers.periods_due(timer, now_ms):
                         self._run_timer(batch, timers, timer, period, result)
+                        acted = True
                 if timers.ttl and owned.partition not in handled and timers.expiry_due(now_ms):
                     for key in timers.expired(now_ms):
                         batch.overlay[key] = None
+                    acted = True
             if result.read == 0 and windows is not None and windows.idle_close_due(self.idle_close_s, now):
                 windows.advance_to_close_all()
                 log.info("partition=%s idle: open windows closed", owned.partition)
                 self.advance(batch, result)
-            batches.append(batch)
+                acted = True
+            if acted:  # a batch of nothing would cost a commit's wait for the acknowledgement in flight
+                batches.append(batch)
         return batches
 
     def _run_timer(

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pspf.windows")
 
+_acc_encode = msgspec.msgpack.Encoder().encode
+
 
 class Aggregation:
     """One ``@app.window``: how an entry's event time is found and folded into its windows."""
@@ -68,13 +70,17 @@ class Aggregation:
         acc_type, value_type = declared_types(func)
         self.value_type = value_type
         self._acc_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(acc_type)
+        self._acc_decode = self._acc_decoder.decode
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
         self._timestamp = timestamp_reader(where, timestamp)
 
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
-        current = None if acc is None else self._acc_decoder.decode(acc)
-        return encode_acc(self.func(current, value))
+        new = self.func(None if acc is None else self._acc_decode(acc), value)
+        try:  # encode_acc, inline: this runs for every entry
+            return _acc_encode(new)
+        except (TypeError, msgspec.EncodeError, OverflowError):
+            return encode_acc(new)  # raises the error that says what is wrong
 
     def merged(self, accs: list[bytes]) -> bytes:
         assert self.merge is not None
@@ -97,7 +103,9 @@ class Aggregation:
         """
         windows: PartitionWindows = ctx.source.windows
         ts = self._timestamp(value, ctx)
-        change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
+        stream_ms = windows.stream_ms  # the entry's "now": PartitionWindows.change, inline
+        now = ts if stream_ms is None or ts > stream_ms else stream_ms
+        change = windows.open[self.name].change(ctx.key, ts, value, ctx.entry_id, now)
         if change.late and self.late == "dlq":
             raise LateEntry(
                 f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "
@@ -220,6 +228,11 @@ class PartitionWindows:
         found = dict(self._moved)
         for name, state in self.open.items():
             topic = self.aggregations[name].topic
+            accs = state.accs
+            for window in state.changed:
+                key, start, end = window
+                stored = keys.window_key(topic, name, "w", key, start, end)
+                found[(keys.WINDOWS_NAMESPACE, stored)] = accs.get(window)
             for (kind, key, a, b), value in state.dirty.items():
                 found[(keys.WINDOWS_NAMESPACE, keys.window_key(topic, name, kind, key, a, b))] = value
         if self._time_moved:
@@ -230,6 +243,7 @@ class PartitionWindows:
 
     def committed(self) -> None:
         for state in self.open.values():
+            state.changed = set()
             state.dirty = {}
         self._moved = {}
         self._time_moved = False

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from datetime import timedelta
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
 
@@ -60,8 +60,12 @@ class Folding(Protocol):
     def value(self, raw: bytes) -> Any: ...
 
 
-class Change(NamedTuple):
-    """What one entry does to a window's state, applied only if its whole attempt returns."""
+class Change(msgspec.Struct, frozen=True, gc=False):
+    """What one entry does to a window's state, applied only if its whole attempt returns.
+
+    A Struct, not a NamedTuple: one is made per entry and window, and a Struct is made and read
+    several times faster (it holds no cycles, so the garbage collector need not track it).
+    """
 
     #: the window's name
     window: str
@@ -103,7 +107,9 @@ class WindowKind:
         self.closing: list[tuple[int, str, int, int]] = []
         #: (forget at, letter, key, a, b): what the kind keeps after a window, until when
         self.forget: list[tuple[int, str, str, int, Any]] = []
-        #: store writes for the next commit: (letter, key, a, b) -> value, None to delete
+        #: windows whose accumulator changed (or went) since the last commit
+        self.changed: set[WindowId] = set()
+        #: the kind's other store writes for the next commit: (letter, key, a, b) -> value, None to delete
         self.dirty: dict[WriteKey, bytes | None] = {}
 
     # -- what the kind says: override ----------------------------------------------------------
@@ -178,22 +184,24 @@ class WindowKind:
     def apply(self, change: Change) -> None:
         """Make a change (not late) the partition's."""
         key = change.key
-        for start, end in change.removes:
-            self.drop(key, start, end)
-        accs, dirty = self.accs, self.dirty
+        if change.removes:
+            for start, end in change.removes:
+                self.drop(key, start, end)
+        accs, changed = self.accs, self.changed
         for start, end, acc in change.sets:
             window = (key, start, end)
             if window not in accs:
                 heapq.heappush(self.closing, (self.close_at(start, end), key, start, end))
                 self.opened(key, start, end)
             accs[window] = acc
-            dirty[("w", key, start, end)] = acc
+            changed.add(window)
         if change.kept is not None:
             self.keep(key, change.ts, change.entry_id, change.kept)
 
     def drop(self, key: str, start: int, end: int) -> None:
-        del self.accs[(key, start, end)]
-        self.write("w", key, start, end, None)
+        window = (key, start, end)
+        del self.accs[window]
+        self.changed.add(window)
         self.dropped(key, start, end)
 
     def close(self, now: int) -> list[tuple[str, int, int, bytes]]:

@@ -245,6 +245,11 @@ class StoreTransaction:
         self._check_open()
         self._updates.update({(namespace, key): value for key, value in values.items()})
 
+    def update(self, writes: Mapping[tuple[str, str], bytes | None]) -> None:
+        """Set every (namespace, key) of ``writes`` (None deletes it), whatever their namespaces."""
+        self._check_open()
+        self._updates.update(writes)
+
     def set_checkpoint(self, topic: str, entry_id: StreamId) -> None:
         """Record that every entry of ``topic`` up to ``entry_id`` is applied by this transaction."""
         self._check_open()

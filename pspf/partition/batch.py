@@ -314,8 +314,8 @@ class PartitionBatch:
             tx.put(keys.STATE_NAMESPACE, self.overlay)
             tx.put(keys.TABLES_NAMESPACE, rows)
             tx.put(keys.TABLE_HISTORY_NAMESPACE, history)
-            for (namespace, key), value in (*page_writes.items(), *time_writes.items()):
-                tx.put(namespace, {key: value})  # None deletes
+            tx.update(page_writes)
+            tx.update(time_writes)
             tx.put(keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})
             tx.put(keys.DEAD_NAMESPACE, {n: _encode(f) for n, f in self.dead.items()})
             for name in foreign_done:

@@ -229,10 +229,10 @@ class PartitionWindows:
         for name, state in self.open.items():
             topic = self.aggregations[name].topic
             accs = state.accs
-            for window in state.changed:
+            prefix = keys.window_key(topic, name, "w", "", 0, 0)[: -len("0/0/")]
+            for window in state.changed:  # keys.window_key, inline
                 key, start, end = window
-                stored = keys.window_key(topic, name, "w", key, start, end)
-                found[(keys.WINDOWS_NAMESPACE, stored)] = accs.get(window)
+                found[(keys.WINDOWS_NAMESPACE, f"{prefix}{start}/{end}/{key}")] = accs.get(window)
             for (kind, key, a, b), value in state.dirty.items():
                 found[(keys.WINDOWS_NAMESPACE, keys.window_key(topic, name, kind, key, a, b))] = value
         if self._time_moved:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 from collections import Counter, defaultdict
@@ -17,6 +18,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.keys import STATE_NAMESPACE, StreamId, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
+from pspf.worker.process import GC_THRESHOLDS
 from tests.conftest import Names
 from tests.support.fixtures import MakeAppOnTopic
 
@@ -132,6 +134,30 @@ def test_second_run_skips_nothing_and_changes_nothing(
 
     assert again.handled == 0
     assert all_state(settings, app.name, 2) == before
+
+
+def test_the_collector_scans_less_often_while_the_worker_runs_and_as_before_after(
+    app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings]
+) -> None:
+    seen: set[tuple[int, int, int]] = set()
+
+    def build(name: str, topic: str) -> App:
+        app = App(name)
+
+        @app.handler(topic)
+        def note(order: dict[str, Any], ctx: Context) -> None:
+            seen.add(gc.get_threshold())
+
+        return app
+
+    app = app_on_topic(2, order_records(200, 10), build=build).app
+    before = gc.get_threshold()
+    assert before != GC_THRESHOLDS
+
+    Worker(app, make_settings()).run(until_idle=True)
+
+    assert seen == {GC_THRESHOLDS}
+    assert gc.get_threshold() == before
 
 
 def test_async_handlers_keep_per_key_order_and_exact_state(

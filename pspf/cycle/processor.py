@@ -254,7 +254,7 @@ class BatchProcessor:
         """Step 1: what the global tables have new, then the owned streams' entries to apply now."""
         lookups = self.lookups
         if lookups is not None and lookups.global_tables is not None:
-            lookups.global_tables.follow()
+            lookups.global_tables.follow_between()
         reads, lost = self.delivery.read(block, block_ms)
         for stream in lost:
             self._lease_lost(stream, LeaseLost("the read found the lease taken"), result)

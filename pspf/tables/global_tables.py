@@ -25,6 +25,11 @@ from pspf.tables.table import GLOBAL_CACHE_LIMIT, GLOBAL_READ_COUNT, MISSING, Ta
 
 log = logging.getLogger("pspf.tables")
 
+#: After a look found nothing new, the next waits this long: a look is a round trip, which each
+#: cycle (hundreds a second) would pay for a table that rarely changes. While updates come, every
+#: cycle looks.
+QUIET_LOOK_S = 0.05
+
 
 class GlobalTables:
     """The app's global tables, whole, in this worker's own store, and its position in each stream.
@@ -54,6 +59,8 @@ class GlobalTables:
             stream: saved.get(name) for stream, (_, name) in self.streams.items()
         }
         self.cache: dict[str, bytes | None] = {}
+        #: when (monotonic) ``follow_between`` looks next
+        self._look_at = 0.0
 
     def row(self, name: str, key: str) -> bytes | None:
         """A row as stored (None: no row)."""
@@ -102,6 +109,15 @@ class GlobalTables:
         if not after or self.broker is None:
             return 0
         return self.apply(self.broker.reading.read_after(after, GLOBAL_READ_COUNT))
+
+    def follow_between(self) -> int:
+        """``follow`` between batches: each cycle while updates come, else every QUIET_LOOK_S."""
+        now = time.monotonic()
+        if now < self._look_at:
+            return 0
+        got = self.follow()
+        self._look_at = now if got else now + QUIET_LOOK_S
+        return got
 
     def apply(self, read: list[tuple[str, list[RawEntry]]]) -> int:
         """Apply entries of the tables' streams with the new positions in ONE store transaction.

@@ -203,3 +203,36 @@ def test_literal_names_of_declared_tables_and_other_calls_named_table_pass() -> 
     with TestApp(app, partitions=1) as t:
         t.send("orders", {}, key="c1")
         assert t.dead_letters("orders") == []
+
+
+def test_global_tables_are_looked_at_every_cycle_while_updates_come_then_less_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look is a round trip: a quiet table is looked at every QUIET_LOOK_S, not every cycle."""
+    from types import SimpleNamespace
+
+    from pspf.state_stores.memory import MemoryStore
+    from pspf.tables import global_tables
+    from pspf.tables.global_tables import QUIET_LOOK_S, GlobalTables
+    from pspf.tables.table import Table
+
+    clock = [100.0]
+    monkeypatch.setattr(global_tables.time, "monotonic", lambda: clock[0])
+    pending = [[(b"1-0", {b"key": b"a", b"value": b"1"})], [(b"2-0", {b"key": b"b", b"value": b"2"})]]
+    looks: list[float] = []
+
+    def read_after(positions: dict[str, Any], count: int) -> list[tuple[str, list[Any]]]:
+        looks.append(clock[0])
+        return [(stream, pending.pop(0)) for stream in positions] if pending else []
+
+    broker: Any = SimpleNamespace(reading=SimpleNamespace(read_after=read_after))
+    tables = GlobalTables([Table("rates", Any, True)], MemoryStore(), broker, {"rates": 1})
+    assert [tables.follow_between() for _ in range(4)] == [1, 1, 0, 0]  # the 4th waits
+    assert len(looks) == 3
+    clock[0] += QUIET_LOOK_S / 2
+    assert tables.follow_between() == 0
+    assert len(looks) == 3
+    clock[0] += QUIET_LOOK_S
+    tables.follow_between()
+    assert len(looks) == 4
+    assert tables.row("rates", "b") is not None

@@ -136,6 +136,7 @@ def run_point(
     workers: int = 1,
     lease_ttl_ms: int | None = None,
     sizes: bool = False,
+    store: str = "sqlite",
 ) -> Point:
     """A fresh topic holding ``orders``, ``apps`` apps of ``workers`` children each; checked, measured."""
     since = time.perf_counter()
@@ -145,7 +146,7 @@ def run_point(
     try:
         loaded = preload(bench.url, topic, partitions, orders, keys)
         expected = loaded.expected
-        got = run_workers(bench.url, topic, names, workers, bench.args.batch_size, lease_ttl_ms, sizes)
+        got = run_workers(bench.url, topic, names, workers, bench.args.batch_size, lease_ttl_ms, sizes, store)
         if got["failed"]:
             raise SystemExit(f"{curve} {x}: {got['failed']} failed attempts")
         for app in names:
@@ -237,20 +238,24 @@ def partitions_curve(bench: Bench) -> list[Point]:
 def keys_curve(bench: Bench) -> list[Point]:
     args = bench.args
     parts = args.keys_partitions
-    series = "1 worker" if parts == 1 else f"{parts} parts"
-    return [
-        run_point(
-            bench,
-            "keys",
-            series,
-            k,
-            sized_orders(max(k, args.entries), k),
-            partitions=parts,
-            keys=k,
-            sizes=True,
-        )
-        for k in upto(KEYS, args.max_keys)
-    ]
+    points = []
+    for store in args.keys_stores:
+        series = store if parts == 1 else f"{store}, {parts} parts"
+        points += [
+            run_point(
+                bench,
+                "keys",
+                series,
+                k,
+                sized_orders(max(k, args.entries), k),
+                partitions=parts,
+                keys=k,
+                sizes=True,
+                store=store,
+            )
+            for k in upto(KEYS, args.max_keys)
+        ]
+    return points
 
 
 def value_size_curve(bench: Bench) -> list[Point]:
@@ -349,6 +354,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keys-partitions", type=int, default=1, help="partitions of the keys curve's topic (1)"
     )
+    parser.add_argument(
+        "--keys-stores", default="sqlite", help="the keys curve's store engines, comma-separated (sqlite)"
+    )
     parser.add_argument("--max-apps", type=int, help="most apps on one topic (16; --quick 4)")
     parser.add_argument("--max-rows", type=int, help="largest global table (10^6; --quick 10^4)")
     parser.add_argument("--memory-keys", type=int, help="keys of the memory curve (10^6; --quick 10^4)")
@@ -367,6 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    args.keys_stores = [s for s in args.keys_stores.split(",") if s]
+    if set(args.keys_stores) - {"sqlite", "rocksdb"}:
+        parser.error(f"--keys-stores: sqlite or rocksdb, not {args.keys_stores}")
     args.chosen = [c for c in args.curves.split(",") if c]
     unknown = set(args.chosen) - set(CURVES)
     if unknown:

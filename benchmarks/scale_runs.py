@@ -116,6 +116,7 @@ def worker_child(args: argparse.Namespace) -> dict[str, Any]:
         "PSPF_CONSUMER": args.consumer,
         "PSPF_BLOCK_MS": 100,
         "PSPF_BATCH_SIZE": args.batch_size,
+        "PSPF_STORE": args.store,
     }
     if args.lease_ttl_ms:
         env["PSPF_LEASE_TTL_MS"] = args.lease_ttl_ms
@@ -149,17 +150,17 @@ def worker_child(args: argparse.Namespace) -> dict[str, Any]:
         "failed": summary.failed,
     }
     if args.sizes:
-        result.update(store_sizes(Path(args.state_dir), args.app))
+        result.update(store_sizes(Path(args.state_dir), args.app, args.store))
     return result
 
 
-def store_sizes(state_dir: Path, app: str) -> dict[str, int]:
+def store_sizes(state_dir: Path, app: str, engine: str) -> dict[str, int]:
     """What the app's stores under ``state_dir`` hold: values and sum of len(key) + len(value), files."""
     from pspf.state_stores import open_store, stored_partitions
 
     sizes = {"store_values": 0, "store_bytes": 0, "state_keys": 0, "state_bytes": 0}
-    for partition in stored_partitions("sqlite", state_dir, app):
-        with open_store("sqlite", state_dir, app, partition, readonly=True) as store:
+    for partition in stored_partitions(engine, state_dir, app):
+        with open_store(engine, state_dir, app, partition, readonly=True) as store:
             for namespace in STORE_NAMESPACES:
                 for key, value in store.items(namespace):
                     size = len(key.encode()) + len(value)
@@ -183,6 +184,7 @@ def run_workers(
     batch_size: int,
     lease_ttl_ms: int | None = None,
     sizes: bool = False,
+    store: str = "sqlite",
 ) -> dict[str, Any]:
     """``workers`` children per app, all at once, each with a state dir of its own; their figures together.
 
@@ -195,6 +197,7 @@ def run_workers(
         base = [sys.executable, str(Path(__file__).resolve()), "--broker", url, "--topic", topic]
         base += ["--batch-size", str(batch_size), "--lease-ttl-ms", str(lease_ttl_ms or 0)]
         base += ["--sizes"] if sizes else []
+        base += ["--store", store]
         children = []
         server_cpu = server_cpu_seconds(url)
         for app in apps:
@@ -343,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=1_000)
     parser.add_argument("--lease-ttl-ms", type=int, default=0, help="0: PSPF's default")
     parser.add_argument("--sizes", action="store_true", help="also report what the stores hold")
+    parser.add_argument("--store", default="sqlite", help="PSPF_STORE (sqlite)")
     print(json.dumps(worker_child(parser.parse_args(argv))))
 
 

@@ -71,6 +71,33 @@ _IDLE_POLL_S = 0.05
 #: The garbage collector's thresholds while a worker runs (Python's default: 700, 10, 10): a
 #: young-generation scan per 50,000 new containers rather than per 700.
 GC_THRESHOLDS = (50_000, 20, 10)
+
+
+class _Collector:
+    """Sets ``GC_THRESHOLDS`` while any worker of the process runs, and puts back what was before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._before = gc.get_threshold()
+
+    @contextmanager
+    def scanning_less(self) -> Iterator[None]:
+        with self._lock:
+            if not self._running:
+                self._before = gc.get_threshold()
+                gc.set_threshold(*GC_THRESHOLDS)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    gc.set_threshold(*self._before)
+
+
+_COLLECTOR = _Collector()
 #: A scrape or health check waits at most this long for Redis, well within a scrape timeout.
 _METRICS_REDIS_TIMEOUT_S = 2.0
 
@@ -209,13 +236,11 @@ class Worker:
             # partitions hold (at 1,024 partitions the scans took half of a cycle's time).
             gc.collect()
             gc.freeze()
-            thresholds = gc.get_threshold()
-            gc.set_threshold(*GC_THRESHOLDS)
             try:
-                self._loop(until_idle, summary)
+                with _COLLECTOR.scanning_less():
+                    self._loop(until_idle, summary)
             finally:
                 self.shutdown()
-                gc.set_threshold(*thresholds)
                 gc.unfreeze()
         finally:
             self._close_metrics()

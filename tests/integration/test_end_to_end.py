@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import random
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -136,28 +137,38 @@ def test_second_run_skips_nothing_and_changes_nothing(
     assert all_state(settings, app.name, 2) == before
 
 
-def test_the_collector_scans_less_often_while_the_worker_runs_and_as_before_after(
+def test_the_collector_scans_less_often_while_workers_run_and_as_before_once_the_last_stops(
     app_on_topic: MakeAppOnTopic, make_settings: Callable[..., Settings]
 ) -> None:
-    seen: set[tuple[int, int, int]] = set()
+    """Two workers of one process, the second stopping first: the thresholds stay until both stop."""
+    seen: dict[str, set[tuple[int, int, int]]] = {"first": set(), "second": set()}
+    second_done = threading.Event()
 
     def build(name: str, topic: str) -> App:
         app = App(name)
 
         @app.handler(topic)
         def note(order: dict[str, Any], ctx: Context) -> None:
-            seen.add(gc.get_threshold())
+            seen[name.rsplit("-", 1)[-1]].add(gc.get_threshold())
+            if name.endswith("first"):
+                assert second_done.wait(30)  # the second worker stops while this one runs
+                seen["first"].add(gc.get_threshold())
 
         return app
 
-    app = app_on_topic(2, order_records(200, 10), build=build).app
-    before = gc.get_threshold()
-    assert before != GC_THRESHOLDS
+    first = app_on_topic(1, order_records(3, 3), build=lambda n, t: build(f"{n}-first", t)).app
+    second = app_on_topic(1, order_records(3, 3), build=lambda n, t: build(f"{n}-second", t)).app
+    gc.set_threshold(700, 10, 10)
+    thread = threading.Thread(target=Worker(first, make_settings()).run, kwargs={"until_idle": True})
+    thread.start()
+    try:
+        Worker(second, make_settings()).run(until_idle=True)
+    finally:
+        second_done.set()
+        thread.join(60)
 
-    Worker(app, make_settings()).run(until_idle=True)
-
-    assert seen == {GC_THRESHOLDS}
-    assert gc.get_threshold() == before
+    assert seen == {"first": {GC_THRESHOLDS}, "second": {GC_THRESHOLDS}}
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 def test_async_handlers_keep_per_key_order_and_exact_state(

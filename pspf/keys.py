@@ -233,7 +233,12 @@ def window_key(topic: str, name: str, kind: str, key: str, a: int, b: int | str)
     a window's accumulator ("w": start, end), a closed session's marker ("c": start, end), a
     sliding window's kept entry ("e": event time, entry id).
     """
-    return f"{topic}:{name}/{kind}/{a}/{b}/{key}"
+    return f"{window_prefix(topic, name, kind)}{a}/{b}/{key}"
+
+
+def window_prefix(topic: str, name: str, kind: str) -> str:
+    """What every ``window_key`` of one window and kind starts with."""
+    return f"{topic}:{name}/{kind}/"
 
 
 def split_window_key(stored: str) -> WindowKey:

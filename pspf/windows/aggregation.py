@@ -229,7 +229,7 @@ class PartitionWindows:
         for name, state in self.open.items():
             topic = self.aggregations[name].topic
             accs = state.accs
-            prefix = keys.window_key(topic, name, "w", "", 0, 0)[: -len("0/0/")]
+            prefix = keys.window_prefix(topic, name, "w")
             for window in state.changed:  # keys.window_key, inline
                 key, start, end = window
                 found[(keys.WINDOWS_NAMESPACE, f"{prefix}{start}/{end}/{key}")] = accs.get(window)

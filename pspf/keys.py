@@ -262,7 +262,7 @@ def backup_meta_key(topic: str, partition: int, group: str) -> str:
 
 
 def backup_log_key(topic: str, partition: int, group: str) -> str:
-    """Stream of the backup's recent updates, one entry per update (capped, ``backup.LOG_LENGTH``).
+    """Stream of the backup's recent updates, one entry per update (capped, ``acking.log_length``).
 
     A standby follows it; a store a few batches behind catches up from it.
     """

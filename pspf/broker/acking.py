@@ -30,9 +30,20 @@ from pspf.broker.connection import Connection
 from pspf.broker.records import Fields, _text, packed, usable
 from pspf.errors import BrokerError, LeaseLost
 
-#: Updates a state backup's log keeps (about): a store or standby at most this many updates
-#: behind catches up from the log; further behind, it restores the whole backup.
+#: Updates a state backup's log keeps at most (about): a store or standby at most this many
+#: updates behind catches up from the log; further behind, it restores the whole backup.
 BACKUP_LOG_LENGTH = 1000
+#: The fewest it keeps. Between the two, the log keeps about as many values as the backup holds
+#: (``log_length``): replaying more than that costs more than restoring the whole backup, and a
+#: small state updated often would otherwise keep a log hundreds of times its own size.
+BACKUP_LOG_MIN = 100
+
+
+def log_length(backup_fields: int, update_fields: int) -> int:
+    """How many updates a backup's log keeps, after one of ``update_fields`` sets and deletes."""
+    if update_fields <= 0:
+        return BACKUP_LOG_LENGTH
+    return max(BACKUP_LOG_MIN, min(BACKUP_LOG_LENGTH, backup_fields // update_fields))
 
 
 class BackupUpdate(NamedTuple):
@@ -70,8 +81,9 @@ class AckRequest(NamedTuple):
 
 #: The scripts' acknowledgement, which says per partition what refused it (``Acknowledging.ack_scripted``).
 Scripted = Callable[[Sequence["AckRequest"]], list[tuple[int, int] | LeaseLost]]
-#: What the checks read, as the replies of ``_checks``: lease values, backup heads, backup marks.
-Checks = tuple[list[Any], list[Any], list[Any]]
+#: What the checks read, as the replies of ``_checks``: lease values, backup heads, backup marks,
+#: and the backups' field counts (for their logs' length).
+Checks = tuple[list[Any], list[Any], list[Any], list[Any]]
 
 
 class Acker:
@@ -114,6 +126,7 @@ def _checks(requests: Sequence[AckRequest], fenced: list[BackupUpdate]) -> list[
     reads: list[tuple[Any, ...]] = [("WATCH", *_watched(requests, fenced)), ("MGET", *leases)]
     reads += [("HMGET", b.keys.meta, "identity", keys.BACKUP_MARKED) for b in fenced]
     reads += [("HGET", b.keys.values, keys.BACKUP_MARK) for b in fenced]
+    reads += [("HLEN", b.keys.values) for b in fenced]
     return reads
 
 
@@ -122,13 +135,14 @@ def _watched(requests: Sequence[AckRequest], fenced: list[BackupUpdate]) -> tupl
 
 
 def _split(replies: list[Any], fenced: int) -> Checks:
-    """The replies of ``_checks`` (after its WATCH's) as (lease values, heads, marks)."""
-    return replies[0], replies[1 : 1 + fenced], replies[1 + fenced :]
+    """The replies of ``_checks`` (after its WATCH's) as (lease values, heads, marks, field counts)."""
+    heads, marks = replies[1 : 1 + fenced], replies[1 + fenced : 1 + 2 * fenced]
+    return replies[0], heads, marks, replies[1 + 2 * fenced :]
 
 
 def _pass(requests: Sequence[AckRequest], fenced: list[BackupUpdate], checks: Checks) -> bool:
     """Whether every lease is held and every backup is where its update follows on, undamaged."""
-    held, heads, marks = checks
+    held, heads, marks, _ = checks
     identities = [identity for identity, _ in heads]
     return not (
         any(_text(v) != r.lease_value for v, r in zip(held, requests, strict=True))
@@ -158,14 +172,15 @@ def transaction_sent(
             if not _pass(requests, fenced, checks):
                 connection.send_packed_command(packed([("UNWATCH",)]))
                 connection.read_response()
-                acker.watching((), ([], [], []))
+                acker.watching((), ([], [], [], []))
                 return None
             commands: list[tuple[Any, ...]] = [("MULTI",)]
             positions: list[int | None] = []
-            prevs = iter(identity for identity, _ in checks[1])
+            prevs = iter(zip((identity for identity, _ in checks[1]), checks[3], strict=True))
             for r in requests:
                 if r.backup is not None:
-                    commands += _backup_commands(r.backup, _text(next(prevs)))
+                    prev, fields = next(prevs)
+                    commands += _backup_commands(r.backup, _text(prev), int(fields))
                 positions.append(len(commands) - 1 if r.ids else None)
                 if r.ids:
                     commands.append(("XACK", r.stream, r.group, *r.ids))
@@ -175,7 +190,8 @@ def transaction_sent(
     except BaseException:
         acker.close()
         raise
-    return AckInFlight(conn, acker, requests, scripted, len(commands), len(after), watch, positions)
+    sent = (len(commands), len(after), watch, positions, len(fenced))
+    return AckInFlight(conn, acker, requests, scripted, *sent)
 
 
 class AckInFlight:
@@ -194,6 +210,7 @@ class AckInFlight:
         checks: int = 0,
         watch: tuple[str, ...] = (),
         positions: Sequence[int | None] = (),
+        fenced: int = 0,
         done: list[tuple[int, int] | LeaseLost] | None = None,
     ) -> None:
         self.conn, self.acker, self.scripted = conn, acker, scripted
@@ -202,6 +219,7 @@ class AckInFlight:
         self._unread = done is None
         self._replies, self._checks, self._watch = replies, checks, watch
         self._positions = positions
+        self._fenced = fenced
 
     def abandon(self) -> None:
         """Close the connection unread: the call may have run, or not."""
@@ -227,7 +245,7 @@ class AckInFlight:
         except BaseException:
             acker.close()
             raise
-        acker.watching(self._watch, _split(checks[1:], (self._checks - 2) // 2))
+        acker.watching(self._watch, _split(checks[1:], self._fenced))
         replies = replies[: self._replies]
         if conn.ack_wait:
             conn.replicated(replies.pop())
@@ -264,8 +282,11 @@ def log_data(b: BackupUpdate) -> bytes:
     return _log_encoder.encode((b.checkpoints, b.sets, b.deletes))
 
 
-def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
-    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry."""
+def _backup_commands(b: BackupUpdate, prev: str, fields: int) -> list[tuple[Any, ...]]:
+    """The commands of ``lua/ack.lua``'s "update": values, deletes, meta, and the log entry.
+
+    ``fields``: how many the backup held before (its log's length follows it, ``log_length``).
+    """
     commands: list[tuple[Any, ...]] = []
     if b.deletes:
         commands.append(("HDEL", b.keys.values, *b.deletes))
@@ -278,6 +299,7 @@ def _backup_commands(b: BackupUpdate, prev: str) -> list[tuple[Any, ...]]:
     if meta:
         commands.append(("HSET", b.keys.meta, *meta))
     if BACKUP_LOG_LENGTH > 0:
-        head = ("XADD", b.keys.log, "MAXLEN", "~", BACKUP_LOG_LENGTH, "*", "prev", prev)
+        keep = log_length(fields, len(b.sets) // 2 + len(b.deletes))
+        head = ("XADD", b.keys.log, "MAXLEN", "~", keep, "*", "prev", prev)
         commands.append((*head, "id", b.identity or prev, "data", log_data(b)))
     return commands

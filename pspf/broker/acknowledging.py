@@ -20,6 +20,7 @@ import redis
 from pspf import keys
 from pspf.broker.acking import (
     BACKUP_LOG_LENGTH,
+    BACKUP_LOG_MIN,
     Acker,
     AckInFlight,
     AckRequest,
@@ -228,7 +229,7 @@ def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
         len(r.ids),
         len(r.dead),
         mode,
-        BACKUP_LOG_LENGTH,
+        f"{BACKUP_LOG_LENGTH}:{BACKUP_LOG_MIN}",
         "" if b is None else ",".join(b.follows),
         *r.ids,
     ]

@@ -6,7 +6,8 @@
 -- ARGV[3] n, the number of ids to ack   ARGV[4] d, the number of dead entries
 -- ARGV[5] the backup update: "" for none; "update" (also added to the log); "replace" (the first
 --         part of a whole upload: backup, meta and log emptied first); "upload" (a later part)
--- ARGV[6] the number of log entries to keep (about: MAXLEN ~)
+-- ARGV[6] the most and the fewest log entries to keep, "most:fewest" (about: MAXLEN ~); between
+--         them, as many updates as hold about as many values as the backup (``acking.log_length``)
 -- ARGV[7] with an "update": the identities the backup may hold now, comma-separated ("" not to
 --         check); a backup with another one went back (a fail-over lost writes): nothing is done
 -- then the n entry ids to acknowledge;
@@ -49,7 +50,9 @@ for _ = 1, d do
   i = i + 2 + tonumber(ARGV[i + 1])
 end
 if backup ~= '' then
-  local logged = backup == 'update' and tonumber(ARGV[6]) > 0
+  local most, fewest = string.match(ARGV[6], '^(%d+):(%d+)$')
+  most, fewest = tonumber(most), tonumber(fewest)
+  local logged = backup == 'update' and most > 0
   local prev = ''
   if logged then
     prev = redis.call('HGET', KEYS[5], 'identity') or ''
@@ -81,7 +84,11 @@ if backup ~= '' then
     redis.call('HSET', KEYS[4], mark, identity)
   end
   if logged then
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'prev', prev,
+    local keep = most
+    if s + r > 0 then
+      keep = math.max(fewest, math.min(most, math.floor(redis.call('HLEN', KEYS[4]) / (s + r))))
+    end
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', keep, '*', 'prev', prev,
                'id', identity ~= '' and identity or prev, 'data', ARGV[data])
   end
 end

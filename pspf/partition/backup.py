@@ -5,7 +5,8 @@ The contract:
 - Keys (``keys.backup_keys``), on the hash tag of the app's FIRST topic's partition: a hash of
   every value the partition's store holds (field ``namespace NUL key``; the memory it takes is
   about the encoded state's size), a meta hash with the identity and the checkpoint of every topic
-  (``cp:TOPIC``), and a log: a stream of the last ``BACKUP_LOG_LENGTH`` updates (about), each
+  (``cp:TOPIC``), and a log: a stream of the last updates (about as many as hold as many values
+  as the backup, from ``BACKUP_LOG_MIN`` to ``BACKUP_LOG_LENGTH``: ``acking.log_length``), each
   with the identity it follows, the one it sets and the update, packed in one field.
 - Identity: every transaction an owner commits to its store is stamped with a new identity (its
   fencing token and a sequence number, ``state_stores.Journal``), in the same write. A store and

@@ -15,6 +15,7 @@ import redis
 
 from pspf import keys
 from pspf.broker import AckRequest, BackupUpdate, Broker
+from pspf.broker.acking import BACKUP_LOG_MIN
 from pspf.errors import BackupWentBack, LeaseLost
 from pspf.settings import RedisSettings
 from tests.conftest import Names
@@ -134,3 +135,25 @@ def test_a_lease_renewed_meanwhile_applies_through_the_scripts(setup: Setup, rcl
     assert broker.acks.ack_sent([request]).result() == [(3, 0)]
     assert rclient.xpending(stream, GROUP)["pending"] == 0
     assert rclient.hget(backup.meta, "identity") == b"1-2"
+
+
+@pytest.mark.parametrize("path", ["sent", "scripted"])
+def test_a_small_backup_updated_often_keeps_a_log_of_about_its_own_size(
+    setup: Setup, rclient: redis.Redis, path: str
+) -> None:
+    """20 keys, 300 updates of 10 each: the log keeps the fewest updates it keeps, not all 300."""
+    broker, stream, lease, value, backup = setup
+    fields = [f"state\0k{i}".encode() for i in range(20)]
+    call = broker.acks.ack if path == "sent" else broker.acks.ack_scripted
+    follows: tuple[str, ...] = ()
+    for n in range(1, 301):
+        half = fields[(n % 2) * 10 : (n % 2) * 10 + 10]
+        sets = [x for field in half for x in (field, str(n).encode())]
+        update = BackupUpdate(backup, f"1-{n}", {"t": f"0-{n}"}, sets, [], follows=follows)
+        assert call([AckRequest(stream, GROUP, lease, value, [], backup=update)]) == [(0, 0)]
+        follows = (f"1-{n}",)
+    assert rclient.hlen(backup.values) == 21  # the 20 keys and the backup's mark
+    # MAXLEN ~ trims whole nodes of the stream (up to 100 small entries each)
+    assert rclient.xlen(backup.log) <= BACKUP_LOG_MIN + 100
+    (last,) = rclient.xrevrange(backup.log, count=1)
+    assert last[1][b"id"] == b"1-300"  # every update is still logged

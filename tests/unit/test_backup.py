@@ -674,3 +674,13 @@ def test_an_update_finding_the_backup_damaged_uploads_the_owners_whole_store() -
     assert backup_state(broker) == {"a": 1, "b": 2}
     assert backup_identity(broker) == identity(store) and backup.held == {identity(store)}
     assert backup_checkpoint(broker) == "2-0"
+
+
+def test_a_backups_log_keeps_about_as_many_updates_as_hold_its_values() -> None:
+    from pspf.broker.acking import BACKUP_LOG_LENGTH, BACKUP_LOG_MIN, log_length
+
+    assert log_length(1_000, 630) == BACKUP_LOG_MIN  # a small state updated whole: a few updates
+    assert log_length(500_000, 1_000) == 500
+    assert log_length(10**6, 1_000) == BACKUP_LOG_LENGTH  # never more than the most
+    assert log_length(10**9, 10) == BACKUP_LOG_LENGTH
+    assert log_length(100, 0) == BACKUP_LOG_LENGTH  # an update of only checkpoints

@@ -37,7 +37,7 @@ ACL_RULES = (
     "resetkeys ~pspf:* resetchannels -@all +@stream +hsetnx +hset +hget +hgetall +hscan +hdel +sadd "
     "+smembers +exists +mget "
     "+get +set +incr +pexpire +del +evalsha +script|load +watch +multi +exec +unwatch +info +command|info "
-    "+ping +select +zadd +zrem +zrange +zrangebyscore +zscore +time +type +hmget"
+    "+ping +select +zadd +zrem +zrange +zrangebyscore +zscore +time +type +hmget +hlen"
 )
 OPTIONAL_RULES = "+config|get"
 UNCHECKED = "persistence and eviction are unchecked"

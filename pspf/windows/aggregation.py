@@ -103,9 +103,7 @@ class Aggregation:
         """
         windows: PartitionWindows = ctx.source.windows
         ts = self._timestamp(value, ctx)
-        stream_ms = windows.stream_ms  # the entry's "now": PartitionWindows.change, inline
-        now = ts if stream_ms is None or ts > stream_ms else stream_ms
-        change = windows.open[self.name].change(ctx.key, ts, value, ctx.entry_id, now)
+        change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
         if change.late and self.late == "dlq":
             raise LateEntry(
                 f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "

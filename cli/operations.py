@@ -391,8 +391,9 @@ def app_delete(
     """Remove everything of APP from the server; APP must be stopped.
 
     Its consumer group on every stream of its topics (a retired app's group holds retention for
-    ever), its leases, members, state backups and their logs, outbox replay requests and record.
-    The stores under its workers' state dirs stay: delete those folders where they are.
+    ever), its leases, members, state backups and their logs, outbox replay requests and record,
+    and the re-keying topics its streams created (group_by) that no other app reads. The stores
+    under its workers' state dirs stay: delete those folders where they are.
     """
     service = service_for(obj, broker, None, None)
     preview = service.retire.delete_app(app, force=force, dry_run=True)
@@ -414,6 +415,8 @@ def app_delete(
         click.echo(f"  group {app} of {stream}")
     for name in result.keys:
         click.echo(f"  key {name}")
+    for topic in result.managed_topics:
+        click.echo(f"  topic {topic} (its streams' re-keying topic)")
 
 
 @app_group.command(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pspf.app import App
     from pspf.context import Context, TimerContext
+    from pspf.dataflow import Stream, agg
     from pspf.errors import (
         BrokerError,
         ConfigError,
@@ -49,6 +50,8 @@ _WHERE = {
     "TimerContext": "pspf.context",
     "Worker": "pspf.worker",
     "WrongPartition": "pspf.errors",
+    "agg": "pspf.dataflow",
+    "Stream": "pspf.dataflow",
 }
 
 __all__ = [
@@ -66,10 +69,12 @@ __all__ = [
     "RetryPolicy",
     "Settings",
     "StateError",
+    "Stream",
     "TimerContext",
     "Worker",
     "WrongPartition",
     "__version__",
+    "agg",
 ]
 
 

@@ -21,6 +21,7 @@ import msgspec
 
 from pspf.codec import StateDecoder, ValueDecoder
 from pspf.context import Context, TimerContext
+from pspf.dataflow import Dataflow, Runner, Source, Stream
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
@@ -157,6 +158,9 @@ class App:
         self.callbacks: dict[str, Callback] = {}
         self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
         self.hooks = hooks
+        #: the chains of ``stream``; each topic's root runs as one of the topic's consumers
+        self.dataflow = Dataflow(self.name, self._chain_window, self._stream_added)
+        self._streams: dict[str, Runner] = {}
 
     def handler(
         self,
@@ -217,6 +221,52 @@ class App:
             non_retryable=(Exception,),
         )
         return table
+
+    def stream(self, topic: str, value_type: Any = None) -> Stream:
+        """The stream of ``topic``'s entries, for chains of steps (``pspf.dataflow``).
+
+        The app reads the topic (one stream per topic: a second call returns the same); its
+        entries are decoded into ``value_type`` (a msgspec type; None: any JSON). A topic may
+        have a stream beside its handler and windows: all run as the entry's one attempt.
+        """
+        check_name("topic", topic)
+        self._check_not_table(topic, "a stream")
+        if value_type is not None:
+            try:
+                ValueDecoder(value_type)
+            except TypeError as exc:
+                raise ConfigError(
+                    f"app {self.name!r}, stream {topic!r}: msgspec cannot decode into {value_type!r}: {exc}"
+                ) from None
+        own = self._own.get(topic)
+        if own is not None and own.is_async:
+            raise ConfigError(
+                f"app {self.name!r}, topic {topic!r}: a stream cannot share the topic with the async "
+                f"handler {own.func.__qualname__}: they run as one attempt, so the handler must be a "
+                "plain def"
+            )
+        return Stream(self.dataflow, self.dataflow.source(topic, value_type, managed=False))
+
+    def _stream_added(self, source: Source) -> None:
+        self._check_not_table(source.topic, "a stream")
+        if source.topic not in self._streams:
+            self._streams[source.topic] = Runner(source)
+        self._combine(source.topic)
+
+    def _chain_window(self, aggregation: Aggregation) -> None:
+        """Add a chain's window (``Stream.window(...).agg``) to the app's windows."""
+        self._window_name(aggregation.topic, aggregation.func, aggregation.name)
+        self.windows[aggregation.name] = aggregation
+
+    @property
+    def managed_topics(self) -> list[str]:
+        """The topics the app's ``group_by`` steps write (it creates them when missing)."""
+        return self.dataflow.managed_topics
+
+    def compile(self) -> None:
+        """Compile the app's streams: raise ``ConfigError`` for a chain that cannot run."""
+        for runner in self._streams.values():
+            runner.compile()
 
     def global_table(self, topic: str, value_type: Any = None) -> Table:
         """Declare a global table built from ``topic`` (any partition count), looked up by any key.
@@ -338,7 +388,7 @@ class App:
 
     def windows_of(self, topic: str) -> list[Aggregation]:
         """The windows of ``topic``, in the order declared."""
-        return [w for w in self.windows.values() if w.topic == topic]
+        return [w for w in self.windows.values() if w.topic == topic and not w.chained]
 
     def _window_name(self, topic: str, func: Callable[..., Any], name: str | None) -> str:
         """The name of a new window of ``topic``: valid, and no other window's."""
@@ -366,6 +416,11 @@ class App:
                 f"{func} cannot be a second one"
             )
         windows = self.windows_of(topic)
+        if topic in self._streams and handler.is_async:
+            raise ConfigError(
+                f"app {self.name!r}, topic {topic!r}: the async handler {func} cannot share the topic "
+                "with its stream: they run as one attempt, so the handler must be a plain def"
+            )
         if windows and handler.is_async:
             raise ConfigError(
                 f"app {self.name!r}, topic {topic!r}: the async handler {func} cannot share the topic "
@@ -403,14 +458,17 @@ class App:
 
     def _combine(self, topic: str) -> None:
         """Make ``handlers[topic]`` what the topic's entries run (see the module docstring)."""
-        own, windows = self._own.get(topic), self.windows_of(topic)
-        if not windows:
+        own, windows, runner = self._own.get(topic), self.windows_of(topic), self._streams.get(topic)
+        if not windows and runner is None:
             assert own is not None
             self.handlers[topic] = own
             return
         calls: list[tuple[Callable[[Any, Context], None], Any]] = [(w.handler, w.value_type) for w in windows]
         if own is not None:
             calls.insert(0, (own.func, own.decoder.value_type))
+        if runner is not None:
+            value_type = runner.source.value_type
+            calls.append((runner, Any if value_type is None else value_type))
         types: list[Any] = []
         for _, value_type in calls:
             if value_type not in types:

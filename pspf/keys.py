@@ -68,6 +68,8 @@ LARGE_VALUE_NAMESPACES = frozenset({OUTBOX_NAMESPACE})
 WINDOWS_NAMESPACE = "__windows"
 TIME_NAMESPACE = "__time"
 STREAM_TIME = "stream"
+#: In ``TIME_NAMESPACE``: "stream/NAME", the stream time of a window that keeps its own (a dataflow's).
+WINDOW_TIME_PREFIX = "stream/"
 #: In ``TIME_NAMESPACE``: "timer/NAME", the start of the last period an ``@app.timer`` ran in.
 TIMER_PREFIX = "timer/"
 #: Callbacks handlers scheduled (``ctx.schedule``), by "name/key"; when each key's state expires
@@ -239,6 +241,11 @@ def window_key(topic: str, name: str, kind: str, key: str, a: int, b: int | str)
 def window_prefix(topic: str, name: str, kind: str) -> str:
     """What every ``window_key`` of one window and kind starts with."""
     return f"{topic}:{name}/{kind}/"
+
+
+def window_time_key(name: str) -> str:
+    """The ``TIME_NAMESPACE`` key of the stream time a window keeps of its own."""
+    return f"{WINDOW_TIME_PREFIX}{name}"
 
 
 def split_window_key(stored: str) -> WindowKey:

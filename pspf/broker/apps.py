@@ -33,13 +33,17 @@ class Apps:
         partitions: int,
         tables: list[str] | None = None,
         global_tables: list[str] | None = None,
+        managed: list[str] | None = None,
     ) -> None:
         """Record what an app reads, so operators can find its state by app name alone.
 
         ``tables``: those of ``topics`` the app reads as tables; ``global_tables``: the topics it
-        reads whole into each worker's own store (None leaves the record's as is).
+        reads whole into each worker's own store (None leaves the record's as is); ``managed``:
+        the topics its streams re-key through, which it created and ``pspf app delete`` deletes.
         """
         mapping: dict[str, str | int] = {"topics": ",".join(topics), "partitions": partitions}
+        if managed is not None:
+            mapping["managed"] = ",".join(managed)
         if tables is not None:
             mapping["tables"] = ",".join(tables)
         if global_tables is not None:
@@ -58,6 +62,12 @@ class Apps:
         with self.conn.translate_errors():
             raw = self.conn.client.hget(keys.app_key(app), "sink")
         return _text(raw) if raw else None
+
+    def app_managed(self, app: str) -> list[str]:
+        """The re-keying topics an app's streams write and read (created by it), as last recorded."""
+        with self.conn.translate_errors():
+            raw = self.conn.client.hget(keys.app_key(app), "managed")
+        return [t for t in _text(raw).split(",") if t] if raw else []
 
     def app_tables(self, app: str) -> list[str]:
         """The topics an app reads as tables (co-partitioned), as its workers last recorded."""

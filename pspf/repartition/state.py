@@ -91,19 +91,21 @@ def split(
 ) -> list[dict[bytes, bytes]]:
     """The new partitions' backup values from the old partitions' (``field`` -> value pages).
 
-    A stream time goes to the new partitions that get any of its partition's state, and the
-    largest of those reaching one partition wins.
+    A stream time (the partition's, or a window's own) goes to the new partitions that get any
+    of its partition's state, and the largest of those reaching one partition wins.
     """
     routed: list[dict[bytes, bytes]] = [{} for _ in range(count)]
-    times: list[bytes | None] = [None] * count
+    times: list[dict[bytes, bytes]] = [{} for _ in range(count)]
     counters: tuple[int, int] | None = None
     for pages in sources:
         reached: set[int] = set()
-        stream_time: bytes | None = None
+        stream_times: dict[bytes, bytes] = {}
         for name, value in pages:
             namespace, key = split_field(name)
-            if namespace == keys.TIME_NAMESPACE and key == keys.STREAM_TIME:
-                stream_time = value
+            if namespace == keys.TIME_NAMESPACE and (
+                key == keys.STREAM_TIME or key.startswith(keys.WINDOW_TIME_PREFIX)
+            ):
+                stream_times[name] = value
                 continue
             if namespace == keys.OUTBOX_META_NAMESPACE and key == OUTBOX_COUNTERS:
                 row_id, _, seq = value.decode().partition("/")
@@ -113,12 +115,11 @@ def split(
             for q in new_partitions(namespace, key, count, entry_key):
                 routed[q][name] = value
                 reached.add(q)
-        if stream_time is not None:
+        for name, stream_time in stream_times.items():
             for q in reached or range(count):
-                times[q] = _later(times[q], stream_time)
-    for q, time in enumerate(times):
-        if time is not None:
-            routed[q][field(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = time
+                times[q][name] = _later(times[q].get(name), stream_time)
+    for q, found in enumerate(times):
+        routed[q].update(found)
         if counters is not None:
             # Targets drop an emitted row whose sequence is not above the last they recorded for
             # its (app, source partition): every new partition goes on above every old one's.

@@ -505,6 +505,8 @@ class AppRemoval(msgspec.Struct, frozen=True, kw_only=True):
     #: keys deleted: leases, fences, state backups and their logs, members, outbox replays, record
     keys: list[str]
     dry_run: bool
+    #: the re-keying topics its streams created (``group_by``), deleted with it
+    managed_topics: list[str] = []
 
 
 class AppReset(msgspec.Struct, frozen=True, kw_only=True):

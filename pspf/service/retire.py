@@ -58,11 +58,31 @@ class Retiring(Family):
             keys.app_key(app),
         ]
         found = self.broker.topics.existing_keys([*per_partition, *per_app])
+        managed = self._managed_alone(app)
         if not dry_run:
             self.broker.apps.delete_app(app, groups, found)
+            for topic in managed:
+                self.delete_topic(topic)
         return AppRemoval(
-            app=app, topics=topics, partitions=partitions, groups=groups, keys=found, dry_run=dry_run
+            app=app,
+            topics=topics,
+            partitions=partitions,
+            groups=groups,
+            keys=found,
+            dry_run=dry_run,
+            managed_topics=managed,
         )
+
+    def _managed_alone(self, app: str) -> list[str]:
+        """The re-keying topics ``app`` created that exist and no other app reads: they go with it."""
+        others = [other for other in self.broker.apps.list_apps() if other != app]
+        alone = []
+        for topic in self.broker.apps.app_managed(app):
+            if not self.broker.topics.existing_keys([keys.topic_key(topic)]):
+                continue
+            if not any(topic in self.broker.apps.app_topics(other) for other in others):
+                alone.append(topic)
+        return alone
 
     def delete_topic(self, topic: str, dry_run: bool = False) -> TopicRemoval:
         """Remove ``topic``: its streams (entries, groups), DLQs, producer records and record.

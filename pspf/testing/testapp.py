@@ -127,10 +127,12 @@ class TestApp:
     ) -> None:
         if not app.handlers:
             raise ConfigError(f"app {app.name!r} has no handlers")
+        app.compile()
         settings = settings or Settings.load({}, environ={})
         self.app = app
         counts = dict.fromkeys([*app.topics, *app.global_tables], partitions)
-        counts.update(dict.fromkeys((w.emit_to for w in app.windows.values()), partitions))
+        counts.update(dict.fromkeys((w.emit_to for w in app.windows.values() if not w.chained), partitions))
+        counts.update(dict.fromkeys(app.dataflow.outputs, partitions))
         counts.update(topics or {})
         if len({counts[topic] for topic in app.topics}) > 1:
             raise ConfigError(f"the topics of app {app.name!r} must have the same partition count")

@@ -73,6 +73,10 @@ class Aggregation:
         self._acc_decode = self._acc_decoder.decode
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
         self._timestamp = timestamp_reader(where, timestamp)
+        #: a dataflow's window (``pspf.dataflow``): its values come from its chain, not from the
+        #: topic's entries, and it keeps a stream time of its own (they may come through a
+        #: re-keying topic, after the partition's other entries); else the partition's
+        self.chained = False
 
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
@@ -94,6 +98,19 @@ class Aggregation:
 
     def value(self, raw: bytes) -> Any:
         return self._value_decoder.decode(raw)
+
+    def closed(
+        self,
+        emitter: Emitter,
+        window: tuple[str, int, int],
+        acc: bytes,
+        source: tuple[str, bytes],
+        partition: int,
+    ) -> list[Emitted]:
+        """What a closed window emits: ``{"key", "start", "end", "value"}`` to ``emit_to``."""
+        key, start, end = window
+        value = {"key": key, "start": start, "end": end, "value": self.result(acc)}
+        return [emitter.result(self.emit_to, key, value, source, partition)]
 
     def handler(self, value: Any, ctx: Context) -> None:
         """What the entry's attempt runs for this window: it computes the entry's window changes.
@@ -137,6 +154,11 @@ class PartitionWindows:
         self.stream_ms: int | None = None
         #: the entry that last moved stream time: results name it as their source
         self.source: tuple[str, bytes] = ("", b"0-0")
+        #: the stream times of the windows that keep their own (``Aggregation.chained``), by
+        #: name: (ms, source); and those moved since the last commit
+        self.own: dict[str, tuple[int, tuple[str, bytes]]] = {}
+        self._chained = frozenset(name for name, a in aggregations.items() if a.chained)
+        self._own_moved: set[str] = set()
         #: store writes that move adopted state from a topic's key to its window's (``load``)
         self._moved: dict[tuple[str, str], bytes | None] = {}
         self._time_moved = False
@@ -161,6 +183,11 @@ class PartitionWindows:
         if raw is not None:
             stream_ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
             windows.stream_ms, windows.source = stream_ms, (topic, entry_id)
+        for name, aggregation in aggregations.items():
+            raw = store.get(keys.TIME_NAMESPACE, keys.window_time_key(name)) if aggregation.chained else None
+            if raw is not None:
+                ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
+                windows.own[name] = (ms, (topic, entry_id))
         by_topic: dict[str, list[str]] = {}
         for name, aggregation in aggregations.items():
             by_topic.setdefault(aggregation.topic, []).append(name)
@@ -200,9 +227,14 @@ class PartitionWindows:
 
     def change(self, aggregation: Aggregation, key: str, ts: int, value: Any, entry_id: bytes) -> Change:
         """The windows ``value`` at ``ts`` changes (nothing applied yet: see ``apply``)."""
-        stream_ms = self.stream_ms
+        stream_ms = self.stream_ms if not aggregation.chained else self.time_of(aggregation.name)
         now = ts if stream_ms is None or ts > stream_ms else stream_ms
         return self.open[aggregation.name].change(key, ts, value, entry_id, now)
+
+    def time_of(self, name: str) -> int | None:
+        """The stream time of a window that keeps its own."""
+        own = self.own.get(name)
+        return None if own is None else own[0]
 
     def apply(self, changes: list[Change]) -> None:
         """Make an entry's changes the partition's (its attempt returned), in order."""
@@ -212,7 +244,12 @@ class PartitionWindows:
                 self.late[name] = self.late.get(name, 0) + 1
                 continue
             ts = change.ts
-            if self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
+            if name in self._chained:
+                own = self.own.get(name)
+                if own is None or ts > own[0]:
+                    self.own[name] = (ts, (self.aggregations[name].topic, change.entry_id))
+                    self._own_moved.add(name)
+            elif self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
                 self.stream_ms, self._time_moved = ts, True
                 self.source = (self.aggregations[name].topic, change.entry_id)
             self.open[name].apply(change)
@@ -237,6 +274,9 @@ class PartitionWindows:
             found[(keys.TIME_NAMESPACE, keys.STREAM_TIME)] = msgspec.msgpack.encode(
                 (self.stream_ms, *self.source)
             )
+        for name in self._own_moved:
+            ms, source = self.own[name]
+            found[(keys.TIME_NAMESPACE, keys.window_time_key(name))] = msgspec.msgpack.encode((ms, *source))
         return found
 
     def committed(self) -> None:
@@ -245,6 +285,7 @@ class PartitionWindows:
             state.dirty = {}
         self._moved = {}
         self._time_moved = False
+        self._own_moved = set()
 
     def advance(self, ms: int, source: tuple[str, bytes]) -> None:
         """Entries of a plain handler, up to ``source`` at ``ms``, were applied."""
@@ -258,15 +299,18 @@ class PartitionWindows:
 
         Their state goes in the same commit (``writes``), with what no open window needs any more.
         """
-        now = self.stream_ms
-        if now is None:
-            return []
         results: list[Emitted] = []
         for name, state in self.open.items():
             aggregation = self.aggregations[name]
+            now, source = (
+                self.own.get(name, (None, self.source))
+                if aggregation.chained
+                else (self.stream_ms, self.source)
+            )
+            if now is None:
+                continue
             for key, start, end, acc in state.close(now):
-                value = {"key": key, "start": start, "end": end, "value": aggregation.result(acc)}
-                results.append(emitter.result(aggregation.emit_to, key, value, self.source, partition))
+                results += aggregation.closed(emitter, (key, start, end), acc, source, partition)
         return results
 
     def idle_close_due(self, idle_s: float, now: float) -> bool:
@@ -275,7 +319,18 @@ class PartitionWindows:
 
     def advance_to_close_all(self) -> None:
         """Move stream time to where every open window is closed (an idle partition)."""
-        ends = [c for s in self.open.values() for c, *_ in s.closing]
+        ends = []
+        for name, state in self.open.items():
+            if not state.closing:
+                continue
+            last = max(c for c, *_ in state.closing)
+            if not self.aggregations[name].chained:
+                ends.append(last)
+                continue
+            ms, source = self.own.get(name, (None, ("", b"0-0")))
+            if ms is None or last > ms:
+                self.own[name] = (last, source)
+                self._own_moved.add(name)
         if not ends:
             return
         target = max(ends)

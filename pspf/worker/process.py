@@ -156,6 +156,7 @@ class Worker:
     ) -> None:
         if not app.handlers:
             raise ConfigError(f"app {app.name!r} has no handlers")
+        app.compile()
         self.app = app
         self.settings = settings
         self.consumer = settings.consumer.consumer_name or default_consumer_name()
@@ -300,6 +301,36 @@ class Worker:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _managed_topics(self, managed: list[str], counts: dict[str, int]) -> dict[str, int]:
+        """Create the app's re-keying topics that are missing, with the app's partition count.
+
+        Refused (ConfigError, one line) when one exists with another count: its keys would land
+        in partitions whose state is not theirs.
+        """
+        if not managed:
+            return {}
+        if not counts:
+            raise ConfigError(
+                f"app {self.app.name!r} reads only re-keying topics ({', '.join(managed)}): "
+                "it needs a topic of its own"
+            )
+        partitions = next(iter(counts.values()))
+        found = {}
+        for topic in managed:
+            try:
+                existing = self.broker.topics.topic_partitions(topic)
+            except NotFound:
+                self.broker.topics.create_topic(topic, partitions)
+                log.info("created the re-keying topic %s with %s partitions", topic, partitions)
+                existing = partitions
+            if existing != partitions:
+                raise ConfigError(
+                    f"app {self.app.name!r}: the re-keying topic {topic!r} (group_by) has {existing} "
+                    f"partitions, the app's topics {partitions}: give group_by another topic, or delete it"
+                )
+            found[topic] = existing
+        return found
+
     def start(self) -> None:
         """What ``run`` does first: check the server, the topics, the state dir; create the groups.
 
@@ -310,10 +341,13 @@ class Worker:
         for warning in info.warnings:
             log.warning("weaker guarantee: %s", warning)
         eviction_checked = self.broker.conn.check_eviction()
+        managed = self.app.managed_topics
         counts = {
             topic: partition_count(self.broker.topics, topic, app=self.app.name).partitions
             for topic in self.app.topics
+            if topic not in managed
         }
+        counts.update(self._managed_topics(managed, counts))
         check_table_partitions(self.app.name, list(self.app.tables), counts)
         if len(set(counts.values())) > 1:
             raise ConfigError(
@@ -323,11 +357,20 @@ class Worker:
         self._partitions = next(iter(counts.values()))
         self.lease_round.started(self._partitions, eviction_checked)
         for aggregation in self.app.windows.values():
+            if aggregation.chained:
+                continue  # its results go where its chain says: checked with the chains' outputs
             try:
                 self.broker.topics.topic_partitions(aggregation.emit_to)
             except NotFound as exc:
                 where = f"window {aggregation.name!r} of topic {aggregation.topic!r}"
                 raise NotFound(f"{where} emits to a missing topic: {exc}") from None
+        for topic in self.app.dataflow.outputs:
+            try:
+                self.broker.topics.topic_partitions(topic)
+            except NotFound as exc:
+                raise NotFound(
+                    f"a stream of app {self.app.name!r} publishes to a missing topic (to): {exc}"
+                ) from None
         self._check_state_dir()
         self._check_app_record()
         # A group is created from --start-from only for a topic the app never read before. One
@@ -341,7 +384,7 @@ class Worker:
                     self.broker.apps.ensure_group(stream, self.app.name, start_id)
                     self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
         self.broker.apps.register_app(
-            self.app.name, self.app.topics, self._partitions, *self.app.table_topics()
+            self.app.name, self.app.topics, self._partitions, *self.app.table_topics(), managed=managed
         )
         self.processor.start_tables(self._partitions, self._global_tables())
         log.info(
@@ -408,7 +451,9 @@ class Worker:
                 result = self.processor.run_once(block=not until_idle, block_ms=max(0, until_round_ms))
                 if failures or self._memory_episode.since is not None:
                     self._settle(summary)  # the server took the writes only once their reply says so
-                finished = until_idle and result.idle and self._others_drained()
+                # rows published this cycle may be to a topic the app reads (a group_by's): one
+                # more look reads them
+                finished = until_idle and result.idle and not result.published and self._others_drained()
                 if failures and self.metrics is not None:
                     self.metrics.broker_lost(False)
                 self._memory_episode.over()

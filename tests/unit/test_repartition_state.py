@@ -77,6 +77,25 @@ def test_split_routes_every_value_once_and_the_latest_stream_time_wins() -> None
         assert part[field(keys.TIME_NAMESPACE, keys.STREAM_TIME)] == stream_time(9_000)
 
 
+def test_a_chains_window_keeps_its_own_stream_time_through_a_split() -> None:
+    """A dataflow window's stream time ("stream/NAME") is carried like the partition's, by name."""
+    own = field(keys.TIME_NAMESPACE, keys.window_time_key("orders.window-1"))
+    other = field(keys.TIME_NAMESPACE, keys.window_time_key("w2"))
+    old = [
+        [(field(keys.STATE_NAMESPACE, "u1"), b"1"), (own, stream_time(3)), (other, stream_time(50))],
+        [(field(keys.STATE_NAMESPACE, "u2"), b"2"), (own, stream_time(8))],
+    ]
+    new = split(old, 3, no_entries)
+    of_u1 = keys.partition_for(b"u1", 3)
+    of_u2 = keys.partition_for(b"u2", 3)
+    for q, part in enumerate(new):
+        expected = {of_u1: stream_time(3), of_u2: stream_time(8)}
+        if of_u1 == of_u2:
+            expected = {of_u1: stream_time(8)}
+        assert part.get(own) == expected.get(q)
+        assert part.get(other) == (stream_time(50) if q == of_u1 else None)
+
+
 def test_a_merge_keeps_the_stream_time_of_the_sources_it_got_state_from() -> None:
     """A source with no state (a quiet partition) still hands its stream time to every new one."""
     key_a = next(f"a{i}" for i in range(1000) if keys.partition_for(f"a{i}".encode(), 2) == 0)

@@ -1,0 +1,153 @@
+"""Stream apps (``app.stream``) against a real server: re-keying topics, windows, exact outputs."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import textwrap
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from pspf import App, ConfigError, Settings, Worker, agg, windows
+from pspf.cli import cli
+from pspf.keys import stream_key
+from pspf.service import Service
+from tests.conftest import Names, pspf_command, subprocess_env
+from tests.integration.test_emit import outputs
+
+pytestmark = pytest.mark.integration
+
+MINUTE = 60_000
+T0 = 1_700_000_040_000 - 1_700_000_040_000 % MINUTE
+
+
+def spend_app(name: str, orders: str, by_customer: str, out: str) -> App:
+    """The first pipeline of the dataflow how-to.
+
+    Re-keying interleaves the source partitions' entries in the re-keying topic by when each
+    was published, not by event time: the grace period covers that.
+    """
+    app = App(name)
+    (
+        app.stream(orders)
+        .filter(lambda o: o["qty"] > 0)
+        .map(lambda o: {"customer": o["customer"], "amount": o["qty"] * o["price"], "ts": o["ts"]})
+        .group_by(lambda v: v["customer"], topic=by_customer)
+        .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts", grace=timedelta(minutes=10))
+        .agg(total=agg.Sum("amount"), n=agg.Count())
+        .to(out)
+    )
+    return app
+
+
+def make_orders(count: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "oid": f"o{i}",
+            "customer": f"c{rng.randrange(12)}",
+            "qty": rng.randrange(-1, 4),
+            "price": rng.randrange(1, 50),
+            "ts": T0 + i * 500 + rng.randrange(400),  # in order per producer: none late
+        }
+        for i in range(count)
+    ]
+
+
+def expected_spend(orders: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(customer, window start) -> (total, n) of every window of ``orders``."""
+    found: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
+    for o in orders:
+        if o["qty"] > 0:
+            window = found[(o["customer"], o["ts"] - o["ts"] % MINUTE)]
+            window[0] += o["qty"] * o["price"]
+            window[1] += 1
+    return {k: (v[0], v[1]) for k, v in found.items()}
+
+
+def closing_orders(orders: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One order per customer an hour on: its stream time closes every window of ``orders``."""
+    customers = sorted({o["customer"] for o in orders})
+    return [
+        {"oid": f"close-{c}", "customer": c, "qty": 1, "price": 1, "ts": T0 + 3_600_000} for c in customers
+    ]
+
+
+def test_the_spend_pipeline_creates_its_re_keying_topic_and_emits_every_closed_window_once(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    rclient: redis.Redis,
+    service: Service,
+    names: Names,
+    redis_url: str,
+) -> None:
+    orders_topic, out = make_topic(3), make_topic(2)
+    by_customer = f"{orders_topic}-by-customer"
+    orders = make_orders(600, seed=7)
+    produce(orders_topic, [(o["oid"], o) for o in orders])
+    app_name = names.app()
+    summary = Worker(spend_app(app_name, orders_topic, by_customer, out), make_settings()).run(
+        until_idle=True
+    )
+    assert outputs(rclient, out, 2) == []  # every window is in its grace period still
+    produce(orders_topic, [(o["oid"], o) for o in closing_orders(orders)])
+    again = Worker(spend_app(app_name, orders_topic, by_customer, out), make_settings()).run(until_idle=True)
+    assert summary.dead_lettered == again.dead_lettered == again.late == 0
+    assert len(service.topics.describe_topic(by_customer).partitions) == 3
+    assert by_customer in [t.name for t in service.topics.list_topics()]
+    rekeyed = outputs(rclient, by_customer, 3)
+    assert len(rekeyed) == sum(1 for o in orders if o["qty"] > 0) + len(closing_orders(orders))
+    results = [o["value"] for o in outputs(rclient, out, 2)]
+    got = {(r["key"], r["start"]): (r["total"], r["n"]) for r in results}
+    assert len(got) == len(results)  # each window once
+    assert got == expected_spend(orders)
+    assert all(r["end"] == r["start"] + MINUTE for r in results)
+
+    removed = CliRunner().invoke(cli, ["app", "delete", app_name, "--yes", "--broker", redis_url])
+    assert removed.exit_code == 0, removed.output
+    assert f"topic {by_customer}" in removed.output
+    assert by_customer not in [t.name for t in service.topics.list_topics()]
+    assert rclient.exists(stream_key(by_customer, 0)) == 0
+
+
+def test_a_re_keying_topic_with_another_partition_count_is_refused_in_one_line(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    names: Names,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    orders_topic, out, by_customer = make_topic(2), make_topic(1), make_topic(3)
+    with pytest.raises(ConfigError, match=rf"re-keying topic '{by_customer}' \(group_by\) has 3 partitions"):
+        Worker(spend_app(names.app(), orders_topic, by_customer, out), make_settings()).start()
+    module = tmp_path / "rekey_app.py"
+    module.write_text(
+        textwrap.dedent(
+            f"""
+            from tests.integration.test_dataflow import spend_app
+            main = spend_app("{names.app()}", "{orders_topic}", "{by_customer}", "{out}")
+            """
+        )
+    )
+    state = str(tmp_path / "s")
+    done = subprocess.run(
+        [*pspf_command("run", "rekey_app:main", "--broker", redis_url), "--until-idle", "--state-dir", state],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=subprocess_env(PYTHONPATH=f"{tmp_path}:{Path(__file__).resolve().parents[2]}"),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "has 3 partitions, the app's topics 2" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,357 @@
+"""The dataflow API (``app.stream``) on ``TestApp``: each step, the aggregations, windows, re-keying."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import pytest
+
+from pspf import App, ConfigError, Context, agg, windows
+from pspf.testing import TestApp
+
+START = 1_704_067_200_000  # TestApp's clock: 2024-01-01T00:00:00Z
+MINUTE = 60_000
+
+
+class Order(msgspec.Struct):
+    oid: str
+    customer: str
+    qty: int
+    price: float
+    ts: int
+
+
+def order(oid: str, customer: str, qty: int, price: float, ts: int) -> dict[str, Any]:
+    return {"oid": oid, "customer": customer, "qty": qty, "price": price, "ts": ts}
+
+
+def test_stateless_steps_run_in_order_and_each_branch_gets_every_value() -> None:
+    app = App("steps")
+    seen: list[Any] = []
+    nums = app.stream("nums")
+    doubled = nums.filter(lambda v: v["n"] > 0).map(lambda v: v["n"] * 2)
+    doubled.update(seen.append).to("doubled")
+    doubled.flat_map(lambda n: [n, n + 1]).to("spread")
+    nums.map(lambda v, ctx: f"{ctx.key}:{v['n']}").to("labelled")
+    with TestApp(app) as t:
+        for n in (1, -1, 3):
+            t.send("nums", {"n": n}, key=f"k{n}")
+        assert t.emitted("doubled") == [2, 6]
+        assert seen == [2, 6]
+        assert t.emitted("spread") == [2, 3, 6, 7]
+        assert t.emitted("labelled") == ["k1:1", "k-1:-1", "k3:3"]
+        assert [e.key for e in t.emitted_entries("doubled")] == ["k1", "k3"]
+
+
+def test_to_with_a_key_function_or_field_re_keys_the_output() -> None:
+    app = App("tokeys")
+    s = app.stream("in")
+    s.to("by-fn", key=lambda v: v["user"].upper())
+    s.to("by-field", key="user")
+    with TestApp(app) as t:
+        t.send("in", {"user": "ann"}, key="x")
+        assert [e.key for e in t.emitted_entries("by-fn")] == ["ANN"]
+        assert [e.key for e in t.emitted_entries("by-field")] == ["ann"]
+
+
+def test_apply_keeps_the_keys_state_with_the_entry() -> None:
+    app = App("running")
+
+    def running(value: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        state["sum"] = state.get("sum", 0) + value["n"]
+        return {"n": value["n"], "sum": state["sum"]}
+
+    app.stream("nums").apply(running).to("sums")
+    with TestApp(app) as t:
+        for n in (1, 2, 3):
+            t.send("nums", {"n": n}, key="a")
+        t.send("nums", {"n": 10}, key="b")
+        assert [v["sum"] for v in t.emitted("sums")] == [1, 3, 6, 10]
+        assert t.state("a") == {"sum": 6}
+
+
+def test_a_failing_step_fails_the_entry_and_nothing_of_it_is_kept() -> None:
+    app = App("failing")
+
+    def boom(value: dict[str, Any]) -> dict[str, Any]:
+        if value["n"] == 2:
+            raise ValueError("two")
+        return value
+
+    def count(value: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        state["n"] = state.get("n", 0) + 1
+        return value
+
+    app.stream("nums").apply(count).map(boom).to("out")
+    with TestApp(app) as t:
+        for n in (1, 2, 3):
+            t.send("nums", {"n": n}, key="a")
+        assert t.emitted("out") == [{"n": 1}, {"n": 3}]
+        assert t.state("a") == {"n": 2}  # the entry that failed counted nothing
+        [dead] = t.dead_letters("nums")
+        assert "two" in dead.message
+
+
+def test_group_by_re_keys_through_the_managed_topic_and_later_steps_see_the_new_key() -> None:
+    app = App("rekey")
+
+    def per_customer(value: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        state["orders"] = state.get("orders", 0) + 1
+        return value
+
+    (
+        app.stream("orders", value_type=Order)
+        .map(lambda o: {"customer": o.customer, "oid": o.oid})
+        .group_by(lambda v: v["customer"], topic="by-customer")
+        .apply(per_customer)
+        .map(lambda v, ctx: {"key": ctx.key, "oid": v["oid"]})
+        .to("seen")
+    )
+    assert app.managed_topics == ["by-customer"]
+    assert set(app.topics) == {"orders", "by-customer"}
+    with TestApp(app, partitions=3) as t:
+        for i, customer in enumerate(["c1", "c2", "c1", "c3", "c1"]):
+            t.send("orders", order(f"o{i}", customer, 1, 1.0, START), key=f"o{i}")
+        assert sorted(t.emitted("seen"), key=lambda v: v["oid"]) == [
+            {"key": c, "oid": f"o{i}"} for i, c in enumerate(["c1", "c2", "c1", "c3", "c1"])
+        ]
+        assert t.state("c1") == {"orders": 3}
+        assert t.state("c3") == {"orders": 1}
+        assert {e.key for e in t.emitted_entries("by-customer")} == {"c1", "c2", "c3"}
+
+
+def test_the_first_pipeline_totals_each_customer_per_minute_once_per_window() -> None:
+    app = App("shop")
+    (
+        app.stream("orders", value_type=Order)
+        .filter(lambda o: o.qty > 0)
+        .map(lambda o: {"customer": o.customer, "amount": o.qty * o.price, "ts": o.ts})
+        .group_by(lambda v: v["customer"], topic="shop-by-customer")
+        .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts")
+        .agg(total=agg.Sum("amount"), n=agg.Count())
+        .to("spend-per-minute")
+    )
+    with TestApp(app, partitions=2) as t:
+        t.send("orders", order("1", "c1", 2, 1.5, START + 1_000), key="1")
+        t.send("orders", order("2", "c1", 0, 9.0, START + 2_000), key="2")  # filtered out
+        t.send("orders", order("3", "c1", 1, 4.0, START + 59_999), key="3")
+        t.send("orders", order("4", "c1", 1, 1.0, START + MINUTE), key="4")  # closes c1's first
+        results = t.emitted("spend-per-minute")
+        assert results == [{"key": "c1", "start": START, "end": START + MINUTE, "total": 7.0, "n": 2}]
+        t.advance(timedelta(minutes=5))  # the idle partition's windows close
+        assert t.emitted("spend-per-minute")[1:] == [
+            {"key": "c1", "start": START + MINUTE, "end": START + 2 * MINUTE, "total": 1.0, "n": 1}
+        ]
+
+
+def test_every_aggregation_gives_its_exact_value() -> None:
+    app = App("aggs")
+    (
+        app.stream("m")
+        .window(windows.tumbling(timedelta(seconds=10)), timestamp="ts")
+        .agg(
+            total=agg.Sum("x"),
+            n=agg.Count(),
+            with_y=agg.Count("y"),
+            mean=agg.Mean("x"),
+            low=agg.Min("x"),
+            high=agg.Max("x"),
+            xs=agg.Collect("x"),
+            last=agg.Latest("x"),
+            product=agg.Reduce(1, lambda acc, x: acc * x, field="x"),
+        )
+        .to("out")
+    )
+    with TestApp(app) as t:
+        for ts, x, y in ((1, 4, None), (2, 2, 1), (3, 5, 2), (10_000, 0, None)):
+            t.send("m", {"ts": START + ts, "x": x, "y": y}, key="k")
+        [result] = t.emitted("out")
+    assert result == {
+        "key": "k",
+        "start": START,
+        "end": START + 10_000,
+        "total": 11,
+        "n": 3,
+        "with_y": 2,
+        "mean": 11 / 3,
+        "low": 2,
+        "high": 5,
+        "xs": [4, 2, 5],
+        "last": 5,
+        "product": 40,
+    }
+
+
+def test_emit_update_gives_the_windows_result_after_every_value_and_nothing_at_close() -> None:
+    app = App("updates")
+    (
+        app.stream("m")
+        .window(windows.hopping(timedelta(seconds=20), timedelta(seconds=10)), timestamp="ts")
+        .agg(emit="update", total=agg.Sum("x"))
+        .to("out")
+    )
+    with TestApp(app) as t:
+        t.send("m", {"ts": START + 15_000, "x": 1}, key="k")
+        t.send("m", {"ts": START + 16_000, "x": 2}, key="k")
+        t.send("m", {"ts": START + 95_000, "x": 4}, key="k")  # closes both earlier windows
+        got = [(r["start"] - START, r["total"]) for r in t.emitted("out")]
+    assert got == [(10_000, 1), (0, 1), (10_000, 3), (0, 3), (90_000, 4), (80_000, 4)]
+
+
+def test_a_flat_map_giving_one_window_several_values_of_one_entry_folds_them_all() -> None:
+    app = App("items")
+    (
+        app.stream("baskets")
+        .flat_map(lambda b: [{"ts": b["ts"], "price": p} for p in b["prices"]])
+        .window(windows.tumbling(timedelta(seconds=10)), timestamp="ts")
+        .agg(total=agg.Sum("price"), n=agg.Count())
+        .to("out")
+    )
+    with TestApp(app) as t:
+        t.send("baskets", {"ts": START + 1, "prices": [1, 2, 3]}, key="u")
+        t.send("baskets", {"ts": START + 2, "prices": [10]}, key="u")
+        t.send("baskets", {"ts": START + 20_000, "prices": []}, key="u")  # no value: time stays
+        t.send("baskets", {"ts": START + 20_000, "prices": [0]}, key="u")
+        assert [(r["total"], r["n"]) for r in t.emitted("out")] == [(16, 4)]
+
+
+def test_a_chains_window_keeps_its_own_stream_time_so_a_re_keyed_entry_is_not_late() -> None:
+    """The partition's stream time runs ahead (a plain window on another topic); the chain's does not."""
+    app = App("own-time")
+
+    @app.window("clicks", windows.tumbling(timedelta(seconds=10)), emit_to="click-counts")
+    def clicks(acc: int | None, value: dict[str, Any]) -> int:
+        return (acc or 0) + 1
+
+    (
+        app.stream("orders")
+        .group_by(lambda v: v["customer"], topic="own-time-by-customer")
+        .window(windows.tumbling(timedelta(seconds=10)), timestamp="ts")
+        .agg(n=agg.Count())
+        .to("counts")
+    )
+    with TestApp(app) as t:
+        t.send("clicks", {"c": 1}, key="c1")
+        t.advance(timedelta(hours=1))
+        t.send("clicks", {"c": 2}, key="c1")  # the partition's stream time is now an hour on
+        t.send("orders", {"customer": "a", "ts": START + 1}, key="o1")
+        t.send("orders", {"customer": "a", "ts": START + 10_001}, key="o2")
+        assert t.counts.late == 0
+        assert t.emitted("counts") == [{"key": "a", "start": START, "end": START + 10_000, "n": 1}]
+
+
+def test_late_values_are_dropped_and_counted_or_dead_lettered() -> None:
+    for late, dead in (("drop", 0), ("dlq", 1)):
+        app = App(f"late-{late}")
+        (
+            app.stream("m")
+            .window(windows.tumbling(timedelta(seconds=10)), timestamp="ts", late=late)  # type: ignore[arg-type]
+            .agg(n=agg.Count())
+            .to("out")
+        )
+        with TestApp(app) as t:
+            t.send("m", {"ts": START + 20_000}, key="k")
+            t.send("m", {"ts": START + 1}, key="k")  # its window closed at START + 10,000
+            assert t.counts.late == 1 - dead
+            assert len(t.dead_letters("m")) == dead
+
+
+def test_branching_and_concat_merge_two_streams_of_one_app() -> None:
+    app = App("merge")
+    a = app.stream("a").map(lambda v: {"from": "a", **v})
+    b = app.stream("b").map(lambda v: {"from": "b", **v})
+    a.concat(b).to("both")
+    a.to("only-a")
+    with TestApp(app) as t:
+        t.send("a", {"n": 1}, key="k")
+        t.send("b", {"n": 2}, key="k")
+        t.send("a", {"n": 3}, key="k")
+        assert t.emitted("both") == [{"from": "a", "n": 1}, {"from": "b", "n": 2}, {"from": "a", "n": 3}]
+        assert t.emitted("only-a") == [{"from": "a", "n": 1}, {"from": "a", "n": 3}]
+
+
+def test_a_stream_runs_beside_the_topics_handler_in_one_attempt() -> None:
+    app = App("beside")
+
+    @app.handler("m")
+    def handle(value: dict[str, Any], ctx: Context) -> None:
+        ctx.state["handled"] = ctx.state.get("handled", 0) + 1
+
+    app.stream("m").filter(lambda v: v["ok"]).to("out")
+    with TestApp(app) as t:
+        t.send("m", {"ok": True}, key="k")
+        t.send("m", {"ok": False}, key="k")
+        assert t.state("k") == {"handled": 2}
+        assert t.emitted("out") == [{"ok": True}]
+
+
+def test_bad_values_for_steps_go_to_the_dlq_without_retries() -> None:
+    app = App("bad")
+    app.stream("m").group_by(lambda v: v.get("k"), topic="bad-by-k").to("out")
+    second = windows.tumbling(timedelta(seconds=1))
+    app.stream("w").window(second, timestamp="ts").agg(s=agg.Sum("x")).to("o2")
+    with TestApp(app) as t:
+        t.send("m", {"k": 1.5}, key="a")  # not a str or int
+        t.send("w", {"ts": START, "x": "a string"}, key="a")
+        t.send("w", {"ts": START}, key="a")  # no field x
+        dead = t.dead_letters()
+        assert sorted(d.attempts for d in dead) == [1, 1, 1]
+        assert any("must be a str or an int" in d.message for d in dead)
+        assert any("is not a number" in d.message for d in dead)
+        assert any("has no field 'x'" in d.message for d in dead)
+
+
+@pytest.mark.parametrize(
+    ("declare", "message"),
+    [
+        (lambda s: s.window(windows.tumbling(timedelta(seconds=1))).agg(), "at least one aggregation"),
+        (lambda s: s.window(windows.tumbling(timedelta(seconds=1))).agg(key=agg.Count()), "field of every"),
+        (lambda s: s.window(windows.tumbling(timedelta(seconds=1))).agg(n=len), "from pspf.agg"),
+        (
+            lambda s: s.window(windows.session(timedelta(seconds=1))).agg(r=agg.Reduce(0, max)),
+            "needs merge=",
+        ),
+        (lambda s: s.window(windows.tumbling(timedelta(seconds=1))).agg(emit="often", n=agg.Count()), "emit"),
+        (lambda s: s.map(lambda a, b, c: a), "must take (value) or (value, ctx)"),
+        (lambda s: s.apply(lambda v: v), "must take (value, state)"),
+        (lambda s: s.filter(3), "expected a function"),
+        (lambda s: s.group_by(lambda v: v, topic="bad name!"), "topic"),
+        (lambda s: s.window("tumbling"), "must come from pspf.windows"),
+    ],
+)
+def test_declarations_a_stream_cannot_run_are_refused_at_once(declare: Any, message: str) -> None:
+    app = App("refused")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        declare(app.stream("m"))
+
+
+def test_steps_after_a_final_result_take_no_ctx_and_keep_no_state() -> None:
+    for after in (
+        lambda s: s.map(lambda v, ctx: v).to("out"),
+        lambda s: s.apply(lambda v, state: v).to("out"),
+        lambda s: s.window(windows.tumbling(timedelta(seconds=1))).agg(n=agg.Count()).to("out"),
+    ):
+        app = App("after-final")
+        results = app.stream("m").window(windows.tumbling(timedelta(seconds=1))).agg(n=agg.Count())
+        after(results)
+        with pytest.raises(ConfigError, match="after a final window result"):
+            TestApp(app)
+
+
+def test_one_stream_per_topic_and_window_names_are_unique() -> None:
+    app = App("names")
+    assert app.stream("m")._node is app.stream("m")._node
+    app.stream("m", value_type=Order)
+    with pytest.raises(ConfigError, match="one stream per topic"):
+        app.stream("m", value_type=dict)
+    spec = windows.tumbling(timedelta(seconds=1))
+    app.stream("m").window(spec, name="w").agg(n=agg.Count())
+    with pytest.raises(ConfigError, match="already has a window named 'w'"):
+        app.stream("m").window(spec, name="w").agg(n=agg.Count())
+    app.stream("m").window(spec).agg(n=agg.Count())
+    assert sorted(app.windows) == ["m.window-2", "w"]
+    app.table("t")
+    with pytest.raises(ConfigError, match="already read by a table"):
+        app.stream("t")

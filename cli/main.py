@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
+from pspf.cli.render import json_option, print_json
 from pspf.cli.supervisor import Supervisor
 from pspf.cli.targets import load_app
 from pspf.errors import ConfigError, ParameterError, PSPFError
@@ -401,6 +402,49 @@ def run(ctx: click.Context, /, target: str, until_idle: bool, workers: int, **op
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(run_summary(summary), err=True)
+
+
+@cli.command(epilog="\b\nExample:\n  pspf describe examples.dataflow:main")
+@click.argument("target")
+@json_option
+def describe(target: str, as_json: bool) -> None:
+    """Print the topology of the app TARGET (module:attribute): its topics, steps and outputs.
+
+    Nothing connects to a server: this reads the app's declarations only.
+    """
+    app = load_app(target)
+    app.compile()
+    found = app.describe()
+    if as_json:
+        print_json(found)
+        return
+    click.echo(f"app {found['app']}: reads {', '.join(found['topics'])}")
+    for topic, func in found["handlers"].items():
+        click.echo(f"  handler {func} on {topic}")
+    for name, window in found["windows"].items():
+        click.echo(f"  window {name} on {window['topic']} ({window['kind']}) -> {window['emit_to']}")
+    for kind in ("tables", "global_tables"):
+        for topic in found[kind]:
+            click.echo(f"  {kind[:-1].replace('_', ' ')} {topic}")
+    for root in found["streams"]:
+        managed = ", re-keying topic" if root["managed"] else ""
+        click.echo(f"  stream {root['source']} ({root['value_type']}{managed})")
+        _echo_steps(root["then"], "    ")
+    if found["managed_topics"]:
+        click.echo(f"re-keying topics: {', '.join(found['managed_topics'])}")
+    if found["outputs"]:
+        click.echo(f"outputs: {', '.join(found['outputs'])}")
+
+
+def _echo_steps(steps: list[Any], indent: str) -> None:
+    for step in steps:
+        if isinstance(step, str):
+            click.echo(f"{indent}{step}")
+            continue
+        aggregations = step.get("aggregations")
+        shown = f" {', '.join(f'{k}={v}' for k, v in aggregations.items())}" if aggregations else ""
+        click.echo(f"{indent}{step['step']}{shown}")
+        _echo_steps(step["then"], indent + "  ")
 
 
 def run_settings(obj: CliState, options: dict[str, Any]) -> Settings:

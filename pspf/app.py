@@ -510,6 +510,24 @@ class App:
             *(c.func for c in self.callbacks.values()),
         ]
 
+    def describe(self) -> dict[str, Any]:
+        """The app's topology (``pspf describe``): what it reads, what runs, where results go."""
+        return {
+            "app": self.name,
+            "topics": self.topics,
+            "handlers": {topic: h.func.__qualname__ for topic, h in self._own.items()},
+            "windows": {
+                name: {"topic": w.topic, "kind": w.spec.kind, "emit_to": w.emit_to}
+                for name, w in self.windows.items()
+                if not w.chained
+            },
+            "tables": list(self.tables),
+            "global_tables": list(self.global_tables),
+            "streams": self.dataflow.describe(),
+            "managed_topics": self.managed_topics,
+            "outputs": self.dataflow.outputs,
+        }
+
     def table_topics(self) -> tuple[list[str], list[str]]:
         """The topics it reads as tables, and those it reads as global tables."""
         return list(self.tables), list(self.global_tables)

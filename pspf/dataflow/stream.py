@@ -56,7 +56,7 @@ class Node:
         """The step as ``pspf describe`` shows it."""
         name = getattr(self.func, "__qualname__", None)
         params = ", ".join(
-            f"{k}={_shown(v)}" for k, v in self.params.items() if k not in ("aggregation", "key")
+            f"{k}={_shown(v)}" for k, v in self.params.items() if k != "aggregation" and v is not None
         )
         shown = [part for part in (name, params) if part]
         return f"{self.kind}({', '.join(shown)})"
@@ -132,6 +132,18 @@ class Dataflow:
     def windows_on(self, topic: str) -> int:
         """How many windows the chains on ``topic``'s root declared (names the next one)."""
         return sum(1 for node in _walk(self.sources[topic]) if node.kind == "window")
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each root and the steps under it, nested ``{"step": ..., "then": [...]}`` (``pspf describe``)."""
+        return [
+            {
+                "source": topic,
+                "value_type": _type_name(source.value_type),
+                "managed": source.managed,
+                "then": [_tree(child) for child in source.children],
+            }
+            for topic, source in self.sources.items()
+        ]
 
     @property
     def managed_topics(self) -> list[str]:
@@ -309,7 +321,7 @@ class WindowedStream:
         name = self._name if self._name is not None else f"{topic}.window-{flow.windows_on(topic) + 1}"
         aggregation = ChainWindow(name, topic, self._spec, aggregations, emit, self._timestamp, self._late)
         flow.window(aggregation)
-        window = Node("window", None, False, aggregation=aggregation, emit=emit, name=name)
+        window = Node("window", None, False, aggregation=aggregation, spec=self._spec, emit=emit, name=name)
         flow.add([node], window)
         return Stream(flow, window)
 
@@ -379,7 +391,12 @@ def _key_function(what: str, key: Any, required: bool) -> Callable[..., Any] | N
     if _check_function(what, key, 1):
         return key  # type: ignore[no-any-return]
     one = key
-    return lambda value, ctx: one(value)
+
+    def of_value(value: Any, ctx: Any) -> Any:
+        return one(value)
+
+    of_value.__qualname__ = getattr(key, "__qualname__", repr(key))
+    return of_value
 
 
 def _walk(root: Node) -> Iterable[Node]:
@@ -394,7 +411,28 @@ def _walk(root: Node) -> Iterable[Node]:
         stack.extend(node.children)
 
 
+def _tree(node: Node) -> dict[str, Any]:
+    step: dict[str, Any] = {"step": node.label()}
+    window = node.params.get("aggregation")
+    if window is not None:
+        parts = zip(window.names, window.parts, strict=True)
+        step["aggregations"] = {name: repr(part) for name, part in parts}
+    if node.kind == "group_by":
+        step["then"] = [f"(read back from {node.params['topic']})"]
+    else:
+        step["then"] = [_tree(child) for child in node.children]
+    return step
+
+
+def _type_name(value_type: Any) -> str:
+    if value_type is None:
+        return "any JSON"
+    return getattr(value_type, "__qualname__", repr(value_type))
+
+
 def _shown(value: Any) -> str:
+    if callable(value):
+        return str(getattr(value, "__qualname__", value))
     if isinstance(value, WindowSpec):
         return f"{value.kind}(size={value.size_ms}ms, step={value.step_ms}ms, grace={value.grace_ms}ms)"
     return repr(value)

@@ -355,3 +355,34 @@ def test_one_stream_per_topic_and_window_names_are_unique() -> None:
     app.table("t")
     with pytest.raises(ConfigError, match="already read by a table"):
         app.stream("t")
+
+
+def test_pspf_describe_prints_the_topology_and_refuses_a_chain_that_cannot_run(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from pspf.cli import cli
+
+    shown = CliRunner().invoke(cli, ["describe", "examples.spend_per_minute:main"])
+    assert shown.exit_code == 0, shown.output
+    assert "stream orders (Order)" in shown.output
+    assert "group_by(topic='spend-by-customer', key=<lambda>)" in shown.output
+    assert "total=agg.Sum('amount'), n=agg.Count()" in shown.output
+    assert "re-keying topics: spend-by-customer" in shown.output
+    as_json = CliRunner().invoke(cli, ["describe", "examples.spend_per_minute:main", "--json"])
+    described = msgspec.json.decode(as_json.output)
+    assert described["managed_topics"] == ["spend-by-customer"]
+    assert described["outputs"] == ["spend-per-minute"]
+    (tmp_path / "bad_chain.py").write_text(
+        "from datetime import timedelta\n"
+        "from pspf import App, agg, windows\n"
+        "main = App('bad')\n"
+        "(main.stream('m').window(windows.tumbling(timedelta(seconds=1))).agg(n=agg.Count())\n"
+        " .map(lambda v, ctx: v).to('out'))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    refused = CliRunner().invoke(cli, ["describe", "bad_chain:main"])
+    assert refused.exit_code == 2
+    assert "after a final window result" in refused.output
+    assert "Traceback" not in refused.output

@@ -12,7 +12,18 @@ import pytest
 
 #: path -> names the docs, README and examples use from it
 PUBLIC = {
-    "pspf": ["App", "Context", "Producer", "ProcessorHooks", "RetryPolicy", "Settings", "Worker"],
+    "pspf": [
+        "App",
+        "Context",
+        "Producer",
+        "ProcessorHooks",
+        "RetryPolicy",
+        "Settings",
+        "Stream",
+        "Worker",
+        "agg",
+    ],
+    "pspf.dataflow": ["Stream", "WindowedStream", "agg"],
     "pspf.app": ["App"],
     "pspf.context": ["Context", "TimerContext"],
     "pspf.settings": ["Settings", "RedisSettings", "ConsumerSettings"],

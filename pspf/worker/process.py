@@ -331,6 +331,24 @@ class Worker:
             found[topic] = existing
         return found
 
+    def _check_outputs(self) -> None:
+        """Refuse (NotFound) a window's ``emit_to`` or a stream's ``to`` topic that does not exist."""
+        for aggregation in self.app.windows.values():
+            if aggregation.chained:
+                continue  # its results go where its chain says: checked with the chains' outputs
+            try:
+                self.broker.topics.topic_partitions(aggregation.emit_to)
+            except NotFound as exc:
+                where = f"window {aggregation.name!r} of topic {aggregation.topic!r}"
+                raise NotFound(f"{where} emits to a missing topic: {exc}") from None
+        for topic in self.app.dataflow.outputs:
+            try:
+                self.broker.topics.topic_partitions(topic)
+            except NotFound as exc:
+                raise NotFound(
+                    f"a stream of app {self.app.name!r} publishes to a missing topic (to): {exc}"
+                ) from None
+
     def start(self) -> None:
         """What ``run`` does first: check the server, the topics, the state dir; create the groups.
 
@@ -356,21 +374,7 @@ class Worker:
             )
         self._partitions = next(iter(counts.values()))
         self.lease_round.started(self._partitions, eviction_checked)
-        for aggregation in self.app.windows.values():
-            if aggregation.chained:
-                continue  # its results go where its chain says: checked with the chains' outputs
-            try:
-                self.broker.topics.topic_partitions(aggregation.emit_to)
-            except NotFound as exc:
-                where = f"window {aggregation.name!r} of topic {aggregation.topic!r}"
-                raise NotFound(f"{where} emits to a missing topic: {exc}") from None
-        for topic in self.app.dataflow.outputs:
-            try:
-                self.broker.topics.topic_partitions(topic)
-            except NotFound as exc:
-                raise NotFound(
-                    f"a stream of app {self.app.name!r} publishes to a missing topic (to): {exc}"
-                ) from None
+        self._check_outputs()
         self._check_state_dir()
         self._check_app_record()
         # A group is created from --start-from only for a topic the app never read before. One

@@ -15,7 +15,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from pspf import App, ConfigError, Settings, Worker, agg, windows
+from pspf import App, ConfigError, NotFound, Settings, Worker, agg, windows
 from pspf.cli import cli
 from pspf.keys import stream_key
 from pspf.service import Service
@@ -151,3 +151,13 @@ def test_a_re_keying_topic_with_another_partition_count_is_refused_in_one_line(
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and "has 3 partitions, the app's topics 2" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_missing_output_topic_stops_the_worker_at_start_with_a_clear_error(
+    make_settings: Callable[..., Settings], make_topic: Callable[[int], str], names: Names
+) -> None:
+    orders_topic = make_topic(1)
+    app = spend_app(names.app(), orders_topic, f"{orders_topic}-by", "nowhere")
+    missing = r"publishes to a missing topic \(to\): topic 'nowhere' does not exist"
+    with pytest.raises(NotFound, match=missing):
+        Worker(app, make_settings()).start()

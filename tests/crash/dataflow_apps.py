@@ -1,0 +1,61 @@
+"""The dataflow app the dataflow crash test runs in worker subprocesses
+(``pspf run tests.crash.dataflow_apps:spend``).
+
+The spend pipeline of ``tests.integration.test_dataflow``' ``spend_app`` (the first pipeline of
+the dataflow how-to), step for step: orders with a positive quantity, mapped to their amount,
+re-keyed by customer through a managed topic, summed and counted per customer in tumbling
+one-minute windows (event time: the order's ``ts``, a grace of ten minutes), each closed window's
+result to the output topic. The filter also burns a little CPU per order, so kills land
+mid-stream.
+
+Configured by environment variables, read when ``spend`` is called:
+
+- ``PSPF_TEST_TOPIC``, ``PSPF_TEST_APP``: the orders topic and the app (consumer group) name;
+- ``PSPF_TEST_REKEY``: the re-keying topic (``group_by``; the app creates it);
+- ``PSPF_TEST_TARGET``: the topic the window results go to;
+- ``PSPF_TEST_WORK_US``: microseconds of busy work per order;
+- ``PSPF_TEST_CRASH`` and ``PSPF_TEST_MARKER``: a named crash point ``WHERE:N`` of the outbox
+  relay (``claimed``, ``sent-first``, ``sent-last``) where the process SIGKILLs itself once, and
+  the marker file that says it did (``tests.crash.apps_outbox.RelayCrashHooks``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pspf import App, agg, windows
+from tests.crash.apps_outbox import RelayCrashHooks
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def spend() -> App:
+    env = os.environ
+    work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
+    crash = env.get("PSPF_TEST_CRASH")
+    hooks = RelayCrashHooks(crash, Path(env["PSPF_TEST_MARKER"]), None) if crash else None
+    app = App(env["PSPF_TEST_APP"], hooks=hooks)
+
+    def positive(order: dict[str, Any]) -> bool:
+        if work_s:
+            _busy(work_s)
+        return bool(order["qty"] > 0)
+
+    (
+        app.stream(env["PSPF_TEST_TOPIC"])
+        .filter(positive)
+        .map(lambda o: {"customer": o["customer"], "amount": o["qty"] * o["price"], "ts": o["ts"]})
+        .group_by(lambda v: v["customer"], topic=env["PSPF_TEST_REKEY"])
+        .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts", grace=timedelta(minutes=10))
+        .agg(total=agg.Sum("amount"), n=agg.Count())
+        .to(env["PSPF_TEST_TARGET"])
+    )
+    return app

@@ -28,7 +28,7 @@ from pspf.keys import check_name
 from pspf.tables.table import Table
 from pspf.windows.aggregation import Aggregation
 from pspf.windows.functions import TimestampFunc
-from pspf.windows.kinds import LatePolicy, WindowSpec
+from pspf.windows.kinds import LatePolicy, WindowSpec, kind_of
 from pspf.windows.timers import Timer, check_callback, ms_of
 
 if TYPE_CHECKING:
@@ -363,6 +363,11 @@ class App:
         if emit_to is None:
             raise ConfigError(f"window of topic {topic!r}: emit_to (the topic of its results) is required")
         check_name("topic", emit_to)
+        if isinstance(spec, WindowSpec) and kind_of(spec.kind).by_count:
+            raise ConfigError(
+                f"window of topic {topic!r}: count windows are a step of a stream: "
+                f"app.stream({topic!r}).window(windows.tumbling_count(n)).agg(...)"
+            )
         policy = None if retry is None else retry.validated().over(self.retry)
 
         def register(func: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

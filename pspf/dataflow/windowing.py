@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from pspf.dataflow.agg import Aggregate, AggregationError
 from pspf.errors import LateEntry
 from pspf.windows.aggregation import Aggregation
-from pspf.windows.kinds import WindowSpec
+from pspf.windows.kinds import WindowSpec, kind_of
+from pspf.windows.kinds.counted import times_and_acc
 
 if TYPE_CHECKING:
     from pspf.context import Context
@@ -86,10 +87,19 @@ class ChainWindow(Aggregation):
         self.names = list(aggregates)
         self.parts = parts
         self.emit = emit
+        self.by_count = kind_of(spec.kind).by_count
         #: the steps after it (``pspf.dataflow.run`` sets them): with each update, or at close
         self.after: Step = _nothing
 
     def record(self, key: str, start: int, end: int, acc: bytes) -> dict[str, Any]:
+        """A window's result: its key, bounds and each aggregation's value.
+
+        A count window's bounds are the times of its first and last entries.
+        """
+        if self.by_count:
+            start, end, inner = times_and_acc(acc)
+            assert inner is not None
+            acc = inner
         record: dict[str, Any] = {"key": key, "start": start, "end": end}
         for name, part, value in zip(self.names, self.parts, self.result(acc), strict=True):
             record[name] = part.result(value)

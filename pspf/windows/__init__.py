@@ -14,6 +14,9 @@ Kinds (the bounds a result carries: ``start`` inclusive; ``end`` as noted):
   window just after it, ``[t + 1, t + 1 + size]``, when some entry falls in it; ``end`` inclusive.
   An entry joins every open window it falls in; a window that an entry creates starts from the
   entries already there, folded in arrival order;
+- ``tumbling_count(n)``, ``hopping_count(n, step)`` (streams only: ``Stream.window``): a key's
+  entries ``n`` at a time, closed when full; ``start`` and ``end`` are its first and last entry's
+  times (``kinds.counted``);
 - ``session(gap)``: a key's entries at most ``gap`` apart; an entry that bridges
   two sessions merges them (``merge=`` combines their accumulators); ``end`` is the last entry's
   time, inclusive, and the session can grow until stream time passes ``end + gap``.
@@ -60,10 +63,12 @@ from pspf.windows.kinds import (
     WindowKind,
     WindowSpec,
     hopping,
+    hopping_count,
     register,
     session,
     sliding,
     tumbling,
+    tumbling_count,
 )
 
 __all__ = [
@@ -73,8 +78,10 @@ __all__ = [
     "WindowKind",
     "WindowSpec",
     "hopping",
+    "hopping_count",
     "register",
     "session",
     "sliding",
     "tumbling",
+    "tumbling_count",
 ]

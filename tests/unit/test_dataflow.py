@@ -386,3 +386,82 @@ def test_pspf_describe_prints_the_topology_and_refuses_a_chain_that_cannot_run(
     assert refused.exit_code == 2
     assert "after a final window result" in refused.output
     assert "Traceback" not in refused.output
+
+
+def count_app(spec: Any, emit: str = "final") -> App:
+    app = App("counts")
+    (
+        app.stream("m")
+        .window(spec, timestamp="ts")
+        .agg(emit=emit, xs=agg.Collect("x"))  # type: ignore[arg-type]
+        .to("out")
+    )
+    return app
+
+
+def test_tumbling_count_windows_close_when_full_with_their_first_and_last_entrys_times() -> None:
+    with TestApp(count_app(windows.tumbling_count(3)), partitions=2) as t:
+        for i in range(8):
+            for key in ("a", "b"):
+                t.send("m", {"ts": START + 1_000 * i + (key == "b"), "x": i}, key=key)
+        t.advance(timedelta(hours=1))  # a window that is not full stays open
+        got = sorted((r["key"], r["start"] - START, r["end"] - START, r["xs"]) for r in t.emitted("out"))
+    assert got == [
+        ("a", 0, 2_000, [0, 1, 2]),
+        ("a", 3_000, 5_000, [3, 4, 5]),
+        ("b", 1, 2_001, [0, 1, 2]),
+        ("b", 3_001, 5_001, [3, 4, 5]),
+    ]
+
+
+def test_hopping_count_windows_start_every_step_entries_and_emit_update_gives_each_change() -> None:
+    with TestApp(count_app(windows.hopping_count(3, 2))) as t:
+        for i in range(7):
+            t.send("m", {"ts": START + i, "x": i}, key="k")
+        assert [r["xs"] for r in t.emitted("out")] == [[0, 1, 2], [2, 3, 4], [4, 5, 6]]
+    with TestApp(count_app(windows.tumbling_count(2), emit="update")) as t:
+        for i in range(3):
+            t.send("m", {"ts": START + i, "x": i}, key="k")
+        assert [r["xs"] for r in t.emitted("out")] == [[0], [0, 1], [2]]
+
+
+def test_count_windows_survive_a_reload_of_the_partitions_store() -> None:
+    from pspf.state_stores.memory import MemoryStore
+    from pspf.windows.aggregation import PartitionWindows
+
+    app = count_app(windows.tumbling_count(3))
+    [window] = app.windows.values()
+    store = MemoryStore()
+    found: list[Any] = []
+
+    class Out:
+        def result(self, topic: str, key: str, value: Any, source: Any, partition: int) -> Any:
+            found.append(value)
+            return value
+
+    app.compile()
+    state = PartitionWindows.load(store, {window.name: window})
+    for i in range(5):
+        if i in (2, 4):  # a restart: everything comes back from the store
+            state = PartitionWindows.load(store, {window.name: window})
+        state.apply([state.change(window, "k", START + i, {"x": i}, f"{i}-1".encode())])
+        state.close(Out(), 0)  # type: ignore[arg-type]
+        store.write(state.writes(), {})
+        state.committed()
+    assert [v["xs"] for v in found] == [[0, 1, 2]]
+    assert state.open[window.name].counts == {"k": 5}  # type: ignore[attr-defined]
+
+
+def test_count_windows_are_a_stream_step_and_take_one_value_per_entry() -> None:
+    app = App("refused-count")
+    with pytest.raises(ConfigError, match="count windows are a step of a stream"):
+        app.window("m", windows.tumbling_count(2), emit_to="out")(lambda acc, v: v)
+    with pytest.raises(ConfigError, match="step 3 is larger than n 2"):
+        windows.hopping_count(2, 3)
+    with pytest.raises(ConfigError, match="whole number of entries"):
+        windows.tumbling_count(0)
+    app.stream("m").flat_map(lambda v: [v, v]).window(windows.tumbling_count(4)).agg(n=agg.Count()).to("o")
+    with TestApp(app) as t:
+        t.send("m", {"x": 1}, key="k")
+        [dead] = t.dead_letters("m")
+        assert "takes one value per entry" in dead.message and dead.attempts == 1

@@ -23,6 +23,7 @@ from pspf.windows.kinds.base import (
     ms,
     register,
 )
+from pspf.windows.kinds.counted import Counted, hopping_count, tumbling_count
 from pspf.windows.kinds.hopping import Hopping, hopping
 from pspf.windows.kinds.session import Session, session
 from pspf.windows.kinds.sliding import Sliding, sliding
@@ -32,11 +33,13 @@ register(Tumbling)
 register(Hopping)
 register(Sliding)
 register(Session)
+register(Counted)
 
 __all__ = [
     "KINDS",
     "NO_REMOVES",
     "Change",
+    "Counted",
     "Folding",
     "Hopping",
     "Kind",
@@ -48,10 +51,12 @@ __all__ = [
     "WindowKind",
     "WindowSpec",
     "hopping",
+    "hopping_count",
     "kind_of",
     "ms",
     "register",
     "session",
     "sliding",
     "tumbling",
+    "tumbling_count",
 ]

@@ -96,6 +96,8 @@ class WindowKind:
     """
 
     name: ClassVar[str]
+    #: closed by a key's count of entries, not by stream time (``kinds.counted``)
+    by_count: ClassVar[bool] = False
 
     def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
         #: the window's name (``@app.window(name=)``)

@@ -69,6 +69,7 @@ class Delivery:
         owned: dict[int, OwnedPartition],
         streams: dict[str, StreamCursor],
         tables: frozenset[str] = frozenset(),
+        ordered: bool = False,
     ) -> None:
         self.reading = reading
         #: the streams' last ids (a check that their tails are not lost)
@@ -82,8 +83,9 @@ class Delivery:
         self.streams = streams
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
         self._ahead: tuple[ReadAhead, list[tuple[str, str, str]]] | None = None
-        #: id order across each partition's topics (apps with tables; see ``pspf.cycle.ordering``)
-        self.order = None if not tables else CrossTopicOrder(reading, tables, owned, batch_size)
+        #: id order across each partition's topics (apps with tables or joins: ``ordered``; see
+        #: ``pspf.cycle.ordering``)
+        self.order = CrossTopicOrder(reading, tables, owned, batch_size) if tables or ordered else None
 
     @property
     def reading_ahead(self) -> bool:

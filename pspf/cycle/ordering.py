@@ -28,13 +28,14 @@ the partition at its checkpoint, like any stream not read this cycle.
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 from pspf.keys import ZERO_ID, StreamId
+from pspf.partition.batch import StreamOutcome
 
 if TYPE_CHECKING:
-    from pspf.broker import Reading
-    from pspf.partition.batch import StreamOutcome
+    from pspf.broker import RawEntry, Reading
     from pspf.partition.owned import OwnedPartition, Read, StreamCursor
     from pspf.tables.table import TableWrites
 
@@ -226,3 +227,70 @@ class CrossTopicOrder:
             last = StreamId.parse(held.entries[-1][0])
             if last > cursor.pending_after:
                 cursor.pending_after = last
+
+
+# -- entries applied in id order across streams (apps with joins) ------------------------------------
+
+
+def id_order_runs(reads: list[Read], tables: frozenset[str]) -> list[Read]:
+    """A partition's reads as runs in id order across its streams, for apps whose joins need it.
+
+    Tables' reads first, as they are (their updates keep their ids); then the other streams'
+    entries merged by id and cut into runs where the stream changes; parked entries claimed again
+    (due reads, deferred mode: no order kept) last. Each run is handled as a read of its stream.
+    """
+    first = [r for r in reads if r.cursor.topic in tables and not r.due]
+    due = [r for r in reads if r.due]
+    rest = [r for r in reads if r.cursor.topic not in tables and not r.due]
+    if len(rest) < 2:
+        return [*first, *rest, *due]
+    merged = heapq.merge(*([(StreamId.parse(e[0]), i, e) for e in r.entries] for i, r in enumerate(rest)))
+    runs: list[Read] = []
+    at = -1
+    run: list[RawEntry] = []
+    for _, i, entry in merged:
+        if i != at and run:
+            runs.append(rest[at]._replace(entries=run))
+            run = []
+        at = i
+        run.append(entry)
+    if run:
+        runs.append(rest[at]._replace(entries=run))
+    return [*first, *runs, *due]
+
+
+def joined(before: StreamOutcome | None, run: StreamOutcome) -> StreamOutcome:
+    """A stream's outcome over its runs so far, ``run`` the latest."""
+    if before is None:
+        return run
+    return StreamOutcome(
+        run.cursor,
+        run.checkpoint or before.checkpoint,
+        before.ack_ids + run.ack_ids,
+        before.dead + run.dead,
+        run.retry_in_s,
+        before.handled + run.handled,
+        before.skipped + run.skipped,
+        run.retry_id,
+    )
+
+
+def hold_runs(runs: list[Read], stopped: StreamCursor) -> None:
+    """The runs after one that stopped to retry an entry: not applied in this batch.
+
+    The stopped stream reads its entries from the one to retry on (they were delivered, not
+    attempted); the other streams' are held, first in their next reads, before what they held.
+    """
+    for run in reversed(runs):
+        cursor = run.cursor
+        if cursor is stopped:
+            for entry_id, _ in run.entries:
+                cursor.unattempted[entry_id] = cursor.unattempted.get(entry_id, 0) + 1
+            continue
+        held = cursor.held
+        cursor.held = run if held is None else run._replace(entries=run.entries + held.entries)
+
+
+def empty_outcome(cursor: StreamCursor) -> StreamOutcome:
+    """The outcome of a stream none of whose entries this batch applied."""
+    return StreamOutcome(cursor, None, [], [], None, 0, 0)

@@ -50,6 +50,7 @@ from pspf.app import App
 from pspf.broker import Broker
 from pspf.cycle.attempts import Attempts
 from pspf.cycle.delivery import Delivery
+from pspf.cycle.ordering import empty_outcome, hold_runs, id_order_runs, joined
 from pspf.cycle.timekeeping import TimeKeeping
 from pspf.errors import BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
@@ -105,6 +106,7 @@ class BatchProcessor:
             self.owned,
             self._by_stream,
             frozenset(app.tables),
+            ordered=app.dataflow.ordered,
         )
         self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
         # Decided once: after the app's code and any ``opentelemetry-instrument`` set-up ran.
@@ -232,7 +234,10 @@ class BatchProcessor:
     ) -> tuple[PartitionBatch, list[StreamOutcome]] | None:
         """Steps 2-5 for one partition: its batch handled and committed; None when it was lost."""
         batch = PartitionBatch(self.owned[partition], self.app.state_decoder, self.emitter, self.lookups)
-        stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
+        if self.app.dataflow.ordered:
+            stream_outcomes = self._handle_in_id_order(batch, partition_reads, result)
+        else:
+            stream_outcomes = [self._handle(batch, read, result) for read in partition_reads]
         if self.delivery.order is not None:
             stream_outcomes, taken = self.delivery.order.stop_tables(
                 partition_reads, stream_outcomes, batch.table_writes
@@ -302,6 +307,24 @@ class BatchProcessor:
                 call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
 
     # -- steps 2-4: skip, decode, handle ------------------------------------------------------
+
+    def _handle_in_id_order(
+        self, batch: PartitionBatch, reads: list[Read], result: CycleResult
+    ) -> list[StreamOutcome]:
+        """A partition's entries in id order across its streams (``ordering.id_order_runs``).
+
+        An entry that stops its stream to be retried stops the batch there: what comes after it
+        in id order waits (``hold_runs``). One outcome per read, aligned with ``reads``.
+        """
+        runs = id_order_runs(reads, frozenset(self.app.tables))
+        outcomes: dict[str, StreamOutcome] = {}
+        for index, run in enumerate(runs):
+            outcome = self._handle(batch, run, result)
+            outcomes[run.cursor.stream] = joined(outcomes.get(run.cursor.stream), outcome)
+            if outcome.retry_id is not None:
+                hold_runs(runs[index + 1 :], run.cursor)
+                break
+        return [outcomes.get(read.cursor.stream) or empty_outcome(read.cursor) for read in reads]
 
     def _handle(self, batch: PartitionBatch, read: Read, result: CycleResult) -> StreamOutcome:
         cursor = read.cursor

@@ -8,7 +8,7 @@ DLQ), as a handler's error does.
 
 Branches that do nothing (no ``to``, ``group_by``, window, ``apply`` or ``update`` after them) are
 left out. The steps after a final window result run at its close, outside any entry: they may
-not take ``ctx`` or keep state (``apply``, another window).
+not take ``ctx`` or keep state (``apply``, another window, a join).
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 from pspf.dataflow.agg import AggregationError
+from pspf.dataflow.joining import IntervalJoin
 from pspf.dataflow.stream import Node, Source
 from pspf.dataflow.windowing import ChainWindow, Step
 from pspf.errors import ConfigError
 
 #: Steps with an effect of their own: a branch without one below it is left out.
 _EFFECTS = frozenset({"to", "group_by", "window", "apply", "update"})
+#: Steps that keep state: not after a final window result (no entry runs them)
+_STATEFUL = frozenset({"apply", "window", "join"})
 
 
 class Runner:
@@ -76,10 +79,10 @@ def _useful(node: Node) -> bool:
 def _compile(node: Node, closing: bool, path: str) -> Step:
     """One step and everything after it; ``closing``: it runs at a final window's close."""
     where = f"{path} -> {node.label()}"
-    if closing and (node.takes_ctx or node.kind in ("apply", "window")):
+    if closing and (node.takes_ctx or node.kind in _STATEFUL):
         raise ConfigError(
             f"stream {where}: after a final window result, steps run when the window closes, with no "
-            "entry: they take (value) only, and keep no state (no apply or window; group_by the "
+            "entry: they take (value) only, and keep no state (no apply, window or join; group_by the "
             "results into a topic to window them again)"
         )
     kind = node.kind
@@ -87,9 +90,13 @@ def _compile(node: Node, closing: bool, path: str) -> Step:
         window: ChainWindow = node.params["aggregation"]
         window.after = _children(node, closing=window.emit == "final", path=where)
         return window.step
+    if kind == "join":
+        join: IntervalJoin = node.params["join"]
+        join.after = _children(node, closing, where)
+        return join.step(0 if node.params["side"] == "left" else 1)
     nxt = _children(node, closing, where)
     fn = node.func
-    if kind == "concat":
+    if kind in ("concat", "joined"):
         return nxt
     if kind in ("to", "group_by"):
         return _emitting(node.params["topic"], node.params["key"], kind == "group_by")

@@ -21,6 +21,7 @@ import msgspec
 
 from pspf import keys
 from pspf.dataflow.agg import Aggregate, Reduce
+from pspf.dataflow.joining import IntervalJoin, JoinSide
 from pspf.dataflow.windowing import ChainWindow
 from pspf.errors import ConfigError
 from pspf.windows.kinds import LatePolicy, WindowSpec, ms
@@ -93,6 +94,8 @@ class Dataflow:
         self._on_source = on_source
         #: every node's root(s), to tell a root a step was added under it
         self._roots: dict[int, set[str]] = {}
+        #: the joins of its chains (their sides are among the app's windows)
+        self.joins: list[IntervalJoin] = []
 
     def source(self, topic: str, value_type: Any, managed: bool) -> Source:
         found = self.sources.get(topic)
@@ -132,6 +135,15 @@ class Dataflow:
     def windows_on(self, topic: str) -> int:
         """How many windows the chains on ``topic``'s root declared (names the next one)."""
         return sum(1 for node in _walk(self.sources[topic]) if node.kind == "window")
+
+    def joins_on(self, topic: str) -> int:
+        """How many joins have a left side on ``topic``'s root (names the next one)."""
+        return sum(1 for join in self.joins if join.sides[0].topic == topic)
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the app's entries must be applied in id order across its topics (joins)."""
+        return bool(self.joins)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each root and the steps under it, nested ``{"step": ..., "then": [...]}`` (``pspf describe``)."""
@@ -258,6 +270,63 @@ class Stream:
             spec = msgspec.structs.replace(spec, grace_ms=ms("grace", grace, 0))
         return WindowedStream(self, spec, timestamp, late, name)
 
+    def join_interval(
+        self,
+        other: Stream,
+        within: timedelta,
+        timestamp: str | Callable[[Any, Any], Any] | None = None,
+        merge: Callable[[Any, Any], Any] | None = None,
+        grace: timedelta = timedelta(0),
+        name: str | None = None,
+    ) -> Stream:
+        """Every pair of this stream's and ``other``'s values with one key, at most ``within`` apart.
+
+        Each pair is emitted once, when the second of the two comes (in id order across the
+        app's topics); ``merge(left, right)`` makes its value (default ``{"left", "right"}``).
+        ``timestamp``: the event time of both sides' values (a field or a function of
+        (value, ctx); default the entry's id time). A value whose interval closed (its time plus
+        ``within`` plus ``grace`` behind the join's stream time) is late: counted, not joined.
+        ``name`` (default ``TOPIC.join-N``) names the kept values' state.
+        """
+        if not isinstance(other, Stream) or other._flow is not self._flow:
+            raise ConfigError("Stream.join_interval: the other stream must be a stream of the same app")
+        if merge is not None:
+            _check_function("join_interval", merge, 2)
+        within_ms, grace_ms = ms("within", within, 0), ms("grace", grace, 0)
+        flow = self._flow
+        topics = [self._one_root("join_interval"), other._one_root("join_interval")]
+        join_name = name if name is not None else f"{topics[0]}.join-{flow.joins_on(topics[0]) + 1}"
+        spec = WindowSpec("join", within_ms, 0, grace_ms)
+        sides = tuple(
+            JoinSide(f"{join_name}.{side}", topic, spec, timestamp, stream._value_type(), join_name)
+            for side, topic, stream in (("left", topics[0], self), ("right", topics[1], other))
+        )
+        join = IntervalJoin(join_name, (sides[0], sides[1]), merge)
+        for side in sides:
+            flow.window(side)
+        out = Node("joined", None, False, join=join_name)
+        for index, stream in enumerate((self, other)):
+            side_node = Node("join", None, False, join=join, side=("left", "right")[index], within=within_ms)
+            flow.add([stream._node], side_node)
+            flow.add([side_node], out)
+        flow.joins.append(join)
+        return Stream(flow, out)
+
+    def _one_root(self, what: str) -> str:
+        topics = sorted(self._flow.roots_of(self._node))
+        if len(topics) != 1:
+            raise ConfigError(
+                f"Stream.{what}: the stream merges topics {topics}: its values need one stream time "
+                "(of one source), so join or window each topic's stream before concat, or group_by "
+                "them into one topic"
+            )
+        return topics[0]
+
+    def _value_type(self) -> Any:
+        """The type of the stream's values, when no step changed them since its topic's."""
+        node = self._node
+        return node.value_type if isinstance(node, Source) and node.value_type is not None else Any
+
     def concat(self, other: Stream) -> Stream:
         """The values of both streams (of one app), each in its own entry's order."""
         if not isinstance(other, Stream) or other._flow is not self._flow:
@@ -311,13 +380,7 @@ class WindowedStream:
         if emit not in ("final", "update"):
             raise ConfigError(f"Stream.window(...).agg: emit must be 'final' or 'update', got {emit!r}")
         _check_aggregations(aggregations, self._spec)
-        topics = sorted(flow.roots_of(node))
-        if len(topics) != 1:
-            raise ConfigError(
-                f"Stream.window: the stream merges topics {topics}: windows keep one stream time per "
-                "source, so window each topic's stream before concat, or group_by them into one topic"
-            )
-        topic = topics[0]
+        topic = self._stream._one_root("window")
         name = self._name if self._name is not None else f"{topic}.window-{flow.windows_on(topic) + 1}"
         aggregation = ChainWindow(name, topic, self._spec, aggregations, emit, self._timestamp, self._late)
         flow.window(aggregation)

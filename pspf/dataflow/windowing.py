@@ -139,7 +139,8 @@ class ChainWindow(Aggregation):
         if change.late and self.late == "dlq":
             raise LateEntry(
                 f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "
-                f"{self.name!r} (its stream time {windows.time_of(self.name)}, grace {self.spec.grace_ms} ms)"
+                f"{self.name!r} (its stream time {windows.time_of(self.clock)}, "
+                f"grace {self.spec.grace_ms} ms)"
             )
         if earlier is None:
             ctx.windowed = [change]

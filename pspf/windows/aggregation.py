@@ -51,13 +51,16 @@ class Aggregation:
         timestamp: str | TimestampFunc | None,
         late: LatePolicy,
         merge: Callable[[Any, Any], Any] | None,
+        kind: type[WindowKind] | None = None,
     ) -> None:
         where = f"window {name!r} of topic {topic!r}"
         if not isinstance(spec, WindowSpec):
             raise ConfigError(f"{where}: the spec must come from pspf.windows, got {spec!r}")
         if late not in ("drop", "dlq"):
             raise ConfigError(f"{where}: late must be 'drop' or 'dlq', got {late!r}")
-        kind_of(spec.kind).check(spec, where, merge)
+        #: the kind its windows are: by default the spec's registered kind
+        self.kind: type[WindowKind] = kind or kind_of(spec.kind)
+        self.kind.check(spec, where, merge)
         if inspect.iscoroutinefunction(func):
             raise ConfigError(f"window function {func.__qualname__} must be a plain def, not async")
         self.name = name
@@ -77,6 +80,9 @@ class Aggregation:
         #: topic's entries, and it keeps a stream time of its own (they may come through a
         #: re-keying topic, after the partition's other entries); else the partition's
         self.chained = False
+        #: the name its own stream time is kept under (a chain's window: its name; a join's two
+        #: sides share the join's)
+        self.clock = name
 
     def fold(self, acc: bytes | None, value: Any) -> bytes:
         """The accumulator after ``value`` (``acc`` encoded, None for a new window), encoded."""
@@ -148,16 +154,14 @@ class PartitionWindows:
     def __init__(self, aggregations: dict[str, Aggregation]) -> None:
         self.aggregations = aggregations
         #: by window name
-        self.open: dict[str, WindowKind] = {
-            name: kind_of(a.spec.kind)(name, a.spec, a) for name, a in aggregations.items()
-        }
+        self.open: dict[str, WindowKind] = {name: a.kind(name, a.spec, a) for name, a in aggregations.items()}
         self.stream_ms: int | None = None
         #: the entry that last moved stream time: results name it as their source
         self.source: tuple[str, bytes] = ("", b"0-0")
         #: the stream times of the windows that keep their own (``Aggregation.chained``), by
-        #: name: (ms, source); and those moved since the last commit
+        #: clock (``Aggregation.clock``): (ms, source); and the clocks moved since the last commit
         self.own: dict[str, tuple[int, tuple[str, bytes]]] = {}
-        self._chained = frozenset(name for name, a in aggregations.items() if a.chained)
+        self._clock_of = {name: a.clock for name, a in aggregations.items() if a.chained}
         self._own_moved: set[str] = set()
         #: store writes that move adopted state from a topic's key to its window's (``load``)
         self._moved: dict[tuple[str, str], bytes | None] = {}
@@ -183,11 +187,11 @@ class PartitionWindows:
         if raw is not None:
             stream_ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
             windows.stream_ms, windows.source = stream_ms, (topic, entry_id)
-        for name, aggregation in aggregations.items():
-            raw = store.get(keys.TIME_NAMESPACE, keys.window_time_key(name)) if aggregation.chained else None
+        for clock in set(windows._clock_of.values()):
+            raw = store.get(keys.TIME_NAMESPACE, keys.window_time_key(clock))
             if raw is not None:
                 ms, topic, entry_id = msgspec.msgpack.decode(raw, type=tuple[int, str, bytes])
-                windows.own[name] = (ms, (topic, entry_id))
+                windows.own[clock] = (ms, (topic, entry_id))
         by_topic: dict[str, list[str]] = {}
         for name, aggregation in aggregations.items():
             by_topic.setdefault(aggregation.topic, []).append(name)
@@ -227,13 +231,13 @@ class PartitionWindows:
 
     def change(self, aggregation: Aggregation, key: str, ts: int, value: Any, entry_id: bytes) -> Change:
         """The windows ``value`` at ``ts`` changes (nothing applied yet: see ``apply``)."""
-        stream_ms = self.stream_ms if not aggregation.chained else self.time_of(aggregation.name)
+        stream_ms = self.stream_ms if not aggregation.chained else self.time_of(aggregation.clock)
         now = ts if stream_ms is None or ts > stream_ms else stream_ms
         return self.open[aggregation.name].change(key, ts, value, entry_id, now)
 
-    def time_of(self, name: str) -> int | None:
-        """The stream time of a window that keeps its own."""
-        own = self.own.get(name)
+    def time_of(self, clock: str) -> int | None:
+        """The stream time a window that keeps its own keeps under ``clock``."""
+        own = self.own.get(clock)
         return None if own is None else own[0]
 
     def apply(self, changes: list[Change]) -> None:
@@ -244,11 +248,12 @@ class PartitionWindows:
                 self.late[name] = self.late.get(name, 0) + 1
                 continue
             ts = change.ts
-            if name in self._chained:
-                own = self.own.get(name)
+            clock = self._clock_of.get(name)
+            if clock is not None:
+                own = self.own.get(clock)
                 if own is None or ts > own[0]:
-                    self.own[name] = (ts, (self.aggregations[name].topic, change.entry_id))
-                    self._own_moved.add(name)
+                    self.own[clock] = (ts, (self.aggregations[name].topic, change.entry_id))
+                    self._own_moved.add(clock)
             elif self.stream_ms is None or ts > self.stream_ms:  # what _set_stream_time does, inline
                 self.stream_ms, self._time_moved = ts, True
                 self.source = (self.aggregations[name].topic, change.entry_id)
@@ -303,7 +308,7 @@ class PartitionWindows:
         for name, state in self.open.items():
             aggregation = self.aggregations[name]
             now, source = (
-                self.own.get(name, (None, self.source))
+                self.own.get(aggregation.clock, (None, self.source))
                 if aggregation.chained
                 else (self.stream_ms, self.source)
             )
@@ -327,10 +332,11 @@ class PartitionWindows:
             if not self.aggregations[name].chained:
                 ends.append(last)
                 continue
-            ms, source = self.own.get(name, (None, ("", b"0-0")))
+            clock = self.aggregations[name].clock
+            ms, source = self.own.get(clock, (None, ("", b"0-0")))
             if ms is None or last > ms:
-                self.own[name] = (last, source)
-                self._own_moved.add(name)
+                self.own[clock] = (last, source)
+                self._own_moved.add(clock)
         if not ends:
             return
         target = max(ends)

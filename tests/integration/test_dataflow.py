@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import textwrap
@@ -161,3 +162,108 @@ def test_a_missing_output_topic_stops_the_worker_at_start_with_a_clear_error(
     missing = r"publishes to a missing topic \(to\): topic 'nowhere' does not exist"
     with pytest.raises(NotFound, match=missing):
         Worker(app, make_settings()).start()
+
+
+def payment_join_app(name: str, orders: str, payments: str, out: str) -> App:
+    """The second pipeline of the dataflow how-to: orders joined with payments within 5 minutes."""
+    app = App(name)
+    (
+        app.stream(orders)
+        .join_interval(
+            app.stream(payments),
+            within=timedelta(minutes=5),
+            timestamp="ts",
+            merge=lambda order, payment: {"oid": order["oid"], "pid": payment["pid"]},
+        )
+        .to(out)
+    )
+    return app
+
+
+def test_an_interval_join_through_a_worker_emits_each_pair_once_in_id_order_across_topics(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    rclient: redis.Redis,
+    names: Names,
+) -> None:
+    orders_topic, payments_topic, out = make_topic(2), make_topic(2), make_topic(1)
+    rng = random.Random(11)
+    orders: list[dict[str, Any]] = []
+    payments: list[dict[str, Any]] = []
+    for n in range(800):  # written in event time order, one topic or the other
+        record = {"customer": f"c{rng.randrange(6)}", "ts": T0 + n * 3_000}
+        if rng.random() < 0.5:
+            orders.append({**record, "oid": f"o{n}"})
+            produce(orders_topic, [(record["customer"], orders[-1])])
+        else:
+            payments.append({**record, "pid": f"p{n}"})
+            produce(payments_topic, [(record["customer"], payments[-1])])
+    summary = Worker(
+        payment_join_app(names.app(), orders_topic, payments_topic, out), make_settings(PSPF_BATCH_SIZE=37)
+    ).run(until_idle=True)
+    assert summary.late == 0 and summary.dead_lettered == 0
+    got = [(o["value"]["oid"], o["value"]["pid"]) for o in outputs(rclient, out, 1)]
+    want = {
+        (o["oid"], p["pid"])
+        for o in orders
+        for p in payments
+        if o["customer"] == p["customer"] and abs(o["ts"] - p["ts"]) <= 300_000
+    }
+    assert len(got) == len(set(got)) and set(got) == want
+    # each pair came from the later of its two entries (in id order across the topics)
+    ids = {}
+    for topic, field in ((orders_topic, "oid"), (payments_topic, "pid")):
+        for partition in range(2):
+            for entry_id, fields in rclient.xrange(stream_key(topic, partition)):
+                ids[json.loads(fields[b"value"])[field]] = entry_id.decode()
+    for output in outputs(rclient, out, 1):
+        oid, pid = output["value"]["oid"], output["value"]["pid"]
+        later = max(ids[oid], ids[pid], key=lambda i: tuple(map(int, i.split("-"))))
+        assert output["headers"]["pspf-source-id"] == later
+
+
+def test_an_entry_retried_in_an_interleaved_batch_holds_the_later_entries_of_every_topic_back(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    rclient: redis.Redis,
+    names: Names,
+) -> None:
+    """A payment fails twice; the orders after it in id order wait for it, so every pair is exact."""
+    orders_topic, payments_topic, out = make_topic(1), make_topic(1), make_topic(1)
+    failures = {"p31": 2, "p77": 1}
+    seen: list[str] = []
+
+    def flaky(payment: dict[str, Any]) -> bool:
+        seen.append(payment["pid"])
+        if failures.get(payment["pid"], 0):
+            failures[payment["pid"]] -= 1
+            raise RuntimeError(f"flaky {payment['pid']}")
+        return True
+
+    app = App(names.app())
+    (
+        app.stream(orders_topic)
+        .join_interval(
+            app.stream(payments_topic).filter(flaky),
+            within=timedelta(seconds=10),
+            timestamp="ts",
+            merge=lambda order, payment: [order["oid"], payment["pid"]],
+        )
+        .to(out)
+    )
+    orders, payments = [], []
+    for n in range(120):
+        if n % 2:
+            payments.append({"pid": f"p{n}", "ts": T0 + n * 1_000})
+            produce(payments_topic, [("k", payments[-1])])
+        else:
+            orders.append({"oid": f"o{n}", "ts": T0 + n * 1_000})
+            produce(orders_topic, [("k", orders[-1])])
+    summary = Worker(app, make_settings(PSPF_BATCH_SIZE=25, PSPF_RETRY_BASE_MS=1)).run(until_idle=True)
+    assert summary.retried == 3 and summary.dead_lettered == 0 and summary.late == 0
+    got = [tuple(o["value"]) for o in outputs(rclient, out, 1)]
+    want = {(o["oid"], p["pid"]) for o in orders for p in payments if abs(o["ts"] - p["ts"]) <= 10_000}
+    assert len(got) == len(set(got)) and set(got) == want
+    assert seen.count("p31") == 3 and seen.count("p33") == 1  # retried, and the rest once each

@@ -465,3 +465,77 @@ def test_count_windows_are_a_stream_step_and_take_one_value_per_entry() -> None:
         t.send("m", {"x": 1}, key="k")
         [dead] = t.dead_letters("m")
         assert "takes one value per entry" in dead.message and dead.attempts == 1
+
+
+def interval_pairs(
+    lefts: list[tuple[str, int, int]], rights: list[tuple[str, int, int]], within: int
+) -> set[tuple[int, int]]:
+    """(left n, right n) of every left and right of one key at most ``within`` apart."""
+    return {(ln, rn) for lk, lt, ln in lefts for rk, rt, rn in rights if lk == rk and abs(lt - rt) <= within}
+
+
+def test_join_interval_emits_every_pair_within_once_whichever_side_comes_second() -> None:
+    import random
+
+    rng = random.Random(5)
+    app = App("joins")
+    orders, payments = app.stream("orders"), app.stream("payments")
+    orders.join_interval(payments, within=timedelta(seconds=30), timestamp="ts").to("pairs")
+    orders.join_interval(
+        payments, within=timedelta(seconds=30), timestamp="ts", merge=lambda o, p: [o["n"], p["n"]], name="m"
+    ).to("merged")
+    lefts: list[tuple[str, int, int]] = []
+    rights: list[tuple[str, int, int]] = []
+    with TestApp(app, partitions=2) as t:
+        for n in range(300):  # in event time order: none late
+            key, ts = f"k{rng.randrange(4)}", START + n * 1_000
+            if rng.random() < 0.5:
+                lefts.append((key, ts, n))
+                t.send("orders", {"n": n, "ts": ts}, key=key)
+            else:
+                rights.append((key, ts, n))
+                t.send("payments", {"n": n, "ts": ts}, key=key)
+        pairs = [(p["left"]["n"], p["right"]["n"]) for p in t.emitted("pairs")]
+        merged = [tuple(m) for m in t.emitted("merged")]
+        assert t.counts.late == 0
+    assert len(pairs) == len(set(pairs))
+    assert set(pairs) == interval_pairs(lefts, rights, 30_000) == set(merged)
+    assert len(pairs) > 100
+
+
+def test_a_join_value_whose_interval_closed_is_late_and_joins_nothing() -> None:
+    app = App("late-join")
+    app.stream("a").join_interval(app.stream("b"), within=timedelta(seconds=10), timestamp="ts").to("out")
+    with TestApp(app) as t:
+        t.send("a", {"ts": START + 100_000}, key="k")
+        t.send("b", {"ts": START + 95_000}, key="k")  # on time: 95 s + 10 s >= 100 s
+        t.send("b", {"ts": START + 50_000}, key="k")  # late: its interval closed at 60 s
+        t.send("a", {"ts": START + 55_000}, key="k")  # late too (it would meet the 50 s one)
+        assert [(p["left"]["ts"], p["right"]["ts"]) for p in t.emitted("out")] == [
+            (START + 100_000, START + 95_000)
+        ]
+        assert t.counts.late == 2
+
+
+def test_join_sides_are_kept_in_the_store_and_forgotten_once_nothing_on_time_can_meet_them() -> None:
+    from pspf.state_stores.memory import MemoryStore
+    from pspf.windows.aggregation import PartitionWindows
+
+    app = App("kept")
+    app.stream("a").join_interval(app.stream("b"), within=timedelta(seconds=10), timestamp="ts").to("out")
+    app.compile()
+    left, right = app.windows["a.join-1.left"], app.windows["a.join-1.right"]
+    windows = {w.name: w for w in (left, right)}
+    store = MemoryStore()
+    state = PartitionWindows.load(store, windows)
+    state.apply([state.change(left, "k", 1_000, {"x": 1}, b"1-0")])
+    store.write(state.writes(), {})
+    state.committed()
+    again = PartitionWindows.load(store, windows)  # a restart
+    assert [kept[:2] for kept in again.open[left.name].entries["k"]] == [(1_000, b"1-0")]  # type: ignore[attr-defined]
+    again.apply([again.change(right, "k", 21_001, {"y": 1}, b"2-0")])  # 1 s + 2 x 10 s + 1 ms later
+    again.close(None, 0)  # type: ignore[arg-type]
+    store.write(again.writes(), {})
+    again.committed()
+    assert "k" not in again.open[left.name].entries  # type: ignore[attr-defined]
+    assert [k for ns, k in store._values if ns == "__windows" and "/e/" in k and k.startswith("a:")] == []

@@ -27,7 +27,7 @@ from pspf.failures import RetryPolicy
 from pspf.keys import check_name
 from pspf.tables.table import Table
 from pspf.windows.aggregation import Aggregation
-from pspf.windows.functions import TimestampFunc
+from pspf.windows.functions import TimestampFunc, timestamp_reader
 from pspf.windows.kinds import LatePolicy, WindowSpec, kind_of
 from pspf.windows.timers import Timer, check_callback, ms_of
 
@@ -199,7 +199,13 @@ class App:
 
         return register
 
-    def table(self, topic: str, value_type: Any = None) -> Table:
+    def table(
+        self,
+        topic: str,
+        value_type: Any = None,
+        versioned: timedelta | None = None,
+        timestamp: str | TimestampFunc | None = None,
+    ) -> Table:
         """Declare a table built from ``topic``, looked up with ``ctx.table(topic)``.
 
         An entry of the topic sets its key's row to its value (decoded into ``value_type``, a
@@ -207,10 +213,18 @@ class App:
         the app's partition count: its rows live in the partition's store, are read in the same
         batches as the app's other topics and follow the partition like ``ctx.state``. An entry
         whose value does not decode goes to the DLQ at once.
+
+        ``versioned``: keep each key's rows for this long of event time, for lookups as of a
+        time (``ctx.table(name, at=ms)``, ``Stream.join_asof``); ``timestamp``: the row's event
+        time (a field, or a function of (value, ctx); default: its entry's id time).
         """
         check_name("topic", topic)
         self._check_free(topic)
-        table = Table(topic, value_type, is_global=False)
+        if versioned is None and timestamp is not None:
+            raise ConfigError(f"table {topic!r}: timestamp= is for a versioned table (versioned=...)")
+        retention = None if versioned is None else ms_of("versioned", versioned)
+        reader = None if retention is None else timestamp_reader(f"table {topic!r}", timestamp)
+        table = Table(topic, value_type, is_global=False, versioned_ms=retention, timestamp=reader)
         self.tables[topic] = table
         self.handlers[topic] = Handler(
             topic=topic,
@@ -265,6 +279,10 @@ class App:
 
     def compile(self) -> None:
         """Compile the app's streams: raise ``ConfigError`` for a chain that cannot run."""
+        for name in sorted(self.dataflow.asof_tables - set(self.tables)):
+            raise ConfigError(
+                f"app {self.name!r}: a stream joins table {name!r}, which the app does not declare"
+            )
         for runner in self._streams.values():
             runner.compile()
 

@@ -39,8 +39,13 @@ class StateSource(Protocol):
     @property
     def state_decoder(self) -> StateDecoder: ...
 
-    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
-        """A table's row as of the entry ``before`` (None: the latest); ``check`` the key's partition."""
+    def table_row(
+        self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
+    ) -> Any:
+        """A table's row as of the entry ``before`` (None: the latest); ``check`` the key's partition.
+
+        ``at``: as of that event time (a versioned table), among the updates before the entry.
+        """
 
 
 class Attempt:
@@ -154,20 +159,23 @@ class Context(Attempt):
         else:
             self.emitted.append(entry)
 
-    def table(self, name: str, key: str | None = None) -> Any:
+    def table(self, name: str, key: str | None = None, at: int | None = None) -> Any:
         """The row of ``key`` (this entry's key by default) in table ``name``; None when it has none.
 
         A table (``App.table``) is looked up by keys of this entry's partition and shows the row
         as of this entry: every update with a smaller id, none after. A global table
         (``App.global_table``) takes any key and shows the row as of this worker's position.
+        ``at`` (epoch ms; a versioned table): the row current at that event time, among the
+        updates before this entry.
 
         Raises:
-            TableError: the app has no such table, or the key is in another partition.
+            TableError: the app has no such table, the key is in another partition, or ``at``
+                is given for a table that is not versioned.
         """
         before = self.entry_id if self.due_ms is None else None  # a scheduled call: the latest
         if key is None:
-            return self.source.table_row(name, self.key, before, "ctx.table", False)
-        return self.source.table_row(name, key, before, "ctx.table", True)
+            return self.source.table_row(name, self.key, before, "ctx.table", False, at)
+        return self.source.table_row(name, key, before, "ctx.table", True, at)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

@@ -84,6 +84,9 @@ TABLES_NAMESPACE = "__tables"
 #: Rows of the app's tables that updates replaced after an entry that waits parked, by
 #: "table/key": what that entry's lookup sees when it is tried again (``pspf.tables.table``).
 TABLE_HISTORY_NAMESPACE = "__table_history"
+#: Each key's rows of the app's versioned tables by event time, by "table/key"
+#: (``pspf.tables.versions``).
+TABLE_VERSIONS_NAMESPACE = "__table_versions"
 #: Rows of the app's global tables in a worker's own store (``pspf.tables.table.GlobalTables``).
 GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
@@ -104,6 +107,7 @@ STORE_NAMESPACES = (
     EXPIRY_NAMESPACE,
     TABLES_NAMESPACE,
     TABLE_HISTORY_NAMESPACE,
+    TABLE_VERSIONS_NAMESPACE,
     MOVED_NAMESPACE,
 )
 

@@ -266,8 +266,10 @@ class _ChainSource:
     def timers(self) -> PartitionTimers | None:
         return self.source.timers
 
-    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
-        return self.source.table_row(name, key, before, what, check)
+    def table_row(
+        self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
+    ) -> Any:
+        return self.source.table_row(name, key, before, what, check, at)
 
 
 def run_async(

@@ -25,7 +25,7 @@ from pspf.errors import ConfigError
 #: Steps with an effect of their own: a branch without one below it is left out.
 _EFFECTS = frozenset({"to", "group_by", "window", "apply", "update"})
 #: Steps that keep state: not after a final window result (no entry runs them)
-_STATEFUL = frozenset({"apply", "window", "join"})
+_STATEFUL = frozenset({"apply", "window", "join", "asof"})
 
 
 class Runner:
@@ -98,6 +98,8 @@ def _compile(node: Node, closing: bool, path: str) -> Step:
     fn = node.func
     if kind in ("concat", "joined"):
         return nxt
+    if kind == "asof":
+        return _asof(node.params["table"], node.params["timestamp"], fn, nxt)
     if kind in ("to", "group_by"):
         return _emitting(node.params["topic"], node.params["key"], kind == "group_by")
     assert fn is not None
@@ -133,6 +135,16 @@ def _text(key: Any, topic: str, rekey: bool) -> str:
 
 
 # -- the stateless and stateful steps, as closures ---------------------------------------------------
+
+
+def _asof(
+    table: str, timestamp: Callable[[Any, Any], int], merge: Callable[[Any, Any], Any] | None, nxt: Step
+) -> Step:
+    def run(value: Any, ctx: Any) -> None:
+        row = ctx.table(table, at=timestamp(value, ctx))
+        nxt({"left": value, "right": row} if merge is None else merge(value, row), ctx)
+
+    return run
 
 
 def _filter(fn: Callable[[Any], Any], nxt: Step) -> Step:

@@ -24,6 +24,8 @@ from pspf.dataflow.agg import Aggregate, Reduce
 from pspf.dataflow.joining import IntervalJoin, JoinSide
 from pspf.dataflow.windowing import ChainWindow
 from pspf.errors import ConfigError
+from pspf.tables.table import Table
+from pspf.windows.functions import timestamp_reader
 from pspf.windows.kinds import LatePolicy, WindowSpec, ms
 
 if TYPE_CHECKING:
@@ -96,6 +98,8 @@ class Dataflow:
         self._roots: dict[int, set[str]] = {}
         #: the joins of its chains (their sides are among the app's windows)
         self.joins: list[IntervalJoin] = []
+        #: the tables its chains join as of a time (the app must declare them, versioned)
+        self.asof_tables: set[str] = set()
 
     def source(self, topic: str, value_type: Any, managed: bool) -> Source:
         found = self.sources.get(topic)
@@ -311,6 +315,31 @@ class Stream:
             flow.add([side_node], out)
         flow.joins.append(join)
         return Stream(flow, out)
+
+    def join_asof(
+        self,
+        table: Table,
+        timestamp: str | Callable[[Any, Any], Any] | None = None,
+        merge: Callable[[Any, Any], Any] | None = None,
+    ) -> Stream:
+        """Each value with its key's row in the versioned ``table`` current at the value's time.
+
+        The row is the one with the latest event time at or before the value's (None when there
+        is none), among the table's updates before the value's entry in id order.
+        ``merge(value, row)`` makes the value that goes on (default ``{"left", "right"}``);
+        ``timestamp``: the value's event time (a field or a function of (value, ctx); default the
+        entry's id time).
+        """
+        if not isinstance(table, Table) or table.is_global or table.versioned_ms is None:
+            raise ConfigError(
+                f"Stream.join_asof: {table!r} is not a versioned table: declare it with "
+                "app.table(topic, versioned=timedelta(...))"
+            )
+        if merge is not None:
+            _check_function("join_asof", merge, 2)
+        reader = timestamp_reader(f"join_asof({table.name!r})", timestamp)
+        self._flow.asof_tables.add(table.name)
+        return self._add(Node("asof", merge, False, table=table.name, timestamp=reader))
 
     def _one_root(self, what: str) -> str:
         topics = sorted(self._flow.roots_of(self._node))

@@ -25,6 +25,7 @@ from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox.emit import Emitted, Emitter
 from pspf.partition.owned import OwnedPartition, StreamCursor
+from pspf.tables import versions
 from pspf.tables.lookups import Lookups, check_lookup_key
 from pspf.tables.table import MISSING, Table, TableError, TableWrites, add_history, row_then
 from pspf.windows.aggregation import PartitionWindows
@@ -173,7 +174,9 @@ class PartitionBatch:
             self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
             raise self.broken from exc
 
-    def table_row(self, name: str, key: str, before: bytes | None, what: str, check: bool) -> Any:
+    def table_row(
+        self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
+    ) -> Any:
         """``ctx.table``'s row as of the entry ``before`` (None: the latest), decoded (``pspf.tables.table``).
 
         A table's row comes from the batch's updates up to that entry, then the partition's
@@ -185,6 +188,8 @@ class PartitionBatch:
         if table is None or (check and (not table.is_global or type(key) is not str)):
             table = self._checked_table(name, key, what, check)  # a global table takes any str key
         stored = f"{name}/{key}"  # keys.table_key
+        if at is not None:
+            return self._row_at(table, stored, before, at, what)
         if table.is_global:
             if not check:
                 raise TableError(
@@ -202,6 +207,34 @@ class PartitionBatch:
         if raw is MISSING:
             raw = self._stored_row(stored, table.is_global)
         return None if raw is None else table.decode(raw)
+
+    def _row_at(self, table: Table, stored: str, before: bytes | None, at: int, what: str) -> Any:
+        """A versioned table's row current at event time ``at``, as of the entry ``before``."""
+        if table.versioned_ms is None:
+            raise TableError(
+                f"{what}({table.name!r}, at=...): table {table.name!r} is not versioned: declare it "
+                f"with app.table({table.name!r}, versioned=timedelta(...))"
+            )
+        try:
+            stored_versions = self.owned.store.get(keys.TABLE_VERSIONS_NAMESPACE, stored)
+        except Exception as exc:
+            self.broken = exc if isinstance(exc, StateError) else StateError(f"cannot read the store: {exc}")
+            raise self.broken from exc
+        pending = self.table_writes.timed.get(stored, ())
+        seen_before = None if before is None else StreamId.parse(before)
+        found = versions.as_of([*versions.decode(stored_versions), *pending], at, seen_before)
+        return None if found is None else table.decode(found)
+
+    def _table_versions(self) -> dict[str, bytes | None]:
+        """The versions this commit writes: each key's, with the batch's added and the old dropped."""
+        assert self.lookups is not None
+        out = {}
+        for stored, new in self.table_writes.timed.items():
+            retention = self.lookups.tables[stored.partition("/")[0]].versioned_ms
+            assert retention is not None
+            kept = self.owned.store.get(keys.TABLE_VERSIONS_NAMESPACE, stored)
+            out[stored] = versions.merged(kept, new, retention)
+        return out
 
     def _row_then(self, name: str, stored: str, before: bytes) -> Any:
         """The committed row as of the entry ``before``: a parked entry's lookup (``pspf.tables.table``).
@@ -298,7 +331,8 @@ class PartitionBatch:
         time_writes = self._time_writes()
         rows = self.table_writes.final()
         history, history_left = self._table_history(rows) if self.lookups is not None else ({}, None)
-        writes = (self.overlay, self.failures, self.dead, self.emitted, time_writes, rows, history)
+        timed = self._table_versions() if self.table_writes.timed else {}
+        writes = (self.overlay, self.failures, self.dead, self.emitted, time_writes, rows, history, timed)
         if not (checkpoints or foreign_done or any(writes)):
             return None
         # Superseded marks the new checkpoints pass: at or below a checkpoint an entry is done.
@@ -314,6 +348,7 @@ class PartitionBatch:
             tx.put(keys.STATE_NAMESPACE, self.overlay)
             tx.put(keys.TABLES_NAMESPACE, rows)
             tx.put(keys.TABLE_HISTORY_NAMESPACE, history)
+            tx.put(keys.TABLE_VERSIONS_NAMESPACE, timed)
             tx.update(page_writes)
             tx.update(time_writes)
             tx.put(keys.FAILURES_NAMESPACE, {n: _encode(f) for n, f in self.failures.items()})

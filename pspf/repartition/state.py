@@ -52,7 +52,7 @@ def key_of(namespace: str, key: str) -> str | None:
     """The entry key a field of ``namespace`` belongs to; None when it belongs to no one key."""
     if namespace in _BY_KEY:
         return key
-    if namespace in (keys.TABLES_NAMESPACE, keys.TABLE_HISTORY_NAMESPACE):
+    if namespace in (keys.TABLES_NAMESPACE, keys.TABLE_HISTORY_NAMESPACE, keys.TABLE_VERSIONS_NAMESPACE):
         return key.partition("/")[2]
     if namespace == keys.SCHEDULES_NAMESPACE:
         return key.partition("/")[2]

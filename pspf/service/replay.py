@@ -29,6 +29,7 @@ from pspf.keys import (
     STATE_NAMESPACE,
     SUPERSEDED_NAMESPACE,
     TABLE_HISTORY_NAMESPACE,
+    TABLE_VERSIONS_NAMESPACE,
     TABLES_NAMESPACE,
     TIME_NAMESPACE,
     WINDOWS_NAMESPACE,
@@ -52,6 +53,7 @@ APP_STATE = frozenset(
         EXPIRY_NAMESPACE,
         TABLES_NAMESPACE,
         TABLE_HISTORY_NAMESPACE,
+        TABLE_VERSIONS_NAMESPACE,
     }
 )
 #: a partition's topics and the checkpoint each is rewound to (None: from the first entry)

@@ -30,6 +30,7 @@ position.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -41,6 +42,7 @@ from pspf.keys import StreamId
 
 if TYPE_CHECKING:
     from pspf.context import Context
+    from pspf.tables.versions import Version
 
 log = logging.getLogger("pspf.tables")
 
@@ -67,12 +69,32 @@ class TableError(ConfigError, NonRetryableError):
 class Table:
     """A declared table: its name (its topic's), whether global, and how its rows decode."""
 
-    __slots__ = ("_row_decoder", "decode", "is_global", "name", "value_decoder", "value_type")
+    __slots__ = (
+        "_row_decoder",
+        "_timestamp",
+        "decode",
+        "is_global",
+        "name",
+        "value_decoder",
+        "value_type",
+        "versioned_ms",
+    )
 
-    def __init__(self, name: str, value_type: Any, is_global: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        value_type: Any,
+        is_global: bool,
+        versioned_ms: int | None = None,
+        timestamp: Callable[[Any, Context], int] | None = None,
+    ) -> None:
         self.name = keys.check_name("table", name)
         self.value_type = Any if value_type is None else value_type
         self.is_global = is_global
+        #: a versioned table's retention of event time (``pspf.tables.versions``); None: not one
+        self.versioned_ms = versioned_ms
+        #: a versioned table's event time of an update (a delete: its entry's id time)
+        self._timestamp = timestamp
         try:
             #: what an entry of the topic decodes into: a row, or None (JSON null) to delete it
             self.value_decoder = ValueDecoder(self.value_type | None)
@@ -92,24 +114,34 @@ class Table:
         """The handler of a table's topic: the entry sets (or, with null, deletes) its key's row."""
         writes: TableWrites = ctx.source.table_writes  # type: ignore[attr-defined] # a batch: sync handler
         row = None if value is None else _encode_row(value)
-        writes.write(keys.table_key(self.name, ctx.key), ctx.entry_id, row)
+        stored = keys.table_key(self.name, ctx.key)
+        writes.write(stored, ctx.entry_id, row)
+        if self.versioned_ms is not None:
+            at = StreamId.parse(ctx.entry_id)
+            event_ms = at.ms if value is None or self._timestamp is None else self._timestamp(value, ctx)
+            writes.write_version(stored, (event_ms, at.ms, at.seq, row))
 
     def __repr__(self) -> str:
-        kind = "global table" if self.is_global else "table"
+        kind = "global table" if self.is_global else "versioned table" if self.versioned_ms else "table"
         return f"<{kind} {self.name!r}>"
 
 
 class TableWrites:
     """One batch's table updates, each kept with its entry's id (a lookup sees the earlier ones)."""
 
-    __slots__ = ("versions",)
+    __slots__ = ("timed", "versions")
 
     def __init__(self) -> None:
         #: table_key -> [(entry id, row or None)], in id order
         self.versions: dict[str, list[tuple[StreamId, bytes | None]]] = {}
+        #: a versioned table's updates by table_key, with their event times (``pspf.tables.versions``)
+        self.timed: dict[str, list[Version]] = {}
 
     def write(self, name: str, entry_id: bytes, row: bytes | None) -> None:
         self.versions.setdefault(name, []).append((StreamId.parse(entry_id), row))
+
+    def write_version(self, name: str, version: Version) -> None:
+        self.timed.setdefault(name, []).append(version)
 
     def find(self, name: str, before: bytes | None) -> bytes | None:
         """The row as of the entry ``before`` (its id; None: the latest), MISSING when untouched."""
@@ -134,6 +166,12 @@ class TableWrites:
                 self.versions[name] = kept
             else:
                 del self.versions[name]
+        for name in list(self.timed):
+            timed = [v for v in self.timed[name] if (v[1], v[2]) <= at]
+            if timed:
+                self.timed[name] = timed
+            else:
+                del self.timed[name]
 
     def replaced(self, name: str, committed: bytes | None) -> list[tuple[StreamId, bytes | None]]:
         """Each update of the batch to ``name`` with the row it replaced (first: ``committed``)."""

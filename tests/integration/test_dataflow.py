@@ -267,3 +267,62 @@ def test_an_entry_retried_in_an_interleaved_batch_holds_the_later_entries_of_eve
     want = {(o["oid"], p["pid"]) for o in orders for p in payments if abs(o["ts"] - p["ts"]) <= 10_000}
     assert len(got) == len(set(got)) and set(got) == want
     assert seen.count("p31") == 3 and seen.count("p33") == 1  # retried, and the rest once each
+
+
+def tier_app(name: str, orders: str, customers: str, out: str) -> App:
+    """The third pipeline of the dataflow how-to: orders with the customer's tier as of their time."""
+    app = App(name)
+    table = app.table(customers, versioned=timedelta(days=7), timestamp="ts")
+    (
+        app.stream(orders)
+        .join_asof(
+            table,
+            timestamp="ts",
+            merge=lambda order, customer: {"oid": order["oid"], "tier": customer and customer["tier"]},
+        )
+        .to(out)
+    )
+    return app
+
+
+def expected_tiers(written: list[tuple[str, dict[str, Any]]]) -> dict[str, str | None]:
+    """Each order's tier: the update of its customer before it (in write order) latest at its time."""
+    found: dict[str, str | None] = {}
+    updates: list[dict[str, Any]] = []
+    for kind, value in written:
+        if kind == "customer":
+            updates.append(value)
+            continue
+        mine = [u for u in updates if u["customer"] == value["customer"] and u["ts"] <= value["ts"]]
+        found[value["oid"]] = max(mine, key=lambda u: u["ts"])["tier"] if mine else None
+    return found
+
+
+def test_an_as_of_join_through_a_worker_sees_the_row_current_at_each_orders_time(
+    make_settings: Callable[..., Settings],
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    rclient: redis.Redis,
+    names: Names,
+) -> None:
+    orders_topic, customers_topic, out = make_topic(2), make_topic(2), make_topic(1)
+    rng = random.Random(3)
+    written: list[tuple[str, dict[str, Any]]] = []
+    for n in range(600):
+        customer = f"c{rng.randrange(5)}"
+        ts = T0 + n * 60_000 + rng.randrange(-600_000, 600_000)  # updates and orders a little out of order
+        if rng.random() < 0.3:
+            value = {"customer": customer, "tier": rng.choice(["bronze", "silver", "gold"]), "ts": ts}
+            written.append(("customer", value))
+            produce(customers_topic, [(customer, value)])
+        else:
+            value = {"customer": customer, "oid": f"o{n}", "ts": ts}
+            written.append(("order", value))
+            produce(orders_topic, [(customer, value)])
+    app = tier_app(names.app(), orders_topic, customers_topic, out)
+    summary = Worker(app, make_settings(PSPF_BATCH_SIZE=29)).run(until_idle=True)
+    assert summary.dead_lettered == 0
+    got = {o["value"]["oid"]: o["value"]["tier"] for o in outputs(rclient, out, 1)}
+    assert len(outputs(rclient, out, 1)) == len(got)
+    assert got == expected_tiers(written)
+    assert sum(1 for tier in got.values() if tier is None) < len(got) / 2

@@ -539,3 +539,87 @@ def test_join_sides_are_kept_in_the_store_and_forgotten_once_nothing_on_time_can
     again.committed()
     assert "k" not in again.open[left.name].entries  # type: ignore[attr-defined]
     assert [k for ns, k in store._values if ns == "__windows" and "/e/" in k and k.startswith("a:")] == []
+
+
+def tier_app() -> App:
+    """The third pipeline: orders enriched with the customer's tier as of the order's time."""
+    app = App("tiers")
+    customers = app.table("customers", versioned=timedelta(days=7), timestamp="ts")
+    (
+        app.stream("orders")
+        .join_asof(
+            customers,
+            timestamp="ts",
+            merge=lambda order, customer: {"oid": order["oid"], "tier": customer and customer["tier"]},
+        )
+        .to("orders-with-tier")
+    )
+    return app
+
+
+def test_join_asof_gives_each_order_the_row_current_at_its_time_among_updates_before_it() -> None:
+    day = 86_400_000
+    with TestApp(tier_app(), partitions=2) as t:
+        t.send("orders", {"oid": "o0", "ts": START}, key="c1")  # no row yet
+        t.send("customers", {"tier": "silver", "ts": START - day}, key="c1")
+        t.send("customers", {"tier": "gold", "ts": START + 2 * day}, key="c1")
+        t.send("orders", {"oid": "o1", "ts": START}, key="c1")  # silver then
+        t.send("orders", {"oid": "o2", "ts": START + 3 * day}, key="c1")  # gold
+        t.send("customers", {"tier": "bronze", "ts": START + day}, key="c1")  # a late update
+        t.send("orders", {"oid": "o3", "ts": START + day + 1}, key="c1")  # sees the late update
+        t.send("orders", {"oid": "o4", "ts": START - 2 * day}, key="c1")  # before any row
+        t.send("customers", None, key="c1")  # deleted at its entry's time (the test clock)
+        t.send("orders", {"oid": "o5", "ts": START + 2 * day}, key="c1")
+        t.send("orders", {"oid": "o6", "ts": START - day}, key="c2")
+        got = [(r["oid"], r["tier"]) for r in t.emitted("orders-with-tier")]
+        assert t.table("customers", "c1") is None
+    assert got == [
+        ("o0", None),
+        ("o1", "silver"),
+        ("o2", "gold"),
+        ("o3", "bronze"),
+        ("o4", None),
+        ("o5", "gold"),  # the delete took the entry's id time, at START, before this order's time
+        ("o6", None),
+    ]
+
+
+def test_versions_keep_the_retention_and_the_row_current_at_its_start() -> None:
+    from pspf.tables import versions
+
+    kept = versions.merged(None, [(0, 1, 0, b"a"), (50, 2, 0, b"b"), (60, 3, 0, None)], retention_ms=100)
+    kept = versions.merged(kept, [(200, 4, 0, b"c")], retention_ms=100)
+    assert versions.decode(kept) == [(200, 4, 0, b"c")]  # at 100 (the cutoff) there was no row
+    kept = versions.merged(kept, [(150, 5, 0, b"d"), (90, 6, 0, b"e")], retention_ms=100)
+    assert [v[0] for v in versions.decode(kept)] == [90, 150, 200]
+    found = versions.decode(kept)
+    assert versions.as_of(found, 149, None) == b"e"
+    assert versions.as_of(found, 160, None) == b"d"
+    assert versions.as_of(found, 160, before=versions.StreamId(5, 0)) == b"d"  # by entry 5-0: seen
+    assert versions.as_of(found, 160, before=versions.StreamId(4, 9)) is None  # 90 and 150 came later
+    assert versions.as_of(found, 200, before=versions.StreamId(4, 9)) == b"c"
+    assert versions.as_of(found, 89, None) is None
+
+
+def test_lookups_as_of_a_time_need_a_versioned_table_of_the_app() -> None:
+    app = App("asof-refused")
+    plain = app.table("plain")
+    with pytest.raises(ConfigError, match="is not a versioned table"):
+        app.stream("orders").join_asof(plain)
+    with pytest.raises(ConfigError, match="timestamp= is for a versioned table"):
+        app.table("other", timestamp="ts")
+    elsewhere = App("elsewhere").table("customers", versioned=timedelta(days=1))
+    app.stream("orders").join_asof(elsewhere).to("out")
+    with pytest.raises(ConfigError, match="joins table 'customers', which the app does not declare"):
+        TestApp(app)
+    looked = App("at-plain")
+    looked.table("plain")
+
+    @looked.handler("orders")
+    def handle(value: dict[str, Any], ctx: Context) -> None:
+        ctx.table("plain", at=1)
+
+    with TestApp(looked) as t:
+        t.send("orders", {}, key="k")
+        [dead] = t.dead_letters("orders")
+        assert "table 'plain' is not versioned" in dead.message

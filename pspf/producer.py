@@ -45,7 +45,11 @@ class Producer:
     """
 
     def __init__(
-        self, broker: Broker | None = None, batch_size: int = 1000, settings: Settings | None = None
+        self,
+        broker: Broker | None = None,
+        batch_size: int = 1000,
+        settings: Settings | None = None,
+        ordered: bool = False,
     ) -> None:
         """Connect to the broker of ``settings``, or use ``broker``.
 
@@ -55,6 +59,11 @@ class Producer:
             batch_size: entries per pipelined round trip.
             settings: where the broker is (``settings.redis``); without them,
                 ``Settings.load()``, i.e. the ``PSPF_*`` environment variables and the defaults.
+            ordered: give the entries ids from one sequence across the topics and partitions
+                this producer writes, in the order they were sent, so that apps reading several
+                of them (tables, joins: id order across topics) apply them in that order. Entries
+                of one topic partition in a row still go in one call; each change of topic or
+                partition costs a round trip.
 
         Raises:
             ConfigError: the settings are invalid (a malformed broker URL, a missing TLS file).
@@ -71,6 +80,10 @@ class Producer:
         #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
         self.repartition_wait_s = self.broker.conn.repartition_wait_s
         self.sent = 0
+        self.ordered = ordered
+        #: an ordered producer's queue, in send order, and the last id it wrote
+        self._in_order: list[tuple[str, Fields]] = []
+        self._last_id = ""
 
     def send(
         self, topic: str, value: Any, key: str | None = None, headers: dict[str, str] | None = None
@@ -113,7 +126,10 @@ class Producer:
         if topic not in self._layouts:
             keys.check_name("topic", topic)
             self._learn(topic)
-        self._buffer.setdefault(topic, []).append(fields)
+        if self.ordered:
+            self._in_order.append((topic, fields))
+        else:
+            self._buffer.setdefault(topic, []).append(fields)
         self._queued += 1
         if self._queued >= self.batch_size:
             self.flush()
@@ -149,6 +165,8 @@ class Producer:
             BrokerError: Redis is unreachable, refused a write, or is near its ``maxmemory``;
                 the queued entries are then kept, and some of them may have been written.
         """
+        if self._in_order:
+            self._flush_in_order()
         for topic in list(self._buffer):
             pending = self._buffer[topic]
             while pending:
@@ -162,6 +180,34 @@ class Producer:
                 if pending:  # refused: its layout moved on
                     self._learn(topic, stale=self._layouts[topic][1])
             del self._buffer[topic]
+
+    def _flush_in_order(self) -> None:
+        """An ordered producer's queue, one call per run of entries to one topic partition.
+
+        Each call's ids follow the last id written (``lua/add.lua``), so they grow in send order
+        across every stream written.
+        """
+        queue = self._in_order
+        while queue:
+            topic = queue[0][0]
+            partitions, layout = self._layouts[topic]
+            first = self._routed(topic, [queue[0][1]])
+            partition = next(iter(first))
+            run = [first[partition][0]]
+            for other, fields in queue[1:]:
+                key = fields.get(codec.KEY)
+                if other != topic or key is None or keys.partition_for(key, partitions) != partition:
+                    break
+                run.append(fields)
+            written = self.broker.publishing.add_in_layout(topic, layout, {partition: run}, self._last_id)
+            ids = written[partition]
+            if ids is None:  # its layout moved on: route the queue again with the new count
+                self._learn(topic, stale=layout)
+                continue
+            self._last_id = ids[-1].decode()
+            del queue[: len(run)]
+            self.sent += len(run)
+            self._queued -= len(run)
 
     def close(self) -> None:
         """Flush, then close the connection if the producer opened it."""

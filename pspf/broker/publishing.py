@@ -125,18 +125,20 @@ class Publishing:
             return list(pipe.execute())
 
     def add_in_layout(
-        self, topic: str, layout: str, entries: Mapping[int, Sequence[Fields]]
+        self, topic: str, layout: str, entries: Mapping[int, Sequence[Fields]], after: str = ""
     ) -> dict[int, list[bytes] | None]:
         """Append each partition's entries unless its layout is not ``layout``; one round trip.
 
         Per partition, the new ids, or None when its layout moved on (nothing of it was written:
         the producer reads the topic's count again). Held back near the server's maxmemory.
+        ``after``: an id ("MS-SEQ") the entries' ids follow (an ordered producer; see
+        ``lua/add.lua``); "": the server's ids.
         """
         self.guard_memory()
         partitions = list(entries)
         calls = []
         for partition in partitions:
-            args: list[Any] = [layout]
+            args: list[Any] = [layout, after]
             for fields in entries[partition]:
                 args.append(2 * len(fields))
                 for name, value in fields.items():

@@ -99,7 +99,7 @@ def _compile(node: Node, closing: bool, path: str) -> Step:
     if kind in ("concat", "joined"):
         return nxt
     if kind == "asof":
-        return _asof(node.params["table"], node.params["timestamp"], fn, nxt)
+        return _asof(node.params["table"], node.params["reader"], fn, nxt)
     if kind in ("to", "group_by"):
         return _emitting(node.params["topic"], node.params["key"], kind == "group_by")
     assert fn is not None

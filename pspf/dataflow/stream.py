@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from pspf.windows.aggregation import Aggregation
 
 Emit = Literal["final", "update"]
+#: Node params ``pspf describe`` leaves out (the objects behind a step; its name is shown)
+_HIDDEN = frozenset({"aggregation", "join", "reader"})
 #: Record fields every window result has: its aggregations' names must be others.
 RESULT_FIELDS = frozenset({"key", "start", "end"})
 
@@ -59,7 +61,7 @@ class Node:
         """The step as ``pspf describe`` shows it."""
         name = getattr(self.func, "__qualname__", None)
         params = ", ".join(
-            f"{k}={_shown(v)}" for k, v in self.params.items() if k != "aggregation" and v is not None
+            f"{k}={_shown(v)}" for k, v in self.params.items() if k not in _HIDDEN and v is not None
         )
         shown = [part for part in (name, params) if part]
         return f"{self.kind}({', '.join(shown)})"
@@ -306,11 +308,12 @@ class Stream:
             for side, topic, stream in (("left", topics[0], self), ("right", topics[1], other))
         )
         join = IntervalJoin(join_name, (sides[0], sides[1]), merge)
-        for side in sides:
-            flow.window(side)
-        out = Node("joined", None, False, join=join_name)
+        for kept in sides:
+            flow.window(kept)
+        out = Node("joined", None, False, name=join_name)
         for index, stream in enumerate((self, other)):
-            side_node = Node("join", None, False, join=join, side=("left", "right")[index], within=within_ms)
+            side = ("left", "right")[index]
+            side_node = Node("join", None, False, join=join, name=join_name, side=side, within_ms=within_ms)
             flow.add([stream._node], side_node)
             flow.add([side_node], out)
         flow.joins.append(join)
@@ -339,7 +342,7 @@ class Stream:
             _check_function("join_asof", merge, 2)
         reader = timestamp_reader(f"join_asof({table.name!r})", timestamp)
         self._flow.asof_tables.add(table.name)
-        return self._add(Node("asof", merge, False, table=table.name, timestamp=reader))
+        return self._add(Node("asof", merge, False, table=table.name, timestamp=timestamp, reader=reader))
 
     def _one_root(self, what: str) -> str:
         topics = sorted(self._flow.roots_of(self._node))

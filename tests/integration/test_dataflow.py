@@ -16,7 +16,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from pspf import App, ConfigError, NotFound, Settings, Worker, agg, windows
+from pspf import App, ConfigError, NotFound, Producer, Settings, Worker, agg, windows
 from pspf.cli import cli
 from pspf.keys import stream_key
 from pspf.service import Service
@@ -326,3 +326,32 @@ def test_an_as_of_join_through_a_worker_sees_the_row_current_at_each_orders_time
     assert len(outputs(rclient, out, 1)) == len(got)
     assert got == expected_tiers(written)
     assert sum(1 for tier in got.values() if tier is None) < len(got) / 2
+
+
+def test_an_ordered_producer_gives_ids_in_send_order_across_topics_and_partitions(
+    redis_url: str, make_topic: Callable[[int], str], rclient: redis.Redis
+) -> None:
+    a, b = make_topic(3), make_topic(2)
+    settings = Settings.load({"PSPF_BROKER": redis_url}, environ={})
+    with Producer(settings=settings, ordered=True) as producer:
+        for n in range(300):  # many in one millisecond: one sequence, not one per stream
+            producer.send(a if n % 3 else b, {"n": n}, key=f"k{n % 7}")
+    assert producer.sent == 300
+    found = []
+    for topic, count in ((a, 3), (b, 2)):
+        for partition in range(count):
+            for entry_id, fields in rclient.xrange(stream_key(topic, partition)):
+                ms, seq = entry_id.decode().split("-")
+                found.append(((int(ms), int(seq)), json.loads(fields[b"value"])["n"]))
+    assert [n for _, n in sorted(found)] == list(range(300))
+    assert len({entry_id for entry_id, _ in found}) == 300
+    c, d = make_topic(1), make_topic(1)
+    with Producer(settings=settings) as unordered:  # one call per topic at a flush: not in send order
+        for n in range(50):
+            unordered.send(c if n % 2 else d, {"n": n}, key="k1")
+    ids = {
+        json.loads(fields[b"value"])["n"]: tuple(map(int, entry_id.decode().split("-")))
+        for topic in (c, d)
+        for entry_id, fields in rclient.xrange(stream_key(topic, 0))
+    }
+    assert sorted(ids, key=lambda n: ids[n]) != list(range(50))

@@ -623,3 +623,25 @@ def test_lookups_as_of_a_time_need_a_versioned_table_of_the_app() -> None:
         t.send("orders", {}, key="k")
         [dead] = t.dead_letters("orders")
         assert "table 'plain' is not versioned" in dead.message
+
+
+def test_a_typed_sides_kept_values_come_back_as_its_type() -> None:
+    app = App("typed-join")
+    orders = app.stream("orders", value_type=Order)
+    orders.join_interval(
+        app.stream("payments"),
+        within=timedelta(minutes=5),
+        timestamp="ts",
+        merge=lambda order, payment: {"oid": order.oid, "paid": payment["amount"]},
+    ).to("paid")
+    with TestApp(app) as t:
+        t.send("orders", order("o1", "c1", 1, 2.0, START), key="c1")  # kept, then read back as Order
+        t.send("payments", {"amount": 2.0, "ts": START + 1_000}, key="c1")
+        t.send("payments", {"amount": 3.0, "ts": START + 2_000}, key="c1")
+        t.send("orders", order("o2", "c1", 1, 2.0, START + 3_000), key="c1")
+        assert t.emitted("paid") == [
+            {"oid": "o1", "paid": 2.0},
+            {"oid": "o1", "paid": 3.0},
+            {"oid": "o2", "paid": 2.0},
+            {"oid": "o2", "paid": 3.0},
+        ]

@@ -20,6 +20,8 @@ it is exactly once for the same reasons. The rooms:
 - ``stream``: ``Stream`` and its steps, the graph of an app's chains (``Dataflow``);
 - ``agg``: the built-in aggregations of a window;
 - ``windowing``: a chain's window on the windows' machinery (``ChainWindow``);
+- ``joining``: stream-stream joins (``join_interval``: each side's values kept per key on the
+  windows' machinery); as-of joins read versioned tables (``pspf.tables.versions``);
 - ``run``: a topic's graph compiled to the function its entries run.
 """
 

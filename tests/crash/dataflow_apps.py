@@ -59,3 +59,54 @@ def spend() -> App:
         .to(env["PSPF_TEST_TARGET"])
     )
     return app
+
+
+def pipelines() -> App:
+    """The three pipelines of the dataflow how-to in one app (``tests.crash.test_dataflow_pipelines_crash``).
+
+    Orders keyed by customer feed three chains: the spend pipeline of ``spend`` (filtered, mapped,
+    re-keyed by customer through the managed topic, summed and counted in tumbling one-minute
+    windows with a grace of ten minutes, each closed window's result to ``PSPF_TEST_TARGET``);
+    an interval join with the payments (``PSPF_TEST_PAYMENTS``) within five minutes, each pair
+    ``{"oid", "pid"}`` to ``PSPF_TEST_PAIRS``; and an as-of join with the versioned table of the
+    customers' tiers (``PSPF_TEST_CUSTOMERS``, event time ``ts``), each order's
+    ``{"oid", "tier"}`` to ``PSPF_TEST_TIERS``. The other variables are those of ``spend``.
+    """
+    env = os.environ
+    work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
+    crash = env.get("PSPF_TEST_CRASH")
+    hooks = RelayCrashHooks(crash, Path(env["PSPF_TEST_MARKER"]), None) if crash else None
+    app = App(env["PSPF_TEST_APP"], hooks=hooks)
+    orders = app.stream(env["PSPF_TEST_TOPIC"])  # the app's first topic: it holds the backups
+    payments = app.stream(env["PSPF_TEST_PAYMENTS"])
+    customers = app.table(env["PSPF_TEST_CUSTOMERS"], versioned=timedelta(days=7), timestamp="ts")
+
+    def positive(order: dict[str, Any]) -> bool:
+        if work_s:
+            _busy(work_s)
+        return bool(order["qty"] > 0)
+
+    (
+        orders.filter(positive)
+        .map(lambda o: {"customer": o["customer"], "amount": o["qty"] * o["price"], "ts": o["ts"]})
+        .group_by(lambda v: v["customer"], topic=env["PSPF_TEST_REKEY"])
+        .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts", grace=timedelta(minutes=10))
+        .agg(total=agg.Sum("amount"), n=agg.Count())
+        .to(env["PSPF_TEST_TARGET"])
+    )
+    (
+        orders.join_interval(
+            payments,
+            within=timedelta(minutes=5),
+            timestamp="ts",
+            merge=lambda order, payment: {"oid": order["oid"], "pid": payment["pid"]},
+        ).to(env["PSPF_TEST_PAIRS"])
+    )
+    (
+        orders.join_asof(
+            customers,
+            timestamp="ts",
+            merge=lambda order, customer: {"oid": order["oid"], "tier": customer and customer["tier"]},
+        ).to(env["PSPF_TEST_TIERS"])
+    )
+    return app

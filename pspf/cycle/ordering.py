@@ -232,30 +232,31 @@ class CrossTopicOrder:
 # -- entries applied in id order across streams (apps with joins) ------------------------------------
 
 
-def id_order_runs(reads: list[Read], tables: frozenset[str]) -> list[Read]:
+def id_order_runs(reads: list[Read], tables: frozenset[str]) -> list[tuple[int, Read]]:
     """A partition's reads as runs in id order across its streams, for apps whose joins need it.
 
     Tables' reads first, as they are (their updates keep their ids); then the other streams'
     entries merged by id and cut into runs where the stream changes; parked entries claimed again
-    (due reads, deferred mode: no order kept) last. Each run is handled as a read of its stream.
+    (due reads, deferred mode: no order kept) last. Each run is handled as a read of its stream;
+    each comes with the index of the read it is part of.
     """
-    first = [r for r in reads if r.cursor.topic in tables and not r.due]
-    due = [r for r in reads if r.due]
-    rest = [r for r in reads if r.cursor.topic not in tables and not r.due]
+    first = [(i, r) for i, r in enumerate(reads) if r.cursor.topic in tables and not r.due]
+    due = [(i, r) for i, r in enumerate(reads) if r.due]
+    rest = [(i, r) for i, r in enumerate(reads) if r.cursor.topic not in tables and not r.due]
     if len(rest) < 2:
         return [*first, *rest, *due]
-    merged = heapq.merge(*([(StreamId.parse(e[0]), i, e) for e in r.entries] for i, r in enumerate(rest)))
-    runs: list[Read] = []
+    merged = heapq.merge(*([(StreamId.parse(e[0]), i, e) for e in r.entries] for i, r in rest))
+    runs: list[tuple[int, Read]] = []
     at = -1
     run: list[RawEntry] = []
     for _, i, entry in merged:
         if i != at and run:
-            runs.append(rest[at]._replace(entries=run))
+            runs.append((at, reads[at]._replace(entries=run)))
             run = []
         at = i
         run.append(entry)
     if run:
-        runs.append(rest[at]._replace(entries=run))
+        runs.append((at, reads[at]._replace(entries=run)))
     return [*first, *runs, *due]
 
 
@@ -275,13 +276,13 @@ def joined(before: StreamOutcome | None, run: StreamOutcome) -> StreamOutcome:
     )
 
 
-def hold_runs(runs: list[Read], stopped: StreamCursor) -> None:
+def hold_runs(runs: list[tuple[int, Read]], stopped: StreamCursor) -> None:
     """The runs after one that stopped to retry an entry: not applied in this batch.
 
     The stopped stream reads its entries from the one to retry on (they were delivered, not
     attempted); the other streams' are held, first in their next reads, before what they held.
     """
-    for run in reversed(runs):
+    for _, run in reversed(runs):
         cursor = run.cursor
         if cursor is stopped:
             for entry_id, _ in run.entries:

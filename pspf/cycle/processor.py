@@ -317,14 +317,18 @@ class BatchProcessor:
         in id order waits (``hold_runs``). One outcome per read, aligned with ``reads``.
         """
         runs = id_order_runs(reads, frozenset(self.app.tables))
-        outcomes: dict[str, StreamOutcome] = {}
-        for index, run in enumerate(runs):
+        ordered = [(i, run) for i, run in runs if not run.due]
+        outcomes: dict[int, StreamOutcome] = {}
+        for index, (of_read, run) in enumerate(ordered):
             outcome = self._handle(batch, run, result)
-            outcomes[run.cursor.stream] = joined(outcomes.get(run.cursor.stream), outcome)
+            outcomes[of_read] = joined(outcomes.get(of_read), outcome)
             if outcome.retry_id is not None:
-                hold_runs(runs[index + 1 :], run.cursor)
+                hold_runs(ordered[index + 1 :], run.cursor)
                 break
-        return [outcomes.get(read.cursor.stream) or empty_outcome(read.cursor) for read in reads]
+        for of_read, run in runs:
+            if run.due:  # parked entries claimed again (deferred mode): they keep no order
+                outcomes[of_read] = self._handle(batch, run, result)
+        return [outcomes.get(i) or empty_outcome(read.cursor) for i, read in enumerate(reads)]
 
     def _handle(self, batch: PartitionBatch, read: Read, result: CycleResult) -> StreamOutcome:
         cursor = read.cursor

@@ -223,14 +223,20 @@ def test_an_interval_join_through_a_worker_emits_each_pair_once_in_id_order_acro
         assert output["headers"]["pspf-source-id"] == later
 
 
+@pytest.mark.parametrize("mode", ["ordered", "deferred"])
 def test_an_entry_retried_in_an_interleaved_batch_holds_the_later_entries_of_every_topic_back(
     make_settings: Callable[..., Settings],
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     rclient: redis.Redis,
     names: Names,
+    mode: str,
 ) -> None:
-    """A payment fails twice; the orders after it in id order wait for it, so every pair is exact."""
+    """A payment fails twice; the orders after it in id order wait for it, so every pair is exact.
+
+    Deferred, it is parked and tried again after later entries (the grace keeps it on time): it
+    meets what came before it then, and its pairs are still each emitted once.
+    """
     orders_topic, payments_topic, out = make_topic(1), make_topic(1), make_topic(1)
     failures = {"p31": 2, "p77": 1}
     seen: list[str] = []
@@ -250,6 +256,7 @@ def test_an_entry_retried_in_an_interleaved_batch_holds_the_later_entries_of_eve
             within=timedelta(seconds=10),
             timestamp="ts",
             merge=lambda order, payment: [order["oid"], payment["pid"]],
+            grace=timedelta(minutes=5),
         )
         .to(out)
     )
@@ -261,8 +268,9 @@ def test_an_entry_retried_in_an_interleaved_batch_holds_the_later_entries_of_eve
         else:
             orders.append({"oid": f"o{n}", "ts": T0 + n * 1_000})
             produce(orders_topic, [("k", orders[-1])])
-    summary = Worker(app, make_settings(PSPF_BATCH_SIZE=25, PSPF_RETRY_BASE_MS=1)).run(until_idle=True)
-    assert summary.retried == 3 and summary.dead_lettered == 0 and summary.late == 0
+    settings = make_settings(PSPF_BATCH_SIZE=25, PSPF_RETRY_BASE_MS=1, PSPF_RETRY_MODE=mode)
+    summary = Worker(app, settings).run(until_idle=True)
+    assert summary.retried + summary.parked == 3 and summary.dead_lettered == 0 and summary.late == 0
     got = [tuple(o["value"]) for o in outputs(rclient, out, 1)]
     want = {(o["oid"], p["pid"]) for o in orders for p in payments if abs(o["ts"] - p["ts"]) <= 10_000}
     assert len(got) == len(set(got)) and set(got) == want

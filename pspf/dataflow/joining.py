@@ -23,28 +23,21 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pspf.errors import ConfigError
-from pspf.keys import StreamId, WindowKey
+from pspf.keys import StreamId
 from pspf.windows.aggregation import Aggregation
-from pspf.windows.kinds import NO_REMOVES, Change, Folding, WindowKind, WindowSpec
+from pspf.windows.kinds import NO_REMOVES, Change, WindowSpec
+from pspf.windows.kinds.base import KeepsEntries, Kept
 
 if TYPE_CHECKING:
     from pspf.context import Context
     from pspf.dataflow.windowing import Step
     from pspf.windows.aggregation import PartitionWindows
 
-#: (event time, entry id, encoded value)
-Kept = tuple[int, bytes, bytes]
 
-
-class JoinBuffer(WindowKind):
+class JoinBuffer(KeepsEntries):
     """One side of a join in one partition: its values by key, kept while a value could meet them."""
 
     name = "join"
-
-    def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
-        super().__init__(window, spec, folding)
-        #: each key's kept values, in (event time, entry id) order
-        self.entries: dict[str, list[Kept]] = {}
 
     @classmethod
     def example(cls, unit_ms: int, grace_ms: int) -> WindowSpec:
@@ -69,26 +62,6 @@ class JoinBuffer(WindowKind):
 
     def forget_at(self, ts: int) -> int:
         return ts + 2 * self.spec.size_ms + self.spec.grace_ms + 1
-
-    def keep(self, key: str, ts: int, entry_id: bytes, kept: bytes) -> None:
-        bisect.insort(self.entries.setdefault(key, []), (ts, entry_id, kept))
-        self.remember(self.forget_at(ts), "e", key, ts, entry_id)
-        self.write("e", key, ts, entry_id.decode(), kept)
-
-    def restored(self, found: WindowKey, value: bytes) -> None:
-        if found.kind != "e":
-            super().restored(found, value)
-            return
-        entry_id = found.b.encode()
-        bisect.insort(self.entries.setdefault(found.key, []), (found.a, entry_id, value))
-        self.forget.append((self.forget_at(found.a), "e", found.key, found.a, entry_id))
-
-    def forgotten(self, letter: str, key: str, a: int, b: Any) -> None:
-        entries = self.entries[key]
-        del entries[bisect.bisect_left(entries, (a, b))]
-        if not entries:
-            del self.entries[key]
-        self.write("e", key, a, b.decode(), None)
 
 
 def _nothing(value: Any, ctx: Any) -> None:

@@ -17,6 +17,7 @@ an accumulator, the kind's own letters for the rest), and applying, closing and 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, Protocol
@@ -223,6 +224,47 @@ class WindowKind:
             _, letter, key, a, b = heapq.heappop(forget)
             self.forgotten(letter, key, a, b)
         return found
+
+
+#: A kept entry: (event time, entry id, encoded value).
+Kept = tuple[int, bytes, bytes]
+
+
+class KeepsEntries(WindowKind):
+    """A kind that keeps each key's entries beside its windows, each until ``forget_at`` its time.
+
+    Stored under the letter "e" (key, event time, entry id): a sliding window's entries, a
+    join's side (``pspf.dataflow.joining``).
+    """
+
+    def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
+        super().__init__(window, spec, folding)
+        #: each key's kept entries, in (event time, entry id) order
+        self.entries: dict[str, list[Kept]] = {}
+
+    def forget_at(self, ts: int) -> int:
+        """The stream time at which an entry kept at event time ``ts`` can go."""
+        raise NotImplementedError
+
+    def keep(self, key: str, ts: int, entry_id: bytes, kept: bytes) -> None:
+        bisect.insort(self.entries.setdefault(key, []), (ts, entry_id, kept))
+        self.remember(self.forget_at(ts), "e", key, ts, entry_id)
+        self.write("e", key, ts, entry_id.decode(), kept)
+
+    def restored(self, found: WindowKey, value: bytes) -> None:
+        if found.kind != "e":
+            super().restored(found, value)
+            return
+        entry_id = found.b.encode()
+        bisect.insort(self.entries.setdefault(found.key, []), (found.a, entry_id, value))
+        self.forget.append((self.forget_at(found.a), "e", found.key, found.a, entry_id))
+
+    def forgotten(self, letter: str, key: str, a: int, b: Any) -> None:
+        entries = self.entries[key]
+        del entries[bisect.bisect_left(entries, (a, b))]
+        if not entries:
+            del self.entries[key]
+        self.write("e", key, a, b.decode(), None)
 
 
 #: The registered kinds by name: ``register`` adds, ``kind_of`` reads.

@@ -16,22 +16,14 @@ from typing import Any
 
 import msgspec
 
-from pspf.keys import StreamId, WindowKey
-from pspf.windows.kinds.base import Change, Folding, WindowKind, WindowSpec, ms
-
-#: (event time, entry id, encoded value)
-Kept = tuple[int, bytes, bytes]
+from pspf.keys import StreamId
+from pspf.windows.kinds.base import Change, KeepsEntries, Kept, WindowSpec, ms
 
 
-class Sliding(WindowKind):
+class Sliding(KeepsEntries):
     """Windows of ``size`` that slide with the entries."""
 
     name = "sliding"
-
-    def __init__(self, window: str, spec: WindowSpec, folding: Folding) -> None:
-        super().__init__(window, spec, folding)
-        #: each key's kept entries, in (event time, entry id) order
-        self.entries: dict[str, list[Kept]] = {}
 
     @classmethod
     def last_ms(cls, spec: WindowSpec, start: int, end: int) -> int:
@@ -89,26 +81,6 @@ class Sliding(WindowKind):
         for _, value in inside:
             acc = folding.fold(acc, folding.value(value))
         return acc
-
-    def keep(self, key: str, ts: int, entry_id: bytes, kept: bytes) -> None:
-        bisect.insort(self.entries.setdefault(key, []), (ts, entry_id, kept))
-        self.remember(self.forget_at(ts), "e", key, ts, entry_id)
-        self.write("e", key, ts, entry_id.decode(), kept)
-
-    def restored(self, found: WindowKey, value: bytes) -> None:
-        if found.kind != "e":
-            super().restored(found, value)
-            return
-        entry_id = found.b.encode()
-        bisect.insort(self.entries.setdefault(found.key, []), (found.a, entry_id, value))
-        self.forget.append((self.forget_at(found.a), "e", found.key, found.a, entry_id))
-
-    def forgotten(self, letter: str, key: str, a: int, b: Any) -> None:
-        entries = self.entries[key]
-        del entries[bisect.bisect_left(entries, (a, b))]
-        if not entries:
-            del self.entries[key]
-        self.write("e", key, a, b.decode(), None)
 
 
 def sliding(size: timedelta, grace: timedelta = timedelta(0)) -> WindowSpec:

@@ -381,11 +381,7 @@ class App:
         if emit_to is None:
             raise ConfigError(f"window of topic {topic!r}: emit_to (the topic of its results) is required")
         check_name("topic", emit_to)
-        if isinstance(spec, WindowSpec) and kind_of(spec.kind).by_count:
-            raise ConfigError(
-                f"window of topic {topic!r}: count windows are a step of a stream: "
-                f"app.stream({topic!r}).window(windows.tumbling_count(n)).agg(...)"
-            )
+        _refuse_count_windows(topic, spec)
         policy = None if retry is None else retry.validated().over(self.retry)
 
         def register(func: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -557,6 +553,15 @@ class App:
 
     def __repr__(self) -> str:
         return f"App({self.name!r}, topics={self.topics})"
+
+
+def _refuse_count_windows(topic: str, spec: WindowSpec) -> None:
+    """``@app.window`` takes time windows; count windows are a step of a stream."""
+    if isinstance(spec, WindowSpec) and kind_of(spec.kind).by_count:
+        raise ConfigError(
+            f"window of topic {topic!r}: count windows are a step of a stream: "
+            f"app.stream({topic!r}).window(windows.tumbling_count(n)).agg(...)"
+        )
 
 
 def _value_type(func: Callable[..., Any]) -> Any:

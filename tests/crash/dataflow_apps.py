@@ -1,5 +1,5 @@
-"""The dataflow app the dataflow crash test runs in worker subprocesses
-(``pspf run tests.crash.dataflow_apps:spend``).
+"""The dataflow apps the dataflow crash tests run in worker subprocesses
+(``pspf run tests.crash.dataflow_apps:spend``, and ``:pipelines`` of three pipelines in one app).
 
 The spend pipeline of ``tests.integration.test_dataflow``' ``spend_app`` (the first pipeline of
 the dataflow how-to), step for step: orders with a positive quantity, mapped to their amount,
@@ -8,7 +8,7 @@ one-minute windows (event time: the order's ``ts``, a grace of ten minutes), eac
 result to the output topic. The filter also burns a little CPU per order, so kills land
 mid-stream.
 
-Configured by environment variables, read when ``spend`` is called:
+Configured by environment variables, read when ``spend`` (or ``pipelines``) is called:
 
 - ``PSPF_TEST_TOPIC``, ``PSPF_TEST_APP``: the orders topic and the app (consumer group) name;
 - ``PSPF_TEST_REKEY``: the re-keying topic (``group_by``; the app creates it);
@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pspf import App, agg, windows
+from pspf import App, Stream, agg, windows
 from tests.crash.apps_outbox import RelayCrashHooks
 
 
@@ -37,12 +37,17 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def spend() -> App:
+def _app() -> App:
+    """The app of ``PSPF_TEST_APP``, with the relay's crash hooks if ``PSPF_TEST_CRASH`` is set."""
+    crash = os.environ.get("PSPF_TEST_CRASH")
+    hooks = RelayCrashHooks(crash, Path(os.environ["PSPF_TEST_MARKER"]), None) if crash else None
+    return App(os.environ["PSPF_TEST_APP"], hooks=hooks)
+
+
+def _spend(orders: Stream) -> None:
+    """The spend pipeline over ``orders``, to ``PSPF_TEST_TARGET`` (the module's docstring)."""
     env = os.environ
     work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
-    crash = env.get("PSPF_TEST_CRASH")
-    hooks = RelayCrashHooks(crash, Path(env["PSPF_TEST_MARKER"]), None) if crash else None
-    app = App(env["PSPF_TEST_APP"], hooks=hooks)
 
     def positive(order: dict[str, Any]) -> bool:
         if work_s:
@@ -50,14 +55,18 @@ def spend() -> App:
         return bool(order["qty"] > 0)
 
     (
-        app.stream(env["PSPF_TEST_TOPIC"])
-        .filter(positive)
+        orders.filter(positive)
         .map(lambda o: {"customer": o["customer"], "amount": o["qty"] * o["price"], "ts": o["ts"]})
         .group_by(lambda v: v["customer"], topic=env["PSPF_TEST_REKEY"])
         .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts", grace=timedelta(minutes=10))
         .agg(total=agg.Sum("amount"), n=agg.Count())
         .to(env["PSPF_TEST_TARGET"])
     )
+
+
+def spend() -> App:
+    app = _app()
+    _spend(app.stream(os.environ["PSPF_TEST_TOPIC"]))
     return app
 
 
@@ -73,27 +82,11 @@ def pipelines() -> App:
     ``{"oid", "tier"}`` to ``PSPF_TEST_TIERS``. The other variables are those of ``spend``.
     """
     env = os.environ
-    work_s = int(env.get("PSPF_TEST_WORK_US", "0")) / 1e6
-    crash = env.get("PSPF_TEST_CRASH")
-    hooks = RelayCrashHooks(crash, Path(env["PSPF_TEST_MARKER"]), None) if crash else None
-    app = App(env["PSPF_TEST_APP"], hooks=hooks)
+    app = _app()
     orders = app.stream(env["PSPF_TEST_TOPIC"])  # the app's first topic: it holds the backups
     payments = app.stream(env["PSPF_TEST_PAYMENTS"])
     customers = app.table(env["PSPF_TEST_CUSTOMERS"], versioned=timedelta(days=7), timestamp="ts")
-
-    def positive(order: dict[str, Any]) -> bool:
-        if work_s:
-            _busy(work_s)
-        return bool(order["qty"] > 0)
-
-    (
-        orders.filter(positive)
-        .map(lambda o: {"customer": o["customer"], "amount": o["qty"] * o["price"], "ts": o["ts"]})
-        .group_by(lambda v: v["customer"], topic=env["PSPF_TEST_REKEY"])
-        .window(windows.tumbling(timedelta(minutes=1)), timestamp="ts", grace=timedelta(minutes=10))
-        .agg(total=agg.Sum("amount"), n=agg.Count())
-        .to(env["PSPF_TEST_TARGET"])
-    )
+    _spend(orders)
     (
         orders.join_interval(
             payments,

@@ -83,6 +83,40 @@ def postgres(
 
 
 @sink.command(
+    "files",
+    epilog="\b\nExamples:\n  pspf sink files orders --url ./lake/orders --format parquet --until-idle\n"
+    "  AWS_ENDPOINT_URL=http://127.0.0.1:9000 pspf sink files orders --url s3://lake/raw",
+)
+@click.argument("topic")
+@click.option("--url", required=True, help="A local folder, or s3://BUCKET/PREFIX (AWS_* variables).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("--name", help="The sink's consumer group  [default: sink-files-URL].")
+@broker_option
+@worker_options(leave_out=("--store", "--durability", "--standby"))  # no local state
+@click.option("--until-idle", is_flag=True, help="Stop once nothing is left to deliver.")
+@click.pass_obj
+def files(
+    obj: CliState, /, topic: str, url: str, fmt: str, name: str | None, until_idle: bool, **options: Any
+) -> None:
+    """Write every entry of TOPIC into JSON Lines or Parquet objects under URL, once, whatever fails.
+
+    Each batch of a partition is one object, URL/TOPIC/PARTITION/FIRST_LAST.FORMAT, named by the
+    ids of its first and last entries and written whole; it carries the partition's position, so
+    a crash, a retry or a takeover writes no entry into two objects. Start several to share the
+    partitions. Needs the files extra (pip install 'pspf[files]').
+    """
+    from pspf.sink.files import FilesSink
+
+    settings = run_settings(obj, options)
+    target = FilesSink(url, "parquet" if fmt == "parquet" else "jsonl", name=name)
+    worker = target.worker(topic, settings)
+    click.echo(f"sink {target.name}: {topic} into {target.describe()}", err=True)
+    with worker.signals_handled():
+        summary = worker.run(until_idle=until_idle)
+    click.echo(run_summary(summary), err=True)
+
+
+@sink.command(
     "reset",
     epilog="\b\nExamples:\n  pspf sink reset sink-postgres-orders --dsn postgresql://app@db/shop\n"
     "  pspf sink reset sink-postgres-orders --dsn $DSN --keep-checkpoints --yes",

@@ -23,7 +23,7 @@ from pspf.errors import ConfigError
 from pspf.service import Service
 from pspf.settings import parse_broker_url
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.postgres"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.postgres", "tests.support.s3"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -30,6 +30,7 @@ import redis
 from pspf.keys import partition_for, stream_key
 from tests.conftest import subprocess_env
 from tests.sinks import dir_sink
+from tests.sinks.files_read import files_delivered
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
@@ -70,10 +71,28 @@ def _dir(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     )
 
 
+def _files(fmt: str, s3: bool) -> Callable[[pytest.FixtureRequest, Path], Target]:
+    """The files sink into a folder, or into a bucket of the S3 server, in one format."""
+
+    def make(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+        url = f"s3://{request.getfixturevalue('s3_bucket')}/out" if s3 else str(tmp_path / "files")
+        return Target(
+            "pspf.sink.files:FilesSink",
+            {"url": url, "format": fmt, "name": f"sink-files-{uuid.uuid4().hex[:8]}"},
+            lambda: [(r["partition"], r["id"]) for r in files_delivered(url)],
+        )
+
+    return make
+
+
 #: The sinks under test: one line each.
 SINKS: dict[str, Callable[[pytest.FixtureRequest, Path], Target]] = {
     "postgres": _postgres,
     "dir": _dir,
+    "files-jsonl": _files("jsonl", s3=False),
+    "files-parquet": _files("parquet", s3=False),
+    "files-s3-jsonl": _files("jsonl", s3=True),
+    "files-s3-parquet": _files("parquet", s3=True),
 }
 
 

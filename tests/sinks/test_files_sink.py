@@ -1,0 +1,88 @@
+"""``pspf sink files`` against a real server: objects named by their ids, the Spark source's columns.
+
+The conformance suite (``test_sink_conformance.py``) kills it under load; these check what it
+writes and how it refuses a mistake.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+
+from pspf import Producer, Settings
+from pspf.cli import cli
+from pspf.keys import StreamId
+from tests.sinks.files_read import files_delivered
+
+pytestmark = pytest.mark.integration
+
+
+def deliver(redis_url: str, topic: str, *args: str) -> Result:
+    return CliRunner().invoke(cli, ["sink", "files", topic, "--broker", redis_url, "--until-idle", *args])
+
+
+def produce(redis_url: str, topic: str, count: int) -> None:
+    with Producer(settings=Settings.load({"PSPF_BROKER": redis_url}, environ={}), batch_size=7) as producer:
+        for n in range(count):
+            producer.send(topic, {"n": n, "name": f"é{n}"}, key=f"k{n % 5}", headers={"src": "t"})
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_each_batch_is_one_object_named_by_its_ids_with_the_spark_sources_columns(
+    make_topic: Callable[[int], str], redis_url: str, tmp_path: Path, fmt: str
+) -> None:
+    topic = make_topic(2)
+    produce(redis_url, topic, 60)
+    out = tmp_path / "lake"
+    result = deliver(redis_url, topic, "--url", str(out), "--format", fmt, "--batch-size", "25")
+    assert result.exit_code == 0, result.output
+    records = list(files_delivered(str(out)))
+    assert sorted(json.loads(r["value"])["n"] for r in records) == list(range(60))
+    assert set(records[0]) == {"topic", "partition", "id", "key", "value", "encoding", "headers", "timestamp"}
+    first = records[0]
+    headers: Any = first["headers"]
+    assert dict(headers) == {"src": "t"} and first["encoding"] == "json" and first["topic"] == topic
+    assert first["timestamp"] == StreamId.parse(first["id"]).ms
+    objects = sorted(out.glob(f"{topic}/*/*.{fmt}"))
+    per_partition = [sum(1 for r in records if r["partition"] == p) for p in (0, 1)]
+    assert len(objects) == sum(-(-n // 25) for n in per_partition)  # batches of up to 25
+    for path in objects:
+        first_id, _, last_id = path.stem.partition("_")
+        if fmt == "parquet":
+            rows = pq.read_table(path).to_pylist()
+        else:
+            rows = [json.loads(line) for line in path.read_bytes().splitlines()[1:]]
+        assert (rows[0]["id"], rows[-1]["id"]) == (first_id, last_id)
+        assert {r["partition"] for r in rows} == {int(path.parent.name)}
+    again = deliver(redis_url, topic, "--url", str(out), "--format", fmt)
+    assert again.exit_code == 0, again.output
+    assert sorted(out.glob(f"{topic}/*/*.{fmt}")) == objects  # nothing new to deliver
+
+
+def test_s3_objects_through_the_aws_variables(
+    make_topic: Callable[[int], str], redis_url: str, s3_bucket: str
+) -> None:
+    topic = make_topic(1)
+    produce(redis_url, topic, 30)
+    url = f"s3://{s3_bucket}/raw"
+    result = deliver(redis_url, topic, "--url", url, "--format", "parquet")
+    assert result.exit_code == 0, result.output
+    fs, root = fsspec.core.url_to_fs(url)
+    names = [p.rpartition("/")[2] for p in fs.find(root)]
+    assert names and all(n.endswith(".parquet") and "_" in n for n in names)
+    assert sorted(json.loads(r["value"])["n"] for r in files_delivered(url)) == list(range(30))
+
+
+def test_a_url_fsspec_cannot_use_is_one_line_exit_2(make_topic: Callable[[int], str], redis_url: str) -> None:
+    result = deliver(redis_url, make_topic(1), "--url", "nosuchprotocol://x/y")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "cannot use 'nosuchprotocol://x/y'" in lines[0], result.output

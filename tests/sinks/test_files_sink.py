@@ -86,3 +86,10 @@ def test_a_url_fsspec_cannot_use_is_one_line_exit_2(make_topic: Callable[[int], 
     assert "Traceback" not in result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "cannot use 'nosuchprotocol://x/y'" in lines[0], result.output
+
+
+def test_a_missing_topic_exits_4_and_writes_nothing(redis_url: str, tmp_path: Path) -> None:
+    result = deliver(redis_url, "no-such-topic", "--url", str(tmp_path / "lake"))
+    assert result.exit_code == 4, result.output
+    assert "does not exist" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "lake").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,6 +18,10 @@ from pspf.cli.main import (
     worker_options,
 )
 from pspf.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pspf.settings import Settings
+    from pspf.sink import Sink
 
 
 def _postgres() -> ModuleType:
@@ -75,8 +79,13 @@ def postgres(
     """
     settings = run_settings(obj, options)
     target = _postgres().PostgresSink(dsn, table, mode="upsert" if mode == "upsert" else "rows", name=name)
+    _deliver(target, topic, settings, f"{table} ({mode})", until_idle)
+
+
+def _deliver(target: Sink, topic: str, settings: Settings, into: str, until_idle: bool) -> None:
+    """Run a sink's worker over ``topic``, saying where it delivers, then its summary."""
     worker = target.worker(topic, settings)
-    click.echo(f"sink {target.name}: {topic} into {table} ({mode})", err=True)
+    click.echo(f"sink {target.name}: {topic} into {into}", err=True)
     with worker.signals_handled():
         summary = worker.run(until_idle=until_idle)
     click.echo(run_summary(summary), err=True)
@@ -109,11 +118,7 @@ def files(
 
     settings = run_settings(obj, options)
     target = FilesSink(url, "parquet" if fmt == "parquet" else "jsonl", name=name)
-    worker = target.worker(topic, settings)
-    click.echo(f"sink {target.name}: {topic} into {target.describe()}", err=True)
-    with worker.signals_handled():
-        summary = worker.run(until_idle=until_idle)
-    click.echo(run_summary(summary), err=True)
+    _deliver(target, topic, settings, target.describe(), until_idle)
 
 
 @sink.command(

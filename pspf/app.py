@@ -279,9 +279,10 @@ class App:
 
     def compile(self) -> None:
         """Compile the app's streams: raise ``ConfigError`` for a chain that cannot run."""
-        for name in sorted(self.dataflow.asof_tables - set(self.tables)):
+        missing = sorted(self.dataflow.asof_tables - set(self.tables))
+        if missing:
             raise ConfigError(
-                f"app {self.name!r}: a stream joins table {name!r}, which the app does not declare"
+                f"app {self.name!r}: a stream joins table {missing[0]!r}, which the app does not declare"
             )
         for runner in self._streams.values():
             runner.compile()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pspf.dataflow.windowing import Step, nothing
 from pspf.errors import ConfigError
 from pspf.keys import StreamId
 from pspf.windows.aggregation import Aggregation
@@ -30,7 +31,6 @@ from pspf.windows.kinds.base import KeepsEntries, Kept
 
 if TYPE_CHECKING:
     from pspf.context import Context
-    from pspf.dataflow.windowing import Step
     from pspf.windows.aggregation import PartitionWindows
 
 
@@ -64,10 +64,6 @@ class JoinBuffer(KeepsEntries):
         return ts + 2 * self.spec.size_ms + self.spec.grace_ms + 1
 
 
-def _nothing(value: Any, ctx: Any) -> None:
-    return None
-
-
 class JoinSide(Aggregation):
     """One side of a join as the windows' machinery keeps it: a ``JoinBuffer`` per partition."""
 
@@ -99,7 +95,7 @@ class IntervalJoin:
         self.sides = sides
         self.merge = merge
         #: the steps after the join (``pspf.dataflow.run`` sets them)
-        self.after: Step = _nothing
+        self.after: Step = nothing
 
     def step(self, index: int) -> Step:
         """What a value of side ``index`` (0 left, 1 right) runs in its entry's attempt."""
@@ -116,10 +112,7 @@ class IntervalJoin:
                 )
             ts = me.timestamp(value, ctx)
             change = windows.change(me, key, ts, value, ctx.entry_id)
-            if earlier is None:
-                ctx.windowed = [change]
-            else:
-                earlier.append(change)
+            me.attempted(windows, change, ctx)  # late: counted (a join side drops late values)
             if change.late:
                 return
             buffer = windows.open[other.name]

@@ -19,7 +19,7 @@ from typing import Any
 from pspf.dataflow.agg import AggregationError
 from pspf.dataflow.joining import IntervalJoin
 from pspf.dataflow.stream import Node, Source
-from pspf.dataflow.windowing import ChainWindow, Step
+from pspf.dataflow.windowing import ChainWindow, Step, nothing
 from pspf.errors import ConfigError
 
 #: Steps with an effect of their own: a branch without one below it is left out.
@@ -59,7 +59,7 @@ def compile_root(source: Source) -> Step:
 def _children(node: Node, closing: bool, path: str) -> Step:
     steps = [_compile(child, closing, path) for child in node.children if _useful(child)]
     if not steps:
-        return _nothing
+        return nothing
     if len(steps) == 1:
         return steps[0]
 
@@ -105,10 +105,6 @@ def _compile(node: Node, closing: bool, path: str) -> Step:
     assert fn is not None
     make = _WITH_CTX if node.takes_ctx else _PLAIN
     return make[kind](fn, nxt)
-
-
-def _nothing(value: Any, ctx: Any) -> None:
-    return None
 
 
 def _emitting(topic: str, key_fn: Callable[[Any, Any], Any] | None, rekey: bool) -> Step:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pspf.dataflow.agg import Aggregate, AggregationError
-from pspf.errors import LateEntry
 from pspf.windows.aggregation import Aggregation
 from pspf.windows.kinds import WindowSpec, kind_of
 from pspf.windows.kinds.counted import times_and_acc
@@ -37,7 +36,8 @@ Step = Callable[[Any, Any], None]
 _FOLD_ONLY = frozenset({"tumbling", "hopping"})
 
 
-def _nothing(value: Any, ctx: Any) -> None:
+def nothing(value: Any, ctx: Any) -> None:
+    """The steps after a step that has none."""
     return None
 
 
@@ -89,7 +89,7 @@ class ChainWindow(Aggregation):
         self.emit = emit
         self.by_count = kind_of(spec.kind).by_count
         #: the steps after it (``pspf.dataflow.run`` sets them): with each update, or at close
-        self.after: Step = _nothing
+        self.after: Step = nothing
 
     def record(self, key: str, start: int, end: int, acc: bytes) -> dict[str, Any]:
         """A window's result: its key, bounds and each aggregation's value.
@@ -136,16 +136,7 @@ class ChainWindow(Aggregation):
             change = self._again(windows, earlier, value, ts, ctx)
         else:
             change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
-        if change.late and self.late == "dlq":
-            raise LateEntry(
-                f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "
-                f"{self.name!r} (its stream time {windows.time_of(self.clock)}, "
-                f"grace {self.spec.grace_ms} ms)"
-            )
-        if earlier is None:
-            ctx.windowed = [change]
-        else:
-            earlier.append(change)
+        self.attempted(windows, change, ctx)
         if self.emit == "update":
             for start, end, acc in change.sets:
                 self.after(self.record(ctx.key, start, end, acc), ctx)

@@ -126,11 +126,15 @@ class Aggregation:
         """
         windows: PartitionWindows = ctx.source.windows
         ts = self._timestamp(value, ctx)
-        change = windows.change(self, ctx.key, ts, value, ctx.entry_id)
+        self.attempted(windows, windows.change(self, ctx.key, ts, value, ctx.entry_id), ctx)
+
+    def attempted(self, windows: PartitionWindows, change: Change, ctx: Context) -> None:
+        """Join an entry's change to its attempt; a late one fails the entry when ``late="dlq"``."""
         if change.late and self.late == "dlq":
+            now = windows.time_of(self.clock) if self.chained else windows.stream_ms
             raise LateEntry(
-                f"late: event time {ts} is behind every open window of key {ctx.key!r} in window "
-                f"{self.name!r} (stream time {windows.stream_ms}, grace {self.spec.grace_ms} ms)"
+                f"late: event time {change.ts} is behind every open window of key {ctx.key!r} in "
+                f"window {self.name!r} (stream time {now}, grace {self.spec.grace_ms} ms)"
             )
         windowed = ctx.windowed
         if windowed is None:

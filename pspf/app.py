@@ -25,6 +25,7 @@ from pspf.dataflow import Dataflow, Runner, Source, Stream
 from pspf.errors import ConfigError
 from pspf.failures import RetryPolicy
 from pspf.keys import check_name
+from pspf.outbox.views import ViewKind, check_view
 from pspf.tables.table import Table
 from pspf.windows.aggregation import Aggregation
 from pspf.windows.functions import TimestampFunc, timestamp_reader
@@ -155,6 +156,8 @@ class App:
         #: the policy a topic's first window set with ``retry=``
         self._window_retry: dict[str, RetryPolicy] = {}
         self.timers: list[Timer] = []
+        #: the views handlers write (``view``), by name (their Redis key)
+        self.views: dict[str, ViewKind] = {}
         self.callbacks: dict[str, Callback] = {}
         self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
         self.hooks = hooks
@@ -236,6 +239,10 @@ class App:
         )
         return table
 
+    def view(self, name: str, kind: str = "hash") -> None:
+        """Declare a view: the Redis key ``name``, a hash or a sorted set ("zset"); ``pspf.outbox.views``."""
+        self.views[name] = check_view(name, kind)
+
     def stream(self, topic: str, value_type: Any = None) -> Stream:
         """The stream of ``topic``'s entries, for chains of steps (``pspf.dataflow``).
 
@@ -279,11 +286,15 @@ class App:
 
     def compile(self) -> None:
         """Compile the app's streams: raise ``ConfigError`` for a chain that cannot run."""
-        missing = sorted(self.dataflow.asof_tables - set(self.tables))
-        if missing:
-            raise ConfigError(
-                f"app {self.name!r}: a stream joins table {missing[0]!r}, which the app does not declare"
-            )
+        flow = self.dataflow
+        for what, names, declared in (
+            ("joins table", flow.asof_tables, set(self.tables)),
+            ("writes view", flow.views, set(self.views)),
+        ):
+            if missing := sorted(names - declared):
+                raise ConfigError(
+                    f"app {self.name!r}: a stream {what} {missing[0]!r}, which the app does not declare"
+                )
         for runner in self._streams.values():
             runner.compile()
 
@@ -545,6 +556,7 @@ class App:
             "global_tables": list(self.global_tables),
             "streams": self.dataflow.describe(),
             "managed_topics": self.managed_topics,
+            "views": self.views,
             "outputs": self.dataflow.outputs,
         }
 

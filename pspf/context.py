@@ -9,11 +9,13 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.errors import ConfigError
+from pspf.outbox.views import handle
 from pspf.windows.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox.emit import Emitted, Emitter
+    from pspf.outbox.views import HashView, SortedSetView, ViewKind, ViewWrite
     from pspf.windows.timers import PartitionTimers
 
 
@@ -33,6 +35,10 @@ class StateSource(Protocol):
 
     @property
     def timers(self) -> PartitionTimers | None: ...
+
+    @property
+    def view_kinds(self) -> dict[str, ViewKind]:
+        """The app's views by name (``App.view``)."""
 
     def base(self, key: str) -> bytes | None: ...
 
@@ -56,7 +62,17 @@ class Attempt:
     them. Handlers use ``Context``'s own API instead.
     """
 
-    __slots__ = ("base", "due_ms", "emitted", "entry_id", "loaded", "schedules", "source", "windowed")
+    __slots__ = (
+        "base",
+        "due_ms",
+        "emitted",
+        "entry_id",
+        "loaded",
+        "schedules",
+        "source",
+        "viewed",
+        "windowed",
+    )
 
     #: the entry's stream id as Redis returned it (``Context.id`` decoded)
     entry_id: bytes
@@ -72,6 +88,8 @@ class Attempt:
     #: window, None for a topic without windows (typed by name only, as ``StateSource.windows`` is)
     windowed: Any
     schedules: list[ScheduledCall] | None
+    #: what ``view`` wrote, in order (None: nothing)
+    viewed: list[ViewWrite] | None
     #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
     due_ms: int | None
 
@@ -81,6 +99,7 @@ class Attempt:
         self.emitted = None
         self.windowed = None
         self.schedules = None
+        self.viewed = None
 
 
 class Context(Attempt):
@@ -116,6 +135,7 @@ class Context(Attempt):
         self.emitted = None
         self.windowed = None
         self.schedules = None
+        self.viewed = None
         self.due_ms = None
 
     @property
@@ -176,6 +196,20 @@ class Context(Attempt):
         if key is None:
             return self.source.table_row(name, self.key, before, "ctx.table", False, at)
         return self.source.table_row(name, key, before, "ctx.table", True, at)
+
+    def view(self, name: str) -> HashView | SortedSetView:
+        """The app's view ``name`` (``App.view``): its writes reach Redis after this entry's batch commits.
+
+        A hash view: ``ctx.view(name)[field] = value`` and ``del ctx.view(name)[field]``; a
+        sorted set view: ``.add(member, score)`` and ``.remove(member)``. Each write is a final
+        value, dropped with the state writes if the handler raises.
+
+        Raises:
+            ConfigError: the app has no such view.
+        """
+        if self.viewed is None:
+            self.viewed = []
+        return handle(self.source.view_kinds, name, self.viewed)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

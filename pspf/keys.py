@@ -87,6 +87,8 @@ TABLE_HISTORY_NAMESPACE = "__table_history"
 #: Each key's rows of the app's versioned tables by event time, by "table/key"
 #: (``pspf.tables.versions``).
 TABLE_VERSIONS_NAMESPACE = "__table_versions"
+#: A partition's view writes committed and maybe not yet in Redis (``pspf.outbox.views``).
+VIEWS_NAMESPACE = "__views"
 #: Rows of the app's global tables in a worker's own store (``pspf.tables.table.GlobalTables``).
 GLOBAL_TABLES_NAMESPACE = "__global"
 #: Every namespace a partition's store holds (a restore from the backup clears them all).
@@ -109,6 +111,7 @@ STORE_NAMESPACES = (
     TABLE_HISTORY_NAMESPACE,
     TABLE_VERSIONS_NAMESPACE,
     MOVED_NAMESPACE,
+    VIEWS_NAMESPACE,
 )
 
 #: Headers a repartition adds to the entries it moves: the partition each had before, and its id

@@ -34,16 +34,20 @@ class Apps:
         tables: list[str] | None = None,
         global_tables: list[str] | None = None,
         managed: list[str] | None = None,
+        views: list[str] | None = None,
     ) -> None:
         """Record what an app reads, so operators can find its state by app name alone.
 
         ``tables``: those of ``topics`` the app reads as tables; ``global_tables``: the topics it
         reads whole into each worker's own store (None leaves the record's as is); ``managed``:
-        the topics its streams re-key through, which it created and ``pspf app delete`` deletes.
+        the topics its streams re-key through, which it created and ``pspf app delete`` deletes;
+        ``views``: the Redis keys of its views (``App.view``), which ``pspf app delete`` deletes too.
         """
         mapping: dict[str, str | int] = {"topics": ",".join(topics), "partitions": partitions}
         if managed is not None:
             mapping["managed"] = ",".join(managed)
+        if views is not None:
+            mapping["views"] = "\n".join(views)  # a view's name may hold any character but a newline
         if tables is not None:
             mapping["tables"] = ",".join(tables)
         if global_tables is not None:
@@ -68,6 +72,12 @@ class Apps:
         with self.conn.translate_errors():
             raw = self.conn.client.hget(keys.app_key(app), "managed")
         return [t for t in _text(raw).split(",") if t] if raw else []
+
+    def app_views(self, app: str) -> list[str]:
+        """The Redis keys of an app's views, as its workers last recorded them."""
+        with self.conn.translate_errors():
+            raw = self.conn.client.hget(keys.app_key(app), "views")
+        return [v for v in _text(raw).split("\n") if v] if raw else []
 
     def app_tables(self, app: str) -> list[str]:
         """The topics an app reads as tables (co-partitioned), as its workers last recorded."""

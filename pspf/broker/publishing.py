@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError
 
 from pspf import keys
 from pspf.broker.connection import Connection
-from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, packed
+from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text, packed
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,39 @@ class Publishing:
         if isinstance(reply, BaseException):
             raise reply
         return int(reply[0])
+
+    def write_views(self, writes: Sequence[tuple[str, str, bytes, bytes | float | None]]) -> None:
+        """Write views' final values in one pipelined round trip: HSET or HDEL, ZADD or ZREM.
+
+        Each write is (key, "hash" or "zset", field or member, value or score; None removes). They
+        name each (key, field) once, so their order does not matter. On a cluster each view's key
+        goes to its own node.
+        """
+        grouped: dict[tuple[str, str, bool], list[Any]] = {}
+        for key, kind, field, value in writes:
+            args = grouped.setdefault((key, kind, value is None), [])
+            if value is None:
+                args.append(field)
+            elif kind == "hash":
+                args += (field, value)
+            else:
+                args += (value, field)
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for (key, kind, removes), args in grouped.items():
+                command = (
+                    ("HDEL" if removes else "HSET") if kind == "hash" else ("ZREM" if removes else "ZADD")
+                )
+                pipe.execute_command(command, key, *args)
+            pipe.execute()
+
+    def key_types(self, names: Sequence[str]) -> list[str]:
+        """The type of each key (``none`` when missing), in one pipelined round trip."""
+        with self.conn.translate_errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for name in names:
+                pipe.type(name)
+            return [_text(t) for t in pipe.execute()]
 
     def published_up_to(self, producer: str, targets: Sequence[tuple[str, int]]) -> list[int]:
         """The last sequence number each target partition recorded for a producer (0: none)."""

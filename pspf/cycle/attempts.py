@@ -195,7 +195,9 @@ class Attempts:
                 self._loop = asyncio.new_event_loop()
             ran, errors = run_async_into(self._loop, handler, meta, todo, batch, stop)
         else:
-            ran, errors = run_sync(handler, meta, todo, batch.overlay, batch.emitted, batch, stop, passed)
+            ran, errors = run_sync(
+                handler, meta, todo, batch.overlay, batch.emitted, batch.viewed, batch, stop, passed
+            )
         if batch.broken is not None:
             raise batch.broken
         return ran, errors, decisions

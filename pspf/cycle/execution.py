@@ -24,6 +24,7 @@ from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.observability.tracing import TracedContext, Tracing, sync_run
 from pspf.outbox.emit import Emitted, Emitter
+from pspf.outbox.views import ViewKind, ViewWrite
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers, ScheduledCall
 
@@ -66,7 +67,9 @@ class EntryMeta(NamedTuple):
 
 
 #: What an async handler's attempt that returned did: (key, new state or UNCHANGED, emits, schedules).
-AsyncResult = tuple[str, bytes | None, list[Emitted] | None, list[ScheduledCall] | None]
+AsyncResult = tuple[
+    str, bytes | None, list[Emitted] | None, list[ScheduledCall] | None, list[ViewWrite] | None
+]
 
 #: Called with an entry's index and error; True stops the run (the rest of the stream waits).
 StopRule = Callable[[int, BaseException], bool]
@@ -161,11 +164,14 @@ def run_sync(
     todo: list[Entry],
     overlay: dict[str, bytes | None],
     emitted: list[Emitted],
+    viewed: list[ViewWrite],
     source: StateSource,
     stop: StopRule,
     passed: Callable[[bytes], None] | None = None,
 ) -> tuple[int, dict[int, BaseException]]:
     """Run entries in id order; successful writes go into ``overlay``, emits into ``emitted``.
+
+    Their view writes go into ``viewed``.
 
     ``passed(id)`` is called after each entry that does not stop the run (scheduled callbacks
     run there, between entries, as stream time passes them). Returns how many entries ran (up
@@ -206,13 +212,21 @@ def run_sync(
             overlay[ctx.key] = new
         if ctx.emitted:
             emitted += ctx.emitted
-        if ctx.windowed is not None:
-            source.windows.apply(ctx.windowed)
-        if ctx.schedules and (timers := source.timers) is not None:
-            timers.schedule(ctx.schedules)
+        if ctx.windowed is not None or ctx.schedules or ctx.viewed:
+            _join_more(ctx, source, viewed)
         if passed is not None:
             passed(id_b)
     return len(todo), errors
+
+
+def _join_more(ctx: Context, source: StateSource, viewed: list[ViewWrite]) -> None:
+    """What a returned attempt did besides state and emits: windows, schedules, views."""
+    if ctx.viewed:
+        viewed += ctx.viewed
+    if ctx.windowed is not None:
+        source.windows.apply(ctx.windowed)
+    if ctx.schedules and (timers := source.timers) is not None:
+        timers.schedule(ctx.schedules)
 
 
 def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_ms: int) -> None:
@@ -265,6 +279,10 @@ class _ChainSource:
     @property
     def timers(self) -> PartitionTimers | None:
         return self.source.timers
+
+    @property
+    def view_kinds(self) -> dict[str, ViewKind]:
+        return self.source.view_kinds
 
     def table_row(
         self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
@@ -324,7 +342,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new, ctx.emitted, ctx.schedules)
+            states[index] = (key, new, ctx.emitted, ctx.schedules, ctx.viewed)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))
@@ -346,7 +364,7 @@ def run_async_into(
     if meta.tracing is not None:
         meta.tracing.joined([(index, todo[index][0]) for index in states], ran)
     for index in sorted(states):
-        key, new, emits, schedules = states[index]
+        key, new, emits, schedules, viewed = states[index]
         if index < ran:
             if new is not UNCHANGED:
                 batch.overlay[key] = new
@@ -354,4 +372,6 @@ def run_async_into(
                 batch.emitted += emits
             if schedules and batch.timers is not None:
                 batch.timers.schedule(schedules)
+            if viewed:
+                batch.viewed += viewed
     return ran, errors

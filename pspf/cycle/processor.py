@@ -25,7 +25,8 @@ the module that holds it:
    checks its lease token); it happens only after step 5 returned; then the outbox rows of the
    partitions whose call succeeded may be published;
 7. publish (``relay``): the relay publishes the rows whose acknowledgement succeeded, each at
-   most once on its target; acknowledging never waits for it.
+   most once on its target; acknowledging never waits for it. The views' writes whose
+   acknowledgement succeeded go to Redis in one round trip (``pspf.outbox.views``).
 
 After the cycle, ``timekeeping`` runs what the clock calls for (timers, windows of idle
 partitions, expiry) into a batch of no entries per partition, which ``batch.Durability`` commits
@@ -46,6 +47,7 @@ import time
 
 import msgspec
 
+from pspf import keys
 from pspf.app import App
 from pspf.broker import Broker
 from pspf.cycle.attempts import Attempts
@@ -59,6 +61,7 @@ from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
+from pspf.outbox.views import UNWRITTEN, PartitionViews
 from pspf.partition.batch import PartitionBatch, StreamOutcome
 from pspf.partition.durability import Acknowledged, Durability, flush
 from pspf.partition.owned import CACHE_LIMIT, MIN_CACHE_SHARE, OwnedPartition, Read, StreamCursor
@@ -130,6 +133,10 @@ class BatchProcessor:
     def add(self, owned: OwnedPartition) -> None:
         """Process a partition taken on (``ownership.Partitions.take``) from the next cycle on."""
         self.time.load(owned)
+        if self.app.views:  # what the store committed and Redis may not have: written again
+            raw = owned.store.get(keys.VIEWS_NAMESPACE, UNWRITTEN)
+            owned.views = PartitionViews.load(self.app.views, raw)
+            owned.views.confirm()
         self.relay.follow_layouts(owned.outbox)  # rows from before a repartition of their target
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
@@ -298,8 +305,13 @@ class BatchProcessor:
     # -- step 7: publish ----------------------------------------------------------------------
 
     def _publish(self, result: CycleResult) -> None:
-        """Publish what the owned partitions emitted (and the backup or the lease confirmed)."""
+        """Publish what the owned partitions emitted, write their views (what was acknowledged)."""
         for owned in self.owned.values():
+            views = owned.views
+            if views is not None and views.ready:
+                sent = views.to_write()
+                self.broker.publishing.write_views([(w.view, w.kind, w.field, w.value) for _, w in sent])
+                views.written(sent)
             if owned.outbox.waiting or owned.outbox.counts[RowState.PUBLISHED]:
                 published, failed = self.relay.step(owned.outbox)
                 result.published += published

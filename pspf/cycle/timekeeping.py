@@ -216,6 +216,8 @@ class TimeKeeping:
                 batch.overlay[call.key] = new
             if ctx.emitted:
                 batch.emitted += ctx.emitted
+            if ctx.viewed:
+                batch.viewed += ctx.viewed
             if ctx.schedules:
                 timers.schedule(ctx.schedules)
 

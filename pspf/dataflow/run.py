@@ -21,9 +21,10 @@ from pspf.dataflow.joining import IntervalJoin
 from pspf.dataflow.stream import Node, Source
 from pspf.dataflow.windowing import ChainWindow, Step, nothing
 from pspf.errors import ConfigError
+from pspf.outbox.views import HashView
 
 #: Steps with an effect of their own: a branch without one below it is left out.
-_EFFECTS = frozenset({"to", "group_by", "window", "apply", "update"})
+_EFFECTS = frozenset({"to", "to_view", "group_by", "window", "apply", "update"})
 #: Steps that keep state: not after a final window result (no entry runs them)
 _STATEFUL = frozenset({"apply", "window", "join", "asof"})
 
@@ -100,6 +101,8 @@ def _compile(node: Node, closing: bool, path: str) -> Step:
         return nxt
     if kind == "asof":
         return _asof(node.params["table"], node.params["reader"], fn, nxt)
+    if kind == "to_view":
+        return _viewing(node.params["view"], node.params["field"], node.params["value"])
     if kind in ("to", "group_by"):
         return _emitting(node.params["topic"], node.params["key"], kind == "group_by")
     assert fn is not None
@@ -119,6 +122,26 @@ def _emitting(topic: str, key_fn: Callable[[Any, Any], Any] | None, rekey: bool)
         ctx.emit(topic, value, key=_text(key_fn(value, ctx), topic, rekey))
 
     return emit_keyed
+
+
+def _viewing(
+    name: str, field_fn: Callable[[Any, Any], Any] | None, value_fn: Callable[[Any, Any], Any] | None
+) -> Step:
+    def to_view(value: Any, ctx: Any) -> None:
+        view = ctx.view(name)
+        field = ctx.key if field_fn is None else field_fn(value, ctx)
+        result = value if value_fn is None else value_fn(value, ctx)
+        if isinstance(view, HashView):
+            if result is None:
+                del view[field]
+            else:
+                view[field] = result
+        elif result is None:
+            view.remove(field)
+        else:
+            view.add(field, result)
+
+    return to_view
 
 
 def _text(key: Any, topic: str, rekey: bool) -> str:

@@ -41,7 +41,7 @@ RESULT_FIELDS = frozenset({"key", "start", "end"})
 class Node:
     """One step of an app's dataflow graph, and the steps that follow it.
 
-    ``kind``: "source" (a topic's root), "filter", "map", "update", "flat_map", "apply", "to",
+    ``kind``: "source" (a topic's root), "filter", "map", "update", "flat_map", "apply", "to", "to_view",
     "group_by", "window" or "concat"; ``func`` the user's function (``takes_ctx``: it takes
     ``(value, ctx)``); ``params`` what the kind needs besides.
     """
@@ -168,6 +168,16 @@ class Dataflow:
         return sorted(topic for topic, source in self.sources.items() if source.managed)
 
     @property
+    def views(self) -> set[str]:
+        """The views chains write with ``to_view``."""
+        return {
+            node.params["view"]
+            for root in self.sources.values()
+            for node in _walk(root)
+            if node.kind == "to_view"
+        }
+
+    @property
     def outputs(self) -> list[str]:
         """The topics chains publish to with ``to``."""
         return sorted(
@@ -231,6 +241,31 @@ class Stream:
         """
         keys.check_name("topic", topic)
         self._add(Node("to", None, False, topic=topic, key=_key_function("to", key, required=False)))
+
+    def to_view(
+        self,
+        name: str,
+        field: Callable[..., Any] | str | None = None,
+        value: Callable[..., Any] | str | None = None,
+    ) -> None:
+        """Write each value into the app's view ``name`` (``App.view``), after its batch commits.
+
+        A hash view: its field ``field`` (a function of the value or a field name; default: the
+        entry's key) is set to ``value`` (a function or a field name; default: the value whole,
+        JSON unless text). A sorted set view: member ``field`` gets the score ``value``. A value
+        of None deletes the field, or removes the member. Final values, so a retried batch
+        writes the same.
+        """
+        self._add(
+            Node(
+                "to_view",
+                None,
+                False,
+                view=name,
+                field=_key_function("to_view", field, required=False),
+                value=_key_function("to_view", value, required=False),
+            )
+        )
 
     def group_by(self, key: Callable[..., Any] | str, topic: str) -> Stream:
         """Re-key: each value goes on under ``key(value)`` (or its field ``key``) through ``topic``.

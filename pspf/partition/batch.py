@@ -24,6 +24,7 @@ from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox.emit import Emitted, Emitter
+from pspf.outbox.views import UNWRITTEN, ViewKind, ViewWrite
 from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.tables import versions
 from pspf.tables.lookups import Lookups, check_lookup_key
@@ -80,6 +81,7 @@ class PartitionBatch:
         "state_decoder",
         "table_writes",
         "ttl_ms",
+        "viewed",
     )
 
     def __init__(
@@ -101,6 +103,8 @@ class PartitionBatch:
         self.fetched: dict[str, bytes | None] = {}
         #: entries emitted by the attempts that returned, in the order they ran
         self.emitted: list[Emitted] = []
+        #: view writes of the attempts that returned, in the order they ran
+        self.viewed: list[ViewWrite] = []
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
         #: A store read that failed under a handler: it stops the worker, whatever the handler
@@ -310,6 +314,11 @@ class PartitionBatch:
     def timers(self) -> PartitionTimers | None:
         return self.owned.timers
 
+    @property
+    def view_kinds(self) -> dict[str, ViewKind]:
+        views = self.owned.views
+        return {} if views is None else views.kinds
+
     def failure(self, name: str) -> Failure | None:
         if name in self.failures:
             return self.failures[name]
@@ -332,6 +341,11 @@ class PartitionBatch:
         rows = self.table_writes.final()
         history, history_left = self._table_history(rows) if self.lookups is not None else ({}, None)
         timed = self._table_versions() if self.table_writes.timed else {}
+        owned = self.owned
+        views = owned.views if self.viewed else None
+        unwritten, view_row = views.staged(self.viewed) if views is not None else ({}, None)
+        if view_row is not None:
+            time_writes[(keys.VIEWS_NAMESPACE, UNWRITTEN)] = view_row
         writes = (self.overlay, self.failures, self.dead, self.emitted, time_writes, rows, history, timed)
         if not (checkpoints or foreign_done or any(writes)):
             return None
@@ -341,7 +355,6 @@ class PartitionBatch:
             for o in outcomes
             if o.checkpoint is not None and o.cursor.superseded
         }
-        owned = self.owned
         page, page_writes = owned.outbox.page_for(self.emitted) if self.emitted else (None, {})
         started = time.perf_counter()
         with owned.store.transaction() as tx:
@@ -365,6 +378,8 @@ class PartitionBatch:
                 keeper.committed()
         if page is not None:
             owned.outbox.committed(page, page_writes)
+        if views is not None:
+            views.committed(unwritten)
         self._adopt(outcomes, superseded_passed)
         for cursor in moved_passed:
             cursor.moved, cursor.moved_until = {}, None

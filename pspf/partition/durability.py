@@ -164,7 +164,7 @@ class Durability:
         acked = self._send(first, of, backups=True)
         for batch, _ in done:
             if batch.owned.partition not in acked.lost:  # its rows are in the backup, under the lease
-                batch.owned.outbox.confirm()
+                batch.owned.confirmed()
         more = self._send([r for r in then if of[r.stream][0].partition not in acked.lost], of)
         call_hook(self.hooks.on_ack, time.perf_counter() - started)
         return settled.merged(acked).merged(more)
@@ -182,7 +182,7 @@ class Durability:
         acked = self._outcome(in_flight.requests, replies, in_flight.of)
         for owned in in_flight.partitions:
             if owned.partition not in acked.lost:  # its rows are in the backup, under the lease
-                owned.outbox.confirm()
+                owned.confirmed()
         call_hook(self.hooks.on_ack, in_flight.sending_s + time.perf_counter() - started)
         return acked
 
@@ -280,5 +280,5 @@ def flush(owned: OwnedPartition) -> tuple[str, LeaseLost] | None:
             backup.flush()
         except LeaseLost as exc:
             return backup.stream, exc
-    owned.outbox.confirm()
+    owned.confirmed()
     return None

@@ -20,6 +20,7 @@ from pspf.errors import BrokerError
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.outbox.views import PartitionViews
 from pspf.partition.backup import PartitionBackup
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers
@@ -160,6 +161,8 @@ class OwnedPartition:
     windows: PartitionWindows | None = None
     #: schedules, timer periods and state expiry (apps with any of them; else None)
     timers: PartitionTimers | None = None
+    #: the view writes committed and not yet written (apps with views; else None)
+    views: PartitionViews | None = None
     #: whether the store holds rows parked entries may look up (``pspf.tables.table``); None: unknown
     history: bool | None = None
 
@@ -167,6 +170,12 @@ class OwnedPartition:
     def keeps_time(self) -> bool:
         """Whether the app has windows, schedules, timers or expiry here (time keeping's work)."""
         return self.windows is not None or self.timers is not None
+
+    def confirmed(self) -> None:
+        """What the partition committed so far is acknowledged: its outbox rows and views may go out."""
+        self.outbox.confirm()
+        if self.views is not None:
+            self.views.confirm()
 
     @property
     def has_parked(self) -> bool:

@@ -3,7 +3,8 @@
 A stopped app keeps its consumer group on every stream of its topics, and a group holds
 retention (``pspf topic trim`` never trims past an app's checkpoint); its leases, members, state
 backups and their logs, outbox replay requests and registry record stay in the server's memory.
-``delete_app`` removes them all; the stores under its workers' state dirs are theirs to delete.
+``delete_app`` removes them all, and the app's views (``App.view``); the stores under its
+workers' state dirs are theirs to delete.
 ``delete_topic`` removes a topic no app reads any more: its streams, DLQs and records.
 """
 
@@ -56,6 +57,7 @@ class Retiring(Family):
             keys.outbox_replay_key(app),
             keys.outbox_replayed_key(app),
             keys.app_key(app),
+            *self.broker.apps.app_views(app),
         ]
         found = self.broker.topics.existing_keys([*per_partition, *per_app])
         managed = self._managed_alone(app)

@@ -44,6 +44,7 @@ from pspf.keys import StreamId
 from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.partition_outbox import PartitionOutbox
+from pspf.outbox.views import PartitionViews
 from pspf.partition.batch import PartitionBatch, StreamOutcome
 from pspf.partition.durability import Durability
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor
@@ -161,6 +162,8 @@ class TestApp:
         self._last_ids: dict[str, StreamId] = {}
         self._queue: deque[tuple[str, int, bytes, dict[bytes, bytes]]] = deque()
         self._emitted: dict[str, list[EmittedEntry]] = {}
+        #: each view's fields (or members) as Redis would hold them
+        self._views: dict[str, dict[str, Any]] = {name: {} for name in app.views}
         #: what the run did: entries handled, failed attempts, dead letters, late entries, ...
         self.counts = Counts()
 
@@ -181,6 +184,8 @@ class TestApp:
         outbox = PartitionOutbox(store, self.app.name, partition, CONSUMER)
         owned = OwnedPartition(partition, store, streams, outbox)
         self._time.load(owned)
+        if self.app.views:
+            owned.views = PartitionViews(self.app.views)
         return owned
 
     # -- the test's side ----------------------------------------------------------------------
@@ -261,6 +266,12 @@ class TestApp:
         return sorted(
             key for owned in self._owned.values() for key, _ in owned.store.items(keys.STATE_NAMESPACE)
         )
+
+    def view(self, name: str) -> dict[str, Any]:
+        """View ``name`` as Redis holds it: field -> value text (a hash), member -> score (a zset)."""
+        if name not in self._views:
+            raise ConfigError(f"app {self.app.name!r} has no view {name!r}")
+        return dict(self._views[name])
 
     def emitted(self, topic: str) -> list[Any]:
         """The values emitted to ``topic`` so far, in the order they were committed."""
@@ -346,6 +357,16 @@ class TestApp:
             self._durability.commit_alone(batch)
         for topic, partition, key, value, _, _, headers in emitted:
             self._publish(topic, partition, key, value, headers)
+        views = batch.owned.views
+        if views is not None and views.ready:
+            sent = views.to_write()
+            for _, write in sent:
+                fields, field = self._views[write.view], write.field.decode()
+                if write.value is None:
+                    fields.pop(field, None)
+                else:
+                    fields[field] = write.value.decode() if isinstance(write.value, bytes) else write.value
+            views.written(sent)
 
     def _publish(
         self, topic: str, partition: int, key: bytes | None, value: bytes, headers: bytes | None

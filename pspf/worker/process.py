@@ -44,6 +44,7 @@ from pspf.errors import (
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
 from pspf.observability.metrics import MemoryEpisode, MetricsServer, WorkerMetrics
+from pspf.outbox.views import check_view_types
 from pspf.ownership.leases import LeaseKeeper
 from pspf.ownership.membership import Membership
 from pspf.ownership.owning import (
@@ -387,8 +388,16 @@ class Worker:
                     stream = keys.stream_key(topic, partition)
                     self.broker.apps.ensure_group(stream, self.app.name, start_id)
                     self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
+        views = self.app.views
+        if views:
+            check_view_types(views, self.broker.publishing.key_types(list(views)))
         self.broker.apps.register_app(
-            self.app.name, self.app.topics, self._partitions, *self.app.table_topics(), managed=managed
+            self.app.name,
+            self.app.topics,
+            self._partitions,
+            *self.app.table_topics(),
+            managed=managed,
+            views=list(views),
         )
         self.processor.start_tables(self._partitions, self._global_tables())
         log.info(

@@ -66,7 +66,7 @@ def run(
     meta = EntryMeta("orders", 0, counts or {}, poison, 3, None, PARTITIONS, known, None, known_limit)
     source = Batch()
     overlay = source.overlay
-    ran, errors = run_sync(handler, meta, entries, overlay, [], source, lambda i, e: False)
+    ran, errors = run_sync(handler, meta, entries, overlay, [], [], source, lambda i, e: False)
     assert ran == len(entries)
     states = {k: codec.state_decoder.decode(v) for k, v in overlay.items() if v is not None}
     return states, errors

@@ -1,0 +1,113 @@
+"""Views against a real server: the key holds what the committed batches wrote, and goes with the app."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from pspf import App, Context, Settings, Worker
+from pspf.cli import cli
+from pspf.errors import ConfigError
+from pspf.service import Service
+from tests.conftest import Names
+
+pytestmark = pytest.mark.integration
+
+
+def _app(name: str, topic: str, totals: str, board: str) -> App:
+    app = App(name)
+    app.view(totals)
+    app.view(board, kind="zset")
+
+    @app.handler(topic)
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        state = ctx.state
+        state["total"] = state.get("total", 0) + order["amount"]
+        if order["amount"] == 0:  # a zero order closes the account: gone from the views
+            del ctx.view(totals)[ctx.key]
+            ctx.view(board).remove(ctx.key)
+        else:
+            ctx.view(totals)[ctx.key] = state["total"]
+            ctx.view(board).add(ctx.key, state["total"])
+        if order["amount"] < 0:
+            raise ValueError("refunds go elsewhere")
+
+    return app
+
+
+def test_a_view_equals_the_state_export_and_app_delete_removes_it(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    topic, app_name = make_topic(3), names.app()
+    totals, board = f"shop:{app_name}:totals", f"{{{app_name}}}:board"
+    orders = [(f"u{i % 17}", {"amount": (i % 5) + 1}) for i in range(600)]
+    orders += [("u3", {"amount": 0}), ("u4", {"amount": -2})]  # u3 closed; u4's refund fails to the DLQ
+    produce(topic, orders)
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "state"), PSPF_MAX_RETRIES=1)
+
+    Worker(_app(app_name, topic, totals, board), settings).run(until_idle=True)
+
+    service = Service(settings)
+    lines = [json.loads(line) for line in service.state.state_export(app_name)]
+    exported = {line["key"]: line["state"]["total"] for line in lines if line.get("namespace") == "state"}
+    expected = {f"u{k}": sum((i % 5) + 1 for i in range(600) if i % 17 == k) for k in range(17)}
+    assert exported == expected
+    held = {k.decode(): json.loads(v) for k, v in rclient.hgetall(totals).items()}
+    assert held == {k: v for k, v in exported.items() if k != "u3"}
+    scores = {m.decode(): s for m, s in rclient.zrange(board, 0, -1, withscores=True)}
+    assert scores == {k: float(v) for k, v in exported.items() if k != "u3"}
+
+    result = CliRunner().invoke(cli, ["app", "delete", app_name, "--broker", redis_url, "--yes"])
+    assert result.exit_code == 0, result.output
+    assert not rclient.exists(totals) and not rclient.exists(board)
+    service.close()
+
+
+def test_a_view_whose_key_holds_another_type_stops_the_worker_before_it_reads(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    topic, app_name = make_topic(1), names.app()
+    taken = f"{app_name}:list"
+    rclient.rpush(taken, "someone else's")
+    produce(topic, [("u1", {"amount": 1})])
+    with pytest.raises(ConfigError, match=f"view '{taken}': the key holds a list, not a hash"):
+        Worker(_app(app_name, topic, taken, f"{app_name}:board"), make_settings()).run(until_idle=True)
+    assert rclient.lrange(taken, 0, -1) == [b"someone else's"]
+
+
+def test_a_chain_writes_a_view_readable_by_any_client(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+) -> None:
+    topic, app_name = make_topic(2), names.app()
+    latest = f"{app_name}:latest-item"
+    app = App(app_name)
+    app.view(latest)
+    app.stream(topic).filter(lambda o: o["qty"] > 0).to_view(latest, field="user", value="item")
+    produce(
+        topic, [(f"u{i % 4}", {"user": f"u{i % 4}", "item": f"item-{i}", "qty": i % 3}) for i in range(40)]
+    )
+
+    Worker(app, make_settings()).run(until_idle=True)
+
+    last_kept = {f"u{i % 4}": f"item-{i}" for i in range(40) if i % 3 > 0}
+    assert {k.decode(): v.decode() for k, v in rclient.hgetall(latest).items()} == last_kept

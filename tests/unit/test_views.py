@@ -1,0 +1,154 @@
+"""Views (``app.view``, ``ctx.view``, ``Stream.to_view``) through ``TestApp``: what they hold and refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pspf import App, Context
+from pspf.errors import ConfigError
+from pspf.outbox.views import PartitionViews, ViewWrite
+from pspf.testing import TestApp
+
+
+def _totals_app() -> App:
+    app = App("views")
+    app.view("shop:totals")
+    app.view("board", kind="zset")
+
+    @app.handler("orders")
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        state = ctx.state
+        state["total"] = state.get("total", 0) + order["amount"]
+        ctx.view("shop:totals")[ctx.key] = state["total"]
+        ctx.view("board").add(ctx.key, state["total"])
+        if order.get("drop"):
+            del ctx.view("shop:totals")[ctx.key]
+            ctx.view("board").remove(ctx.key)
+        if order["amount"] < 0:
+            raise ValueError("a refund is not an order")
+
+    return app
+
+
+def test_a_view_holds_each_fields_last_value_and_a_failed_entrys_writes_are_dropped() -> None:
+    t = TestApp(_totals_app())
+    t.send("orders", {"amount": 3}, key="u1")
+    t.send("orders", {"amount": 4}, key="u1")
+    t.send("orders", {"amount": 5}, key="u2")
+    t.send("orders", {"amount": -9}, key="u2")  # fails to the DLQ: its view writes never happen
+
+    assert t.view("shop:totals") == {"u1": "7", "u2": "5"}
+    assert t.view("board") == {"u1": 7.0, "u2": 5.0}
+    assert len(t.dead_letters("orders")) == 1
+
+
+def test_a_deleted_field_and_a_removed_member_are_gone() -> None:
+    t = TestApp(_totals_app())
+    t.send("orders", {"amount": 3}, key="u1")
+    t.send("orders", {"amount": 1, "drop": True}, key="u1")
+    t.send("orders", {"amount": 2}, key="u2")
+
+    assert t.view("shop:totals") == {"u2": "2"}
+    assert t.view("board") == {"u2": 2.0}
+
+
+def test_values_are_text_as_given_and_json_otherwise() -> None:
+    app = App("values")
+    app.view("last")
+
+    @app.handler("events")
+    def keep(event: dict[str, Any], ctx: Context) -> None:
+        ctx.view("last")[ctx.key] = event["v"]
+
+    t = TestApp(app)
+    for key, value in [("s", "plain text"), ("d", {"a": [1, 2]}), ("n", 2.5), ("b", True)]:
+        t.send("events", {"v": value}, key=key)
+    assert t.view("last") == {"s": "plain text", "d": '{"a":[1,2]}', "n": "2.5", "b": "true"}
+
+
+def test_a_stream_writes_a_view_by_field_and_value_functions() -> None:
+    app = App("flow-views")
+    app.view("latest")
+    app.view("scores", kind="zset")
+    orders = app.stream("orders")
+    orders.filter(lambda o: o["amount"] > 0).to_view("latest", field="user", value=lambda o: o["item"])
+    orders.to_view("scores", field="user", value="amount")
+
+    t = TestApp(app)
+    t.send("orders", {"user": "u1", "item": "tea", "amount": 2}, key="k1")
+    t.send("orders", {"user": "u2", "item": "jam", "amount": 0}, key="k2")
+    t.send("orders", {"user": "u1", "item": "cake", "amount": 5}, key="k3")
+
+    assert t.view("latest") == {"u1": "cake"}
+    assert t.view("scores") == {"u1": 5.0, "u2": 0.0}
+
+
+def test_a_stream_writing_an_undeclared_view_is_refused_when_compiled() -> None:
+    app = App("undeclared")
+    app.stream("orders").to_view("nowhere")
+    with pytest.raises(ConfigError, match="writes view 'nowhere', which the app does not declare"):
+        app.compile()
+
+
+def test_a_handler_writing_an_undeclared_view_fails_its_entry() -> None:
+    app = App("typo")
+    app.view("totals")
+
+    @app.handler("orders")
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        ctx.view("total")[ctx.key] = 1
+
+    t = TestApp(app)
+    t.send("orders", {}, key="u1")
+    (dead,) = t.dead_letters("orders")
+    assert "no view 'total'" in dead.message
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "error"),
+    [
+        ("pspf:mine", "hash", "PSPF's own keys"),
+        ("", "hash", "non-empty"),
+        ("two\nlines", "hash", "non-empty line"),
+        ("fine", "list", "kind must be 'hash' or 'zset'"),
+    ],
+)
+def test_bad_view_names_and_kinds_are_refused(name: str, kind: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        App("bad").view(name, kind)
+
+
+def test_bad_scores_and_fields_fail_the_entry_not_the_run() -> None:
+    app = App("bad-writes")
+    app.view("board", kind="zset")
+
+    @app.handler("orders")
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        ctx.view("board").add(order["member"], order["score"])
+
+    t = TestApp(app)
+    t.send("orders", {"member": "m", "score": "high"}, key="a")
+    t.send("orders", {"member": ["m"], "score": 1}, key="b")
+    t.send("orders", {"member": "m", "score": 3}, key="c")
+    assert [d.error_type for d in t.dead_letters("orders")] == ["TypeError", "TypeError"]
+    assert t.view("board") == {"m": 3.0}
+
+
+def test_writes_are_forgotten_only_once_written_and_not_replaced_since() -> None:
+    views = PartitionViews({"v": "hash"})
+    merged, row = views.staged([ViewWrite("v", "hash", b"f", b"1"), ViewWrite("v", "hash", b"g", b"1")])
+    views.committed(merged)
+    assert not views.ready  # committed, not yet acknowledged
+    views.confirm()
+    sent = views.to_write()
+    merged, row = views.staged([ViewWrite("v", "hash", b"f", b"2")])  # a later batch replaces f
+    views.committed(merged)
+    views.written(sent)
+    assert [w.value for _, w in views.unwritten.values()] == [b"2"]
+    # the row the store holds lists every write not known to be written, as a new owner reads it
+    assert {(w.field, w.value) for _, w in PartitionViews.load({"v": "hash"}, row).to_write()} == {
+        (b"f", b"2"),
+        (b"g", b"1"),
+    }

@@ -207,9 +207,10 @@ class Context(Attempt):
         Raises:
             ConfigError: the app has no such view.
         """
-        if self.viewed is None:
-            self.viewed = []
-        return handle(self.source.view_kinds, name, self.viewed)
+        viewed = self.viewed
+        if viewed is None:
+            viewed = self.viewed = []
+        return handle(self.source.view_kinds, name, viewed)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

@@ -173,12 +173,14 @@ class Publishing:
             raise reply
         return int(reply[0])
 
-    def write_views(self, writes: Sequence[tuple[str, str, bytes, bytes | float | None]]) -> None:
-        """Write views' final values in one pipelined round trip: HSET or HDEL, ZADD or ZREM.
+    def send_views(
+        self, writes: Sequence[tuple[str, str, str | bytes, str | bytes | float | None]]
+    ) -> ViewsSent:
+        """Send views' final values in one write, HSET or HDEL, ZADD or ZREM; the replies are read later.
 
         Each write is (key, "hash" or "zset", field or member, value or score; None removes). They
         name each (key, field) once, so their order does not matter. On a cluster each view's key
-        goes to its own node.
+        goes to its own node, at once (one round trip per node).
         """
         grouped: dict[tuple[str, str, bool], list[Any]] = {}
         for key, kind, field, value in writes:
@@ -189,14 +191,30 @@ class Publishing:
                 args += (field, value)
             else:
                 args += (value, field)
+        commands = [
+            (
+                ("HDEL" if removes else "HSET") if kind == "hash" else ("ZREM" if removes else "ZADD"),
+                key,
+                *args,
+            )
+            for (key, kind, removes), args in grouped.items()
+        ]
         with self.conn.translate_errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            for (key, kind, removes), args in grouped.items():
-                command = (
-                    ("HDEL" if removes else "HSET") if kind == "hash" else ("ZREM" if removes else "ZADD")
-                )
-                pipe.execute_command(command, key, *args)
-            pipe.execute()
+            if self.conn.cluster:
+                pipe = self.conn.client.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                pipe.execute()
+                return ViewsSent(self.conn, None, 0)
+            pool = self.conn.client.connection_pool
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command(packed(commands))
+            except BaseException:
+                connection.disconnect()
+                pool.release(connection)
+                raise
+        return ViewsSent(self.conn, connection, len(commands))
 
     def key_types(self, names: Sequence[str]) -> list[str]:
         """The type of each key (``none`` when missing), in one pipelined round trip."""
@@ -296,6 +314,43 @@ class Publishing:
                     raise reply
             added[partition] = int(reply)
         return added
+
+
+class ViewsSent:
+    """Views' writes sent (``Publishing.send_views``); their connection is theirs until ``wait``."""
+
+    def __init__(self, conn: Connection, connection: Any, count: int) -> None:
+        self.conn = conn
+        self._connection = connection
+        self._count = count
+
+    def wait(self) -> None:
+        """Read the replies: raises the PSPF error of the first that failed (then none may have run)."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        failed: BaseException | None = None
+        try:
+            with self.conn.translate_errors():
+                for _ in range(self._count):
+                    try:
+                        connection.read_response()
+                    except redis.ResponseError as exc:
+                        failed = failed or exc
+                if failed is not None:
+                    raise failed
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            self.conn.client.connection_pool.release(connection)
+
+    def abandon(self) -> None:
+        """Close the connection unread (the writes may or may not have run)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.disconnect()
+            self.conn.client.connection_pool.release(connection)
 
 
 class SentCalls:

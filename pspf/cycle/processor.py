@@ -54,14 +54,14 @@ from pspf.cycle.attempts import Attempts
 from pspf.cycle.delivery import Delivery
 from pspf.cycle.ordering import empty_outcome, hold_runs, id_order_runs, joined
 from pspf.cycle.timekeeping import TimeKeeping
-from pspf.errors import BrokerUnavailable, LeaseLost
+from pspf.errors import BrokerError, BrokerUnavailable, LeaseLost
 from pspf.failures import RetryPolicy
 from pspf.hooks import CycleResult, ProcessorHooks, call_hook
 from pspf.observability.tracing import configured
 from pspf.outbox.emit import Emitter
 from pspf.outbox.relay import Relay
 from pspf.outbox.rows import RowState
-from pspf.outbox.views import UNWRITTEN, PartitionViews
+from pspf.outbox.views import PartitionViews
 from pspf.partition.batch import PartitionBatch, StreamOutcome
 from pspf.partition.durability import Acknowledged, Durability, flush
 from pspf.partition.owned import CACHE_LIMIT, MIN_CACHE_SHARE, OwnedPartition, Read, StreamCursor
@@ -134,9 +134,7 @@ class BatchProcessor:
         """Process a partition taken on (``ownership.Partitions.take``) from the next cycle on."""
         self.time.load(owned)
         if self.app.views:  # what the store committed and Redis may not have: written again
-            raw = owned.store.get(keys.VIEWS_NAMESPACE, UNWRITTEN)
-            owned.views = PartitionViews.load(self.app.views, raw)
-            owned.views.confirm()
+            owned.views = PartitionViews.load(self.app.views, owned.store.items(keys.VIEWS_NAMESPACE))
         self.relay.follow_layouts(owned.outbox)  # rows from before a repartition of their target
         self.owned[owned.partition] = owned
         for cursor in owned.streams.values():
@@ -146,6 +144,7 @@ class BatchProcessor:
     def remove(self, partition: int) -> OwnedPartition:
         owned = self.owned.pop(partition)
         self.relay.finish(owned.outbox)
+        _finish_views(owned)
         for cursor in owned.streams.values():
             self._by_stream.pop(cursor.stream, None)
         self._share_cache()
@@ -182,6 +181,7 @@ class BatchProcessor:
         self.delivery.close()
         for owned in self.owned.values():
             self.relay.finish(owned.outbox)
+            _finish_views(owned)
         self.attempts.close()
         if self.lookups is not None and self.lookups.global_tables is not None:
             self.lookups.global_tables.close()
@@ -225,6 +225,7 @@ class BatchProcessor:
             and all(c.pending_after is None and c.retry_at == 0.0 for c in self._by_stream.values())
             and not any(owned.has_parked for owned in self.owned.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
+            and not any(owned.views is not None and owned.views.busy for owned in self.owned.values())
         )
         for batch in self.time.passes(list(self.owned.values()), set(by_partition), result):
             self._settled(self.durability.settle(), result)
@@ -307,11 +308,8 @@ class BatchProcessor:
     def _publish(self, result: CycleResult) -> None:
         """Publish what the owned partitions emitted, write their views (what was acknowledged)."""
         for owned in self.owned.values():
-            views = owned.views
-            if views is not None and views.ready:
-                sent = views.to_write()
-                self.broker.publishing.write_views([(w.view, w.kind, w.field, w.value) for _, w in sent])
-                views.written(sent)
+            if owned.views is not None:
+                owned.views.send(self.broker.publishing.send_views)
             if owned.outbox.waiting or owned.outbox.counts[RowState.PUBLISHED]:
                 published, failed = self.relay.step(owned.outbox)
                 result.published += published
@@ -385,6 +383,16 @@ class BatchProcessor:
         log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)
+
+
+def _finish_views(owned: OwnedPartition) -> None:
+    """Read the partition's view writes in flight; unread (a broken connection), they stay unwritten."""
+    if owned.views is not None:
+        try:
+            owned.views.settle()
+        except BrokerError as exc:
+            owned.views.abandon()
+            log.warning("view writes of partition %s left to its next owner: %s", owned.partition, exc)
 
 
 def _outcomes_lost(reads: list[Read]) -> None:

@@ -5,13 +5,13 @@
 key ``name`` itself, so any client reads it (``HGETALL``, ``ZRANGE``).
 
 A view follows the outbox's protocol: what an attempt writes joins its batch only if the attempt
-returns; the batch's writes are committed with the batch (the store row ``VIEWS_NAMESPACE/unwritten``
-holds every committed write not yet known to be in Redis, so it travels in the state backup too), and
-written to Redis once the batch's acknowledgement succeeded (``PartitionViews.confirm``), in one
-pipelined round trip. Each write is a final value (``HSET``/``HDEL``, ``ZADD``/``ZREM``), never an
-increment, so writing one again changes nothing: a partition's next owner writes the unwritten row
-again when it takes the partition on. On a cluster the view is one key of its own slot, written
-after the acknowledgement's reply, never in the same call.
+returns; the batch's writes are committed with the batch (one store row per commit, in the state
+backup too: ``PartitionViews``), and sent to Redis in one write once the batch's acknowledgement
+succeeded, their replies read in the next cycle. Each write is a final value (``HSET``/``HDEL``,
+``ZADD``/``ZREM``), never an increment, so writing one again changes nothing: a partition's next
+owner writes the rows not known to be written again when it takes the partition on. On a cluster
+the view is one key of its own slot, written after the acknowledgement's reply, never in the same
+call.
 
 What it does not fence: a worker paused between its acknowledgement and the view's write for longer
 than its lease may write a value its successor has since replaced (the window is one round trip).
@@ -20,8 +20,8 @@ than its lease may write a value its successor has since replaced (the window is
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -29,9 +29,19 @@ from pspf import keys
 from pspf.errors import ConfigError
 
 ViewKind = Literal["hash", "zset"]
+#: A write as the broker sends it: (key, kind, field or member, value or score; None removes)
+Write = tuple[str, str, str | bytes, str | bytes | float | None]
+
+
+class Sent(Protocol):
+    """Writes sent whose replies are read later (``pspf.broker.publishing.ViewsSent``)."""
+
+    def wait(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
 KINDS: tuple[ViewKind, ...] = ("hash", "zset")
-#: The store key (in ``keys.VIEWS_NAMESPACE``) of a partition's committed, unwritten view writes
-UNWRITTEN = "unwritten"
 
 
 class ViewWrite(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -39,14 +49,14 @@ class ViewWrite(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     view: str
     kind: str
-    #: the hash field or the sorted set member
-    field: bytes
-    #: the hash field's value (bytes) or the member's score (float); None deletes it
-    value: bytes | float | None
+    #: the hash field or the sorted set member: text, or bytes that are not UTF-8
+    field: str | bytes
+    #: the hash field's value (text or bytes) or the member's score (float); None deletes it
+    value: str | bytes | float | None
 
 
 _encode_writes = msgspec.msgpack.Encoder().encode
-_decode_writes = msgspec.msgpack.Decoder(list[ViewWrite]).decode
+_decode_rows = msgspec.msgpack.Decoder(list[list[Any]]).decode  # msgspec types no str | bytes union
 _json = msgspec.json.Encoder()
 
 
@@ -72,22 +82,28 @@ def check_view_types(kinds: Mapping[str, ViewKind], found: list[str]) -> None:
             )
 
 
-def _text(what: str, value: Any) -> bytes:
-    if type(value) is str:
-        return value.encode()
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value).encode()
-    raise TypeError(f"{what} must be a str, bytes or int, got {type(value).__name__}")
+def _field(what: str, field: Any) -> str | bytes:
+    """A field or member as one spelling: text (bytes that are UTF-8 become text), or an int's digits."""
+    kind = type(field)
+    if kind is str:
+        return field  # type: ignore[no-any-return]
+    if kind is int:
+        return str(field)
+    if isinstance(field, bytes):
+        try:
+            return field.decode()
+        except UnicodeDecodeError:
+            return field
+    raise TypeError(f"{what} must be a str, bytes or int, got {kind.__name__}")
 
 
-def encode_value(value: Any) -> bytes:
+def encode_value(value: Any) -> str | bytes:
     """A hash field's value as Redis keeps it: text and bytes as they are, anything else as JSON."""
-    if type(value) is str:
-        return value.encode()
-    if isinstance(value, bytes):
-        return value
+    kind = type(value)
+    if kind is str or kind is bytes:
+        return value  # type: ignore[no-any-return]
+    if kind is int:
+        return str(value)
     try:
         return _json.encode(value)
     except (TypeError, msgspec.EncodeError) as exc:
@@ -104,12 +120,13 @@ class HashView:
         self._writes = writes
 
     def __setitem__(self, field: str | bytes | int, value: Any) -> None:
-        self._writes.append(
-            ViewWrite(self._name, "hash", _text("a view's field", field), encode_value(value))
-        )
+        kind = type(value)
+        encoded = value if kind is str or kind is bytes else encode_value(value)
+        named = field if type(field) is str else _field("a view's field", field)
+        self._writes.append(ViewWrite(self._name, "hash", named, encoded))
 
     def __delitem__(self, field: str | bytes | int) -> None:
-        self._writes.append(ViewWrite(self._name, "hash", _text("a view's field", field), None))
+        self._writes.append(ViewWrite(self._name, "hash", _field("a view's field", field), None))
 
 
 class SortedSetView:
@@ -125,57 +142,99 @@ class SortedSetView:
         """Set ``member``'s score (added when missing)."""
         if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
             raise TypeError(f"a sorted set view's score must be a number, got {score!r}")
-        self._writes.append(ViewWrite(self._name, "zset", _text("a view's member", member), float(score)))
+        named = member if type(member) is str else _field("a view's member", member)
+        self._writes.append(ViewWrite(self._name, "zset", named, float(score)))
 
     def remove(self, member: str | bytes | int) -> None:
-        self._writes.append(ViewWrite(self._name, "zset", _text("a view's member", member), None))
+        self._writes.append(ViewWrite(self._name, "zset", _field("a view's member", member), None))
 
 
 def handle(kinds: Mapping[str, ViewKind], name: str, writes: list[ViewWrite]) -> HashView | SortedSetView:
     """What ``ctx.view(name)`` gives, writing into ``writes``."""
     kind = kinds.get(name)
+    if kind == "hash":
+        return HashView(name, writes)
     if kind is None:
         raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
-    return HashView(name, writes) if kind == "hash" else SortedSetView(name, writes)
+    return SortedSetView(name, writes)
 
 
 class PartitionViews:
     """One owned partition's view writes: committed with its batches, written after their acknowledgement.
 
-    ``unwritten`` maps (view, field) to its latest committed write and the number of the commit
-    that made it; the writes of commits up to ``confirmed`` (acknowledged) are the ones to write.
+    Each commit with view writes puts ONE store row, ``VIEWS_NAMESPACE/<commit number>``, holding
+    that batch's writes (the last per field); ``unwritten`` maps (view, field) to its latest
+    committed write and its commit's number. The writes of commits up to ``confirmed``
+    (acknowledged) go to Redis; once their replies are read, the rows up to there are obsolete
+    (each field of theirs written, or written again by a later row) and the next commit deletes
+    them. The rows left are always a suffix of the commits, so a new owner that applies them in
+    order gets each field's latest value.
     """
 
-    __slots__ = ("_commits", "confirmed", "kinds", "unconfirmed", "unwritten")
+    __slots__ = (
+        "_commits",
+        "_in_flight",
+        "_rows",
+        "_sent",
+        "confirmed",
+        "kinds",
+        "obsolete",
+        "unconfirmed",
+        "unwritten",
+    )
 
-    def __init__(self, kinds: Mapping[str, ViewKind], unwritten: list[ViewWrite] | None = None) -> None:
+    def __init__(
+        self, kinds: Mapping[str, ViewKind], rows: list[tuple[int, list[ViewWrite]]] | None = None
+    ) -> None:
         self.kinds = dict(kinds)
-        self._commits = 0
-        #: what the state committed holds and Redis may not: a fresh owner writes it all
-        self.unwritten: dict[tuple[str, bytes], tuple[int, ViewWrite]] = {
-            (w.view, w.field): (0, w) for w in unwritten or ()
-        }
-        self.unconfirmed = 0
-        self.confirmed = 0
+        #: what the committed state holds and Redis may not: a new owner writes it all
+        self.unwritten: dict[tuple[str, str | bytes], tuple[int, ViewWrite]] = {}
+        for number, writes in sorted(rows or (), key=lambda row: row[0]):
+            for write in writes:
+                self.unwritten[(write.view, write.field)] = (number, write)
+        #: the store's rows by commit number
+        self._rows = sorted(number for number, _ in rows or ())
+        self._commits = self.unconfirmed = self.confirmed = self._rows[-1] if self._rows else 0
+        #: the commits whose writes were sent (or are in flight)
+        self._sent = 0
+        #: the rows the next commit deletes
+        self.obsolete: list[int] = []
+        #: the writes sent whose replies are still to be read
+        self._in_flight: tuple[Sent, list[tuple[int, ViewWrite]], int] | None = None
 
     @classmethod
-    def load(cls, kinds: Mapping[str, ViewKind], raw: bytes | None) -> PartitionViews:
-        """The partition's views as its store left them (``raw``: the ``UNWRITTEN`` row)."""
-        return cls(kinds, _decode_writes(raw) if raw else None)
+    def load(cls, kinds: Mapping[str, ViewKind], items: Iterable[tuple[str, bytes]]) -> PartitionViews:
+        """The partition's views as its store left them (``items``: the ``VIEWS_NAMESPACE`` rows)."""
+        return cls(
+            kinds, [(int(name), [ViewWrite(*row) for row in _decode_rows(raw)]) for name, raw in items]
+        )
 
-    def staged(self, writes: list[ViewWrite]) -> tuple[dict[tuple[str, bytes], tuple[int, ViewWrite]], bytes]:
-        """What ``unwritten`` becomes with a batch's writes, and the row the batch commits."""
-        number = self._commits + 1
-        merged = dict(self.unwritten)
-        for write in writes:
-            merged[(write.view, write.field)] = (number, write)
-        return merged, _encode_writes([w for _, w in merged.values()])
+    def staged(
+        self, writes: list[ViewWrite]
+    ) -> tuple[dict[tuple[str, str | bytes], ViewWrite], dict[tuple[str, str], bytes | None]]:
+        """A batch's writes (the last per field), and its commit's store writes (its row; done rows gone)."""
+        latest = {(w.view, w.field): w for w in writes}
+        updates: dict[tuple[str, str], bytes | None] = {
+            (keys.VIEWS_NAMESPACE, f"{number:020d}"): None for number in self.obsolete
+        }
+        if latest:
+            updates[(keys.VIEWS_NAMESPACE, f"{self._commits + 1:020d}")] = _encode_writes(
+                list(latest.values())
+            )
+        return latest, updates
 
-    def committed(self, merged: dict[tuple[str, bytes], tuple[int, ViewWrite]]) -> None:
-        """The batch's commit holding ``merged`` (from ``staged``) is done."""
-        self._commits += 1
-        self.unconfirmed = self._commits
-        self.unwritten = merged
+    def committed(self, latest: dict[tuple[str, str | bytes], ViewWrite]) -> None:
+        """The commit of a batch's ``staged`` writes is done."""
+        if self.obsolete:
+            self._rows = self._rows[len(self.obsolete) :]
+            self.obsolete = []
+        if latest:
+            self._commits = number = self._commits + 1
+            self.unconfirmed = number
+            self._rows.append(number)
+            unwritten = self.unwritten
+            for name, write in latest.items():
+                unwritten[name] = (number, write)
 
     def confirm(self) -> None:
         """The commits so far were acknowledged: their writes may go to Redis."""
@@ -183,16 +242,60 @@ class PartitionViews:
 
     @property
     def ready(self) -> bool:
-        """Whether acknowledged writes wait to be written."""
-        return bool(self.unwritten) and any(n <= self.confirmed for n, _ in self.unwritten.values())
+        """Whether acknowledged writes wait to be sent."""
+        return self.confirmed > self._sent
+
+    @property
+    def busy(self) -> bool:
+        """Whether acknowledged writes wait to be written, or to be known written."""
+        return self._in_flight is not None or self.ready
 
     def to_write(self) -> list[tuple[int, ViewWrite]]:
         """The acknowledged writes to send (each with its commit's number, for ``written``)."""
-        return [(n, w) for n, w in self.unwritten.values() if n <= self.confirmed]
+        confirmed = self._sent = self.confirmed
+        return [(n, w) for n, w in self.unwritten.values() if n <= confirmed]
+
+    def send(self, send: Callable[[list[Write]], Sent]) -> None:
+        """Read the writes in flight, then send the acknowledged ones (their replies read next time).
+
+        ``send`` is ``Publishing.send_views``. Writes whose replies say they failed stay unwritten
+        and go again: they are final values.
+        """
+        self.settle()
+        if self.ready:
+            before = self._sent
+            sent = self.to_write()
+            try:
+                self._in_flight = send([(w.view, w.kind, w.field, w.value) for _, w in sent]), sent, before
+            except BaseException:
+                self._sent = before
+                raise
+
+    def settle(self) -> None:
+        """Read the replies of the writes in flight, if any (raises the broker's error)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            sent, writes, before = in_flight
+            try:
+                sent.wait()
+            except BaseException:
+                self._sent = before
+                raise
+            self.written(writes)
+
+    def abandon(self) -> None:
+        """Leave the writes in flight unread: they stay unwritten, for whoever goes on."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight[0].abandon()
+            self._sent = in_flight[2]
 
     def written(self, sent: list[tuple[int, ViewWrite]]) -> None:
-        """``sent`` is in Redis: forget each write no later commit replaced."""
+        """``sent`` (from ``to_write``) is in Redis: forget what no later commit replaced; rows are done."""
+        unwritten = self.unwritten
         for number, write in sent:
             name = (write.view, write.field)
-            if self.unwritten.get(name, (None,))[0] == number:
-                del self.unwritten[name]
+            if unwritten.get(name, (None,))[0] == number:
+                del unwritten[name]
+        done = self._sent
+        self.obsolete = [number for number in self._rows if number <= done]

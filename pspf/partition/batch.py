@@ -24,7 +24,7 @@ from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.outbox.views import UNWRITTEN, ViewKind, ViewWrite
+from pspf.outbox.views import ViewKind, ViewWrite
 from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.tables import versions
 from pspf.tables.lookups import Lookups, check_lookup_key
@@ -81,6 +81,7 @@ class PartitionBatch:
         "state_decoder",
         "table_writes",
         "ttl_ms",
+        "view_kinds",
         "viewed",
     )
 
@@ -105,6 +106,8 @@ class PartitionBatch:
         self.emitted: list[Emitted] = []
         #: view writes of the attempts that returned, in the order they ran
         self.viewed: list[ViewWrite] = []
+        #: the app's views by name (``ctx.view``)
+        self.view_kinds: dict[str, ViewKind] = {} if owned.views is None else owned.views.kinds
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
         #: A store read that failed under a handler: it stops the worker, whatever the handler
@@ -314,11 +317,6 @@ class PartitionBatch:
     def timers(self) -> PartitionTimers | None:
         return self.owned.timers
 
-    @property
-    def view_kinds(self) -> dict[str, ViewKind]:
-        views = self.owned.views
-        return {} if views is None else views.kinds
-
     def failure(self, name: str) -> Failure | None:
         if name in self.failures:
             return self.failures[name]
@@ -342,10 +340,9 @@ class PartitionBatch:
         history, history_left = self._table_history(rows) if self.lookups is not None else ({}, None)
         timed = self._table_versions() if self.table_writes.timed else {}
         owned = self.owned
-        views = owned.views if self.viewed else None
-        unwritten, view_row = views.staged(self.viewed) if views is not None else ({}, None)
-        if view_row is not None:
-            time_writes[(keys.VIEWS_NAMESPACE, UNWRITTEN)] = view_row
+        views = owned.views if self.viewed or (owned.views is not None and owned.views.obsolete) else None
+        latest, view_rows = views.staged(self.viewed) if views is not None else ({}, {})
+        time_writes.update(view_rows)
         writes = (self.overlay, self.failures, self.dead, self.emitted, time_writes, rows, history, timed)
         if not (checkpoints or foreign_done or any(writes)):
             return None
@@ -379,7 +376,7 @@ class PartitionBatch:
         if page is not None:
             owned.outbox.committed(page, page_writes)
         if views is not None:
-            views.committed(unwritten)
+            views.committed(latest)
         self._adopt(outcomes, superseded_passed)
         for cursor in moved_passed:
             cursor.moved, cursor.moved_until = {}, None

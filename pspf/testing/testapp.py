@@ -361,11 +361,12 @@ class TestApp:
         if views is not None and views.ready:
             sent = views.to_write()
             for _, write in sent:
-                fields, field = self._views[write.view], write.field.decode()
+                fields, field = self._views[write.view], write.field
+                name = field.decode(errors="replace") if isinstance(field, bytes) else field
                 if write.value is None:
-                    fields.pop(field, None)
+                    fields.pop(name, None)
                 else:
-                    fields[field] = write.value.decode() if isinstance(write.value, bytes) else write.value
+                    fields[name] = write.value.decode() if isinstance(write.value, bytes) else write.value
             views.written(sent)
 
     def _publish(

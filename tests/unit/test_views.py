@@ -136,19 +136,28 @@ def test_bad_scores_and_fields_fail_the_entry_not_the_run() -> None:
     assert t.view("board") == {"m": 3.0}
 
 
-def test_writes_are_forgotten_only_once_written_and_not_replaced_since() -> None:
+def _commit(views: PartitionViews, *writes: ViewWrite) -> dict[tuple[str, str], bytes | None]:
+    latest, updates = views.staged(list(writes))
+    views.committed(latest)
+    return updates
+
+
+def test_writes_are_forgotten_once_written_and_their_rows_deleted_by_the_next_commit() -> None:
     views = PartitionViews({"v": "hash"})
-    merged, row = views.staged([ViewWrite("v", "hash", b"f", b"1"), ViewWrite("v", "hash", b"g", b"1")])
-    views.committed(merged)
+    first = _commit(views, ViewWrite("v", "hash", "f", "1"), ViewWrite("v", "hash", "g", "1"))
+    assert list(first) == [("__views", f"{1:020d}")]
     assert not views.ready  # committed, not yet acknowledged
     views.confirm()
     sent = views.to_write()
-    merged, row = views.staged([ViewWrite("v", "hash", b"f", b"2")])  # a later batch replaces f
-    views.committed(merged)
+    assert not views.ready  # sent: not again
+    second = _commit(views, ViewWrite("v", "hash", "f", "2"))  # a later batch replaces f
     views.written(sent)
-    assert [w.value for _, w in views.unwritten.values()] == [b"2"]
-    # the row the store holds lists every write not known to be written, as a new owner reads it
-    assert {(w.field, w.value) for _, w in PartitionViews.load({"v": "hash"}, row).to_write()} == {
-        (b"f", b"2"),
-        (b"g", b"1"),
-    }
+    assert [(n, w.value) for n, w in views.unwritten.values()] == [(2, "2")]
+    third = _commit(views, ViewWrite("v", "hash", "h", "3"))
+    assert third[("__views", f"{1:020d}")] is None  # row 1 is done: deleted with commit 3
+    # A new owner applies the rows left in order: each field's latest value, every one to write.
+    store = {**first, **second, **third}
+    rows = sorted((name, raw) for (_, name), raw in store.items() if raw is not None)
+    loaded = PartitionViews.load({"v": "hash"}, rows)
+    assert loaded.ready
+    assert sorted((w.field, w.value) for _, w in loaded.to_write()) == [("f", "2"), ("h", "3")]

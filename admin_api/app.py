@@ -33,7 +33,7 @@ from swagger_ui_bundle import swagger_ui_path
 from pspf.admin_api import metrics
 from pspf.admin_api.errors import on_error, responses, service_of
 from pspf.admin_api.security import audit_logger, bearer_guard
-from pspf.admin_api.writes import BODIES, DLQ_ID_PATTERN, ROW_ID_PATTERN, WRITE_ROUTES
+from pspf.admin_api.writes import BODIES, DLQ_ID_PATTERN, ROW_ID_PATTERN, WRITE_ROUTES, WRITES_BESIDE_READS
 from pspf.service import (
     AppLag,
     DeadLetterDetail,
@@ -272,9 +272,13 @@ def create_app(service: Service, token: str | None) -> Litestar:
         audit_logger.setLevel(logging.INFO)  # audit lines must not vanish under a WARNING root
     registry = metrics.make_registry(service)
     # Registering copies the handlers, so each app (and token) gets its own guarded copies.
-    writes = Router("/", route_handlers=WRITE_ROUTES, guards=[bearer_guard(token)])
+    guard = bearer_guard(token)
+    writes = Router("/", route_handlers=WRITE_ROUTES, guards=[guard])
+    # Writes on a path a read route has too go before the reads: Litestar then gives the path one
+    # OPTIONS handler (a second router's own would clash with the reads').
+    beside_reads = Router("/", route_handlers=WRITES_BESIDE_READS, guards=[guard])
     app = Litestar(
-        route_handlers=[*_READ_ROUTES, writes, *_pages()],
+        route_handlers=[beside_reads, *_READ_ROUTES, writes, *_pages()],
         exception_handlers={Exception: on_error},
         openapi_config=OpenAPIConfig(
             title="PSPF admin API",

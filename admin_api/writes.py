@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from litestar import Request, post
 from litestar.datastructures import State
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, HeaderParameter, JSONBody
 from litestar.types import ControllerRouterHandler
 
 from pspf.admin_api.errors import responses, service_of
@@ -19,6 +19,8 @@ from pspf.service import (
     AppRemoval,
     AppReset,
     DlqChange,
+    IngestEntry,
+    IngestResult,
     OutboxReplay,
     RepartitionResult,
     ReplayResult,
@@ -26,6 +28,7 @@ from pspf.service import (
     parse_duration_ms,
     parse_position,
 )
+from pspf.service.ingest import IDEMPOTENCY_KEY_PATTERN
 
 # -- bodies ---------------------------------------------------------------------------------------
 
@@ -125,6 +128,13 @@ class AppResetRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     ]
     keep_state: Annotated[bool, msgspec.Meta(description="keep the state; move only the positions")] = False
     dry_run: Annotated[bool, msgspec.Meta(description="say what would change; change nothing")] = False
+
+
+class IngestAudit(msgspec.Struct, frozen=True, kw_only=True):
+    """What the audit line of an ingest request says of it: not the entries, their number."""
+
+    entries: int
+    idempotency_key: str
 
 
 # -- write routes ---------------------------------------------------------------------------------
@@ -289,6 +299,35 @@ def app_reset(
     return result
 
 
+@post(
+    "/topics/{topic:str}/entries",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "topic.ingest"},
+    security=_BEARER,
+    responses=responses(401, 403, 404),
+    summary="Write entries to a topic; a retry with the same Idempotency-Key adds none of them twice",
+)
+def ingest(
+    request: Request[Any, Any, Any],
+    state: State,
+    topic: FromPath[str],
+    data: JSONBody[list[IngestEntry]],
+    idempotency_key: Annotated[
+        str,
+        HeaderParameter(
+            name="Idempotency-Key",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="names the request: a retry with the same key adds nothing twice (required)",
+        ),
+    ],
+) -> IngestResult:
+    remember_params(request, IngestAudit(entries=len(data), idempotency_key=idempotency_key))
+    result = service_of(state).ingest.ingest(topic, data, idempotency_key)
+    audit(request, 200, "ok", result)
+    return result
+
+
 WRITE_ROUTES: list[ControllerRouterHandler] = [
     dlq_redrive,
     dlq_purge,
@@ -299,6 +338,8 @@ WRITE_ROUTES: list[ControllerRouterHandler] = [
     topic_delete,
     topic_repartition,
 ]
+#: Write routes on a path that a read route has too (``create_app`` registers them before the reads).
+WRITES_BESIDE_READS: list[ControllerRouterHandler] = [ingest]
 
 
 #: The request bodies, which the OpenAPI document says refuse unknown fields.
@@ -311,4 +352,5 @@ BODIES = (
     AppResetRequest,
     TopicDeleteRequest,
     RepartitionRequest,
+    IngestEntry,
 )

@@ -1,6 +1,16 @@
 """The ``pspf`` command line; importing this package registers every subcommand."""
 
-from pspf.cli import adopt, commands, operations, repartition, server, sink, state_transfer
+from pspf.cli import adopt, commands, operations, repartition, server, sink, source, state_transfer
 from pspf.cli.main import cli
 
-__all__ = ["adopt", "cli", "commands", "operations", "repartition", "server", "sink", "state_transfer"]
+__all__ = [
+    "adopt",
+    "cli",
+    "commands",
+    "operations",
+    "repartition",
+    "server",
+    "sink",
+    "source",
+    "state_transfer",
+]

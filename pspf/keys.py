@@ -349,3 +349,17 @@ class StreamId(NamedTuple):
 ZERO_ID = StreamId(0, 0)
 #: The largest sequence number of a stream id (an unsigned 64-bit integer).
 MAX_SEQ = 2**64 - 1
+
+
+def source_done_key(source: str, topic: str) -> str:
+    """Set of the objects (paths under its URL) a source added to ``topic`` whole: a restart skips them."""
+    return f"{PREFIX}:source:{{{source}}}:{topic}:done"
+
+
+def source_layouts_key(source: str, topic: str) -> str:
+    """Hash of the layouts each object in progress was added in (path -> "layout:partitions,...").
+
+    Written before the first row of an object goes out in a layout, so a restart knows every
+    producer record (``producers_key``) that may hold the object's rows; removed when it is done.
+    """
+    return f"{PREFIX}:source:{{{source}}}:{topic}:layouts"

@@ -20,7 +20,8 @@ parsers re-exported here:
   record), or a topic;
 - ``service.state`` (``state``): an app's state: get, windows, keys, export, import, adopt;
 - ``service.tables`` (``tables``): a row of an app's table or global table;
-- ``service.outbox`` (``outbox``): an app's outbox rows: list, show, replay.
+- ``service.outbox`` (``outbox``): an app's outbox rows: list, show, replay;
+- ``service.ingest`` (``ingest``): writing a batch of entries once per idempotency key.
 
 ``Service`` itself keeps the two calls the docs' tests and examples make, ``create_topic`` and
 ``state_get``, and ``close``. The records the families return live in ``records`` (one shape for
@@ -35,6 +36,7 @@ from typing import Any
 from pspf.service.apps import Apps
 from pspf.service.base import ServiceBase, parse_duration_ms
 from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
+from pspf.service.ingest import IngestEntry, Ingesting, IngestResult
 from pspf.service.outbox import OutboxRows, parse_row_id
 from pspf.service.records import (
     AdoptResult,
@@ -88,6 +90,8 @@ __all__ = [
     "GroupInfo",
     "Health",
     "ImportResult",
+    "IngestEntry",
+    "IngestResult",
     "OpenWindow",
     "OutboxReplay",
     "OutboxRowDetail",
@@ -134,6 +138,7 @@ class Service:
         self.repartition = Repartitioning(base, self.outbox)
         self.state = State(base)
         self.tables = Tables(base)
+        self.ingest = Ingesting(base)
 
     def create_topic(self, name: str, partitions: int) -> tuple[TopicInfo, bool]:
         """``service.topics.create_topic``, kept here for the tests and examples the docs show."""

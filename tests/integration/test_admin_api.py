@@ -226,6 +226,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("POST", "/apps/{app}/delete"),
         ("POST", "/topics/{topic}/delete"),
         ("POST", "/topics/{topic}/repartition"),
+        ("POST", "/topics/{topic}/entries"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]

@@ -277,6 +277,7 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
     ),
     ("--batch-size", int, "Entries read per stream per cycle  [default: 1000]"),
     ("--block-ms", int, "How long one read waits for new entries  [default: 1000]"),
+    ("--linger-ms", int, "After a read that filled no batch, wait this long to read again  [default: 0]"),
     ("--consumer", str, "This worker's consumer name in the group  [default: the host name]"),
     (
         "--start-from",

@@ -81,6 +81,9 @@ class ConsumerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
     block_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 1000
+    #: after a read that filled no stream's batch, the next read waits this long (0: at once), so
+    #: batches (a sink's objects) gather what arrives meanwhile
+    linger_ms: Annotated[int, msgspec.Meta(ge=0, le=600_000)] = 0
     consumer_name: str | None = None
     start_from: StartFrom = "earliest"
     lease_ttl_ms: Annotated[int, msgspec.Meta(ge=500)] = 10_000
@@ -226,6 +229,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_MEMORY_FAIL_AT": ("redis", "memory_fail_at"),
     "PSPF_BATCH_SIZE": ("consumer", "batch_size"),
     "PSPF_BLOCK_MS": ("consumer", "block_ms"),
+    "PSPF_LINGER_MS": ("consumer", "linger_ms"),
     "PSPF_CONSUMER": ("consumer", "consumer_name"),
     "PSPF_START_FROM": ("consumer", "start_from"),
     "PSPF_LEASE_TTL_MS": ("consumer", "lease_ttl_ms"),

@@ -70,6 +70,7 @@ class Delivery:
         streams: dict[str, StreamCursor],
         tables: frozenset[str] = frozenset(),
         ordered: bool = False,
+        linger_ms: int = 0,
     ) -> None:
         self.reading = reading
         #: the streams' last ids (a check that their tails are not lost)
@@ -79,6 +80,10 @@ class Delivery:
         self.batch_size = batch_size
         self.block_ms = block_ms
         self.policies = policies
+        #: after a read of new entries that filled no batch, new entries are read again this much later
+        self.linger_s = linger_ms / 1000
+        #: when (monotonic) new entries are read next (``linger_s``)
+        self._read_new_at = 0.0
         self.owned = owned
         self.streams = streams
         #: the read sent ahead, and the (stream, lease key, lease value) it was sent for
@@ -86,6 +91,11 @@ class Delivery:
         #: id order across each partition's topics (apps with tables or joins: ``ordered``; see
         #: ``pspf.cycle.ordering``)
         self.order = CrossTopicOrder(reading, tables, owned, batch_size) if tables or ordered else None
+
+    @property
+    def lingering(self) -> bool:
+        """Whether new entries wait for the linger after a read that filled no batch."""
+        return time.monotonic() < self._read_new_at
 
     @property
     def reading_ahead(self) -> bool:
@@ -121,6 +131,8 @@ class Delivery:
             else:
                 out += pending
         live = [(c.stream, c.lease_key, c.lease_value) for c in reading if c.pending_after is None]
+        if live and self._read_new_at and self._lingered(now, wait_ms):
+            live = []
         ahead = self._take_ahead(live)
         if ahead is None:  # a read ahead dropped just now sent its streams back to their pending lists
             live = [stream for stream in live if self.streams[stream[0]].pending_after is None]
@@ -135,18 +147,31 @@ class Delivery:
                 order.complete = {s for s, _, _ in live if s not in lost_now and s not in full}
             self._check_tails(new, last_ids)
             out += new
-            if not self.reading.conn.cluster and any(len(r.entries) >= self.batch_size for r in new):
-                held = [stream for stream in live if stream[0] not in lost_now]
-                self._ahead = (
-                    self.reading.read_ahead(self.group, self.consumer, held, self.batch_size),
-                    held,
-                )
+            self._after_new(new, [stream for stream in live if stream[0] not in lost_now])
             waiting = order is not None and any(c.held is not None for c in ready)
             if block and wait_ms > 0 and not out and not waiting and last_ids:  # BLOCK 0: for ever
                 self.reading.wait_for_new(last_ids, wait_ms)
         if order is not None:
             out = order.with_held(out, ready)
         return out, lost
+
+    def _after_new(self, new: list[Read], held: list[tuple[str, str, str]]) -> None:
+        """After a read of new entries: a batch filled sends the next read ahead, else the linger starts."""
+        if any(len(r.entries) >= self.batch_size for r in new):
+            if not self.reading.conn.cluster:
+                self._ahead = self.reading.read_ahead(self.group, self.consumer, held, self.batch_size), held
+        elif self.linger_s and new:
+            self._read_new_at = time.monotonic() + self.linger_s
+
+    def _lingered(self, now: float, wait_ms: int) -> bool:
+        """Wait out the linger, at most ``wait_ms``; whether it still runs (no new entries read now)."""
+        left = self._read_new_at - now
+        if left > 0:
+            time.sleep(min(left, wait_ms / 1000))
+        if time.monotonic() < self._read_new_at:
+            return True
+        self._read_new_at = 0.0
+        return False
 
     def _suspect(self, windows: dict[str, list[tuple[bytes, int]]]) -> tuple[list[Read], list[str]] | None:
         """The read of a crash suspect, run alone; None when no suspect runs this cycle.

@@ -86,6 +86,7 @@ class BatchProcessor:
         hooks: ProcessorHooks | None = None,
         outbox: OutboxSettings | None = None,
         idle_close_s: float = 30.0,
+        linger_ms: int = 0,
     ) -> None:
         self.app = app
         self.broker = broker
@@ -110,6 +111,7 @@ class BatchProcessor:
             self._by_stream,
             frozenset(app.tables),
             ordered=app.dataflow.ordered,
+            linger_ms=linger_ms,
         )
         self.time = TimeKeeping(app, self.emitter, self.hooks, idle_close_s)
         # Decided once: after the app's code and any ``opentelemetry-instrument`` set-up ran.
@@ -226,6 +228,7 @@ class BatchProcessor:
             and not any(owned.has_parked for owned in self.owned.values())
             and not any(owned.outbox.waiting for owned in self.owned.values())
             and not any(owned.views is not None and owned.views.busy for owned in self.owned.values())
+            and not self.delivery.lingering
         )
         for batch in self.time.passes(list(self.owned.values()), set(by_partition), result):
             self._settled(self.durability.settle(), result)

@@ -10,6 +10,11 @@ with the highest last id and goes on after it, so no entry is in two objects: on
 after a crash either lands in an object of the same name, which replaces it, or is at or below
 that position and skipped.
 
+How big an object gets: at most ``roll_entries`` entries (the batch a read takes); with
+``roll_seconds``, a read that filled no object is followed by a pause that long, so the next
+object gathers what arrives meanwhile. Objects are never held open across batches: each is
+written before its entries are acknowledged.
+
 Each record holds the columns of PSPF's Spark source: ``topic, partition, id, key, value`` (the
 value as JSON text), ``encoding`` ("json"), ``headers`` (a map of strings), ``timestamp`` (the
 id's milliseconds).
@@ -152,9 +157,28 @@ class FilesPartition(IdempotentPartition):
 class FilesSink(IdempotentSink):
     """Deliver a topic into JSON Lines or Parquet objects under a folder or ``s3://bucket/prefix``."""
 
-    def __init__(self, url: str, format: Format = "jsonl", name: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        format: Format = "jsonl",
+        name: str | None = None,
+        roll_entries: int | None = None,
+        roll_seconds: float | None = None,
+    ) -> None:
+        """Deliver into ``url``; objects of at most ``roll_entries``, or what ``roll_seconds`` gathers.
+
+        ``roll_entries`` is the read's batch size; ``roll_seconds``: after an object that filled
+        less, the next read waits this long (``PSPF_LINGER_MS``). Each object is still written
+        before its entries are acknowledged: nothing waits in memory across a crash.
+        """
         if format not in ("jsonl", "parquet"):
             raise ConfigError(f"sink files: format must be jsonl or parquet, got {format!r}")
+        if roll_entries is not None and not 1 <= roll_entries <= 100_000:
+            raise ConfigError(f"sink files: roll entries must be 1-100,000, got {roll_entries}")
+        if roll_seconds is not None and not 0 <= roll_seconds <= 600:
+            raise ConfigError(f"sink files: roll seconds must be 0-600, got {roll_seconds}")
+        self.roll_entries = roll_entries
+        self.roll_seconds = roll_seconds
         try:
             import fsspec
             import pyarrow  # noqa: F401  # the Parquet writer, and s3fs's needs, checked up front
@@ -175,6 +199,14 @@ class FilesSink(IdempotentSink):
 
     def worker(self, topic: str, settings: Settings) -> Worker:
         self.topic = topic
+        rolled: dict[str, int] = {}
+        if self.roll_entries is not None:
+            rolled["batch_size"] = self.roll_entries
+        if self.roll_seconds is not None:
+            rolled["linger_ms"] = round(self.roll_seconds * 1000)
+        if rolled:
+            consumer = msgspec.structs.replace(settings.consumer, **rolled)
+            settings = msgspec.structs.replace(settings, consumer=consumer)
         return super().worker(topic, settings)
 
     def prepare(self) -> None:

@@ -138,6 +138,7 @@ def _processor(
         batch_size=settings.consumer.batch_size,
         # Lease rounds (taking, giving up) run between reads: a read never outlasts a third of the TTL.
         block_ms=min(settings.consumer.block_ms, settings.consumer.lease_ttl_ms // 3),
+        linger_ms=settings.consumer.linger_ms,
         policies={topic: h.retry.over(run_policy) for topic, h in app.handlers.items()},
         hooks=hooks,
         outbox=settings.outbox,

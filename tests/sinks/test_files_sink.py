@@ -7,6 +7,8 @@ writes and how it refuses a mistake.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,11 @@ from click.testing import CliRunner, Result
 
 from pspf import Producer, Settings
 from pspf.cli import cli
+from pspf.errors import ConfigError
 from pspf.keys import StreamId
+from pspf.sink.files import FilesSink
 from tests.sinks.files_read import files_delivered
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -93,3 +98,45 @@ def test_a_missing_topic_exits_4_and_writes_nothing(redis_url: str, tmp_path: Pa
     assert result.exit_code == 4, result.output
     assert "does not exist" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "lake").exists()
+
+
+def _object_sizes(out: Path, topic: str) -> list[int]:
+    return sorted(len(path.read_bytes().splitlines()) - 1 for path in out.glob(f"{topic}/*/*.jsonl"))
+
+
+def test_roll_entries_caps_each_object(
+    make_topic: Callable[[int], str], redis_url: str, make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    topic = make_topic(1)
+    produce(redis_url, topic, 250)
+    out = tmp_path / "rolled"
+    FilesSink(str(out), roll_entries=100).run(topic, make_settings(), until_idle=True)
+    assert _object_sizes(out, topic) == [50, 100, 100]
+
+
+def test_roll_seconds_gathers_what_arrives_meanwhile_into_one_object(
+    make_topic: Callable[[int], str], redis_url: str, make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    """Ten bursts 100 ms apart: without a linger each read makes an object; with 2 s, two or three."""
+    topic = make_topic(1)
+    out = tmp_path / "lingered"
+    worker = FilesSink(str(out), roll_seconds=2).worker(topic, make_settings(PSPF_BLOCK_MS="100"))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: worker.processor.owned, 20, "the sink owns its partition")
+        for _ in range(10):
+            produce(redis_url, topic, 5)
+            time.sleep(0.1)
+        wait_until(lambda: sum(_object_sizes(out, topic)) == 50, 20, "every entry in an object")
+    finally:
+        worker.stop()
+        thread.join(20)
+    assert len(_object_sizes(out, topic)) <= 3, _object_sizes(out, topic)
+
+
+def test_bad_roll_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="roll entries must be 1-100,000"):
+        FilesSink(str(tmp_path), roll_entries=0)
+    with pytest.raises(ConfigError, match="roll seconds must be 0-600"):
+        FilesSink(str(tmp_path), roll_seconds=-1)

@@ -35,7 +35,7 @@ def keeping(app: App, clock: HandClock) -> TimeKeeping:
 
 
 def owned(app: App, clock: HandClock, ttl: bool = False) -> Any:
-    found: Any = SimpleNamespace(partition=0, windows=None, timers=None)
+    found: Any = SimpleNamespace(partition=0, windows=None, timers=None, views=None)
     if app.windows:
         found.windows = PartitionWindows(app.windows)
         found.windows.last_entry_at = clock.monotonic()

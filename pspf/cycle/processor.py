@@ -143,14 +143,32 @@ class BatchProcessor:
             self._by_stream[cursor.stream] = cursor
         self._share_cache()
 
-    def remove(self, partition: int) -> OwnedPartition:
+    def remove(self, partition: int, held: bool = False) -> OwnedPartition:
+        """Stop processing a partition; ``held``: its lease is still ours (a hand-over, the end).
+
+        Then its acknowledged view writes are written first; a lost partition's are left to its
+        next owner, which writes them from the store (a late write could undo its newer ones).
+        """
         owned = self.owned.pop(partition)
         self.relay.finish(owned.outbox)
-        _finish_views(owned)
+        self._finish_views(owned, held)
         for cursor in owned.streams.values():
             self._by_stream.pop(cursor.stream, None)
         self._share_cache()
         return owned
+
+    def _finish_views(self, owned: OwnedPartition, held: bool) -> None:
+        """Read the view writes in flight; ``held``: send the acknowledged ones first, and read them."""
+        views = owned.views
+        if views is None:
+            return
+        try:
+            if held:
+                views.send(self.broker.publishing.send_views)
+            views.settle()
+        except BrokerError as exc:
+            views.abandon()
+            log.warning("view writes of partition %s left to its next owner: %s", owned.partition, exc)
 
     def _share_cache(self) -> None:
         """Each owned partition's share of the worker's cache of committed values."""
@@ -183,7 +201,7 @@ class BatchProcessor:
         self.delivery.close()
         for owned in self.owned.values():
             self.relay.finish(owned.outbox)
-            _finish_views(owned)
+            self._finish_views(owned, held=False)
         self.attempts.close()
         if self.lookups is not None and self.lookups.global_tables is not None:
             self.lookups.global_tables.close()
@@ -386,16 +404,6 @@ class BatchProcessor:
         log.warning("%s, giving the partition up stream=%s: %s", exc.what, stream, exc)
         if partition not in result.lost_partitions:
             result.lost_partitions.append(partition)
-
-
-def _finish_views(owned: OwnedPartition) -> None:
-    """Read the partition's view writes in flight; unread (a broken connection), they stay unwritten."""
-    if owned.views is not None:
-        try:
-            owned.views.settle()
-        except BrokerError as exc:
-            owned.views.abandon()
-            log.warning("view writes of partition %s left to its next owner: %s", owned.partition, exc)
 
 
 def _outcomes_lost(reads: list[Read]) -> None:

@@ -163,12 +163,11 @@ class PartitionViews:
     """One owned partition's view writes: committed with its batches, written after their acknowledgement.
 
     Each commit with view writes puts ONE store row, ``VIEWS_NAMESPACE/<commit number>``, holding
-    that batch's writes (the last per field); ``unwritten`` maps (view, field) to its latest
-    committed write and its commit's number. The writes of commits up to ``confirmed``
-    (acknowledged) go to Redis; once their replies are read, the rows up to there are obsolete
-    (each field of theirs written, or written again by a later row) and the next commit deletes
-    them. The rows left are always a suffix of the commits, so a new owner that applies them in
-    order gets each field's latest value.
+    that batch's writes (the last per field), and keeps them in ``pending`` until they are known
+    to be in Redis. The commits up to ``confirmed`` (acknowledged) go to Redis together, a later
+    commit's write of a field replacing an earlier one's; once their replies are read, their rows
+    are done and the next commit deletes them. The rows left are always the last commits, so a new
+    owner that applies them in order gets each field's latest value.
     """
 
     __slots__ = (
@@ -179,28 +178,29 @@ class PartitionViews:
         "confirmed",
         "kinds",
         "obsolete",
+        "pending",
         "unconfirmed",
-        "unwritten",
     )
 
     def __init__(
         self, kinds: Mapping[str, ViewKind], rows: list[tuple[int, list[ViewWrite]]] | None = None
     ) -> None:
         self.kinds = dict(kinds)
-        #: what the committed state holds and Redis may not: a new owner writes it all
-        self.unwritten: dict[tuple[str, str | bytes], tuple[int, ViewWrite]] = {}
-        for number, writes in sorted(rows or (), key=lambda row: row[0]):
-            for write in writes:
-                self.unwritten[(write.view, write.field)] = (number, write)
-        #: the store's rows by commit number
-        self._rows = sorted(number for number, _ in rows or ())
+        #: per commit not known written, in order: its number and its writes by (view, field)
+        self.pending: list[tuple[int, dict[tuple[str, str | bytes], ViewWrite]]] = [
+            (number, {(w.view, w.field): w for w in writes})
+            for number, writes in sorted(rows or (), key=lambda row: row[0])
+        ]
+        #: the numbers of the rows in the store, in order
+        self._rows = [number for number, _ in self.pending]
+        #: what a new owner loads is committed and acknowledged: all of it is to be written
         self._commits = self.unconfirmed = self.confirmed = self._rows[-1] if self._rows else 0
         #: the commits whose writes were sent (or are in flight)
         self._sent = 0
         #: the rows the next commit deletes
         self.obsolete: list[int] = []
-        #: the writes sent whose replies are still to be read
-        self._in_flight: tuple[Sent, list[tuple[int, ViewWrite]], int] | None = None
+        #: the writes sent whose replies are still to be read, and the commit they reach
+        self._in_flight: tuple[Sent, int, int] | None = None
 
     @classmethod
     def load(cls, kinds: Mapping[str, ViewKind], items: Iterable[tuple[str, bytes]]) -> PartitionViews:
@@ -232,9 +232,7 @@ class PartitionViews:
             self._commits = number = self._commits + 1
             self.unconfirmed = number
             self._rows.append(number)
-            unwritten = self.unwritten
-            for name, write in latest.items():
-                unwritten[name] = (number, write)
+            self.pending.append((number, latest))
 
     def confirm(self) -> None:
         """The commits so far were acknowledged: their writes may go to Redis."""
@@ -243,30 +241,35 @@ class PartitionViews:
     @property
     def ready(self) -> bool:
         """Whether acknowledged writes wait to be sent."""
-        return self.confirmed > self._sent
+        return any(self._sent < number <= self.confirmed for number, _ in self.pending)
 
     @property
     def busy(self) -> bool:
         """Whether acknowledged writes wait to be written, or to be known written."""
         return self._in_flight is not None or self.ready
 
-    def to_write(self) -> list[tuple[int, ViewWrite]]:
-        """The acknowledged writes to send (each with its commit's number, for ``written``)."""
-        confirmed = self._sent = self.confirmed
-        return [(n, w) for n, w in self.unwritten.values() if n <= confirmed]
+    def take(self) -> tuple[int, list[ViewWrite]]:
+        """The acknowledged writes not sent yet, the last per field, and the commit they reach."""
+        merged: dict[tuple[str, str | bytes], ViewWrite] = {}
+        upto = self.confirmed
+        for number, writes in self.pending:
+            if self._sent < number <= upto:
+                merged.update(writes)
+        self._sent = upto
+        return upto, list(merged.values())
 
     def send(self, send: Callable[[list[Write]], Sent]) -> None:
         """Read the writes in flight, then send the acknowledged ones (their replies read next time).
 
-        ``send`` is ``Publishing.send_views``. Writes whose replies say they failed stay unwritten
+        ``send`` is ``Publishing.send_views``. Writes whose replies say they failed stay pending
         and go again: they are final values.
         """
         self.settle()
         if self.ready:
             before = self._sent
-            sent = self.to_write()
+            upto, writes = self.take()
             try:
-                self._in_flight = send([(w.view, w.kind, w.field, w.value) for _, w in sent]), sent, before
+                self._in_flight = send([(w.view, w.kind, w.field, w.value) for w in writes]), upto, before
             except BaseException:
                 self._sent = before
                 raise
@@ -275,27 +278,22 @@ class PartitionViews:
         """Read the replies of the writes in flight, if any (raises the broker's error)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            sent, writes, before = in_flight
+            sent, upto, before = in_flight
             try:
                 sent.wait()
             except BaseException:
                 self._sent = before
                 raise
-            self.written(writes)
+            self.written(upto)
 
     def abandon(self) -> None:
-        """Leave the writes in flight unread: they stay unwritten, for whoever goes on."""
+        """Leave the writes in flight unread: they stay pending, for whoever goes on."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             in_flight[0].abandon()
             self._sent = in_flight[2]
 
-    def written(self, sent: list[tuple[int, ViewWrite]]) -> None:
-        """``sent`` (from ``to_write``) is in Redis: forget what no later commit replaced; rows are done."""
-        unwritten = self.unwritten
-        for number, write in sent:
-            name = (write.view, write.field)
-            if unwritten.get(name, (None,))[0] == number:
-                del unwritten[name]
-        done = self._sent
-        self.obsolete = [number for number in self._rows if number <= done]
+    def written(self, upto: int) -> None:
+        """The writes of the commits up to ``upto`` are in Redis: forget them; their rows are done."""
+        self.pending = [(number, writes) for number, writes in self.pending if number > upto]
+        self.obsolete = [number for number in self._rows if number <= upto]

@@ -359,15 +359,15 @@ class TestApp:
             self._publish(topic, partition, key, value, headers)
         views = batch.owned.views
         if views is not None and views.ready:
-            sent = views.to_write()
-            for _, write in sent:
+            upto, writes = views.take()
+            for write in writes:
                 fields, field = self._views[write.view], write.field
                 name = field.decode(errors="replace") if isinstance(field, bytes) else field
                 if write.value is None:
                     fields.pop(name, None)
                 else:
                     fields[name] = write.value.decode() if isinstance(write.value, bytes) else write.value
-            views.written(sent)
+            views.written(upto)
 
     def _publish(
         self, topic: str, partition: int, key: bytes | None, value: bytes, headers: bytes | None

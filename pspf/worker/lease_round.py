@@ -121,7 +121,7 @@ class LeaseRound:
         for partition in [p for p in self.held if p not in target]:
             # Between two cycles: what it processed is committed and acknowledged.
             log.info("partition moves to another worker app=%s partition=%s", self.app.name, partition)
-            self.drop(partition, release=True)
+            self.drop(partition, release=True, held=True)
         if time.monotonic() >= self._next_idle_claim:
             min_idle_ms = self.settings.consumer.min_idle_ms
             self._next_idle_claim = time.monotonic() + min_idle_ms / 2000
@@ -284,13 +284,18 @@ class LeaseRound:
             self._policy_unchecked = True
             log.warning("weaker guarantee: cannot read the server's maxmemory-policy; eviction is unchecked")
 
-    def drop(self, partition: int, release: bool) -> None:
+    def drop(self, partition: int, release: bool, held: bool = False) -> None:
+        """Stop working on a partition and forget its leases; ``release`` them in Redis.
+
+        ``held``: the lease is ours still (a hand-over, the end): what the partition committed is
+        written to its views first (``BatchProcessor.remove``).
+        """
         leases = self.held.pop(partition, None)
         self.keeper.forget(partition)
         if self.metrics is not None:
             self.metrics.partition_released(partition)
         if partition in self.processor.owned:
-            self.processor.remove(partition).store.close()
+            self.processor.remove(partition, held).store.close()
         if release and leases:
             self.leases.release(partition, leases)
         log.info("partition released app=%s partition=%s", self.app.name, partition)

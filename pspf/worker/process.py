@@ -537,15 +537,17 @@ class Worker:
         self.keeper.close()  # first: nothing renews what is released or left to run out below
         if self.standby is not None:
             self.standby.close()
+        lost: set[int] = set()
         try:  # the last acknowledgement before the leases go (every partition is dropped below)
-            self.processor.settle()
+            lost.update(self.processor.settle().lost_partitions)
         except BrokerError as exc:
+            lost.update(self.lease_round.held)
             log.warning("the last acknowledgement's reply was not read (its entries stay pending): %s", exc)
         with suppress(BrokerError):
             self.membership.leave()  # first: the others take the partitions as soon as they are free
         for partition in list(self.lease_round.held):
             try:
-                self.lease_round.drop(partition, release=True)
+                self.lease_round.drop(partition, release=True, held=partition not in lost)
             except BrokerUnavailable as exc:
                 log.warning("could not release leases, they expire by themselves: %s", exc)
         self.processor.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from pspf import App, Context, Settings, Worker
 from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.service import Service
+from pspf.worker import RunSummary
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -111,3 +114,42 @@ def test_a_chain_writes_a_view_readable_by_any_client(
 
     last_kept = {f"u{i % 4}": f"item-{i}" for i in range(40) if i % 3 > 0}
     assert {k.decode(): v.decode() for k, v in rclient.hgetall(latest).items()} == last_kept
+
+
+def test_a_worker_stopped_mid_stream_writes_its_views_before_it_lets_its_partitions_go(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, app_name = make_topic(2), names.app()
+    totals = f"{app_name}:totals"
+    app = App(app_name)
+    app.view(totals)
+
+    @app.handler(topic)
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        time.sleep(0.0002)  # slow enough to be stopped halfway
+        ctx.state["total"] = ctx.state.get("total", 0) + order["amount"]
+        ctx.view(totals)[ctx.key] = ctx.state["total"]
+
+    produce(topic, [(f"u{i % 200}", {"amount": 1}) for i in range(20_000)])
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "state"))
+    worker = Worker(app, settings)
+    done: list[RunSummary] = []
+    thread = threading.Thread(target=lambda: done.append(worker.run()), daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    worker.stop()
+    thread.join(30)
+    assert done and 0 < done[0].handled < 20_000, "stopped halfway"
+
+    service = Service(settings)
+    lines = [json.loads(line) for line in service.state.state_export(app_name)]
+    service.close()
+    state = {line["key"]: line["state"]["total"] for line in lines if line.get("namespace") == "state"}
+    assert sum(state.values()) == done[0].handled
+    held = {k.decode(): json.loads(v) for k, v in rclient.hgetall(totals).items()}
+    assert held == state

@@ -142,22 +142,26 @@ def _commit(views: PartitionViews, *writes: ViewWrite) -> dict[tuple[str, str], 
     return updates
 
 
-def test_writes_are_forgotten_once_written_and_their_rows_deleted_by_the_next_commit() -> None:
+def test_writes_go_out_once_acknowledged_even_when_each_batch_rewrites_the_same_fields() -> None:
     views = PartitionViews({"v": "hash"})
     first = _commit(views, ViewWrite("v", "hash", "f", "1"), ViewWrite("v", "hash", "g", "1"))
     assert list(first) == [("__views", f"{1:020d}")]
     assert not views.ready  # committed, not yet acknowledged
     views.confirm()
-    sent = views.to_write()
+    second = _commit(views, ViewWrite("v", "hash", "f", "2"))  # the next batch rewrites f, unacknowledged
+    assert views.ready
+    upto, writes = views.take()  # commit 1's values, not held back by commit 2
+    assert upto == 1 and sorted((w.field, w.value) for w in writes) == [("f", "1"), ("g", "1")]
     assert not views.ready  # sent: not again
-    second = _commit(views, ViewWrite("v", "hash", "f", "2"))  # a later batch replaces f
-    views.written(sent)
-    assert [(n, w.value) for n, w in views.unwritten.values()] == [(2, "2")]
+    views.written(upto)
     third = _commit(views, ViewWrite("v", "hash", "h", "3"))
     assert third[("__views", f"{1:020d}")] is None  # row 1 is done: deleted with commit 3
+    views.confirm()
+    upto, writes = views.take()
+    assert upto == 3 and sorted((w.field, w.value) for w in writes) == [("f", "2"), ("h", "3")]
     # A new owner applies the rows left in order: each field's latest value, every one to write.
     store = {**first, **second, **third}
     rows = sorted((name, raw) for (_, name), raw in store.items() if raw is not None)
     loaded = PartitionViews.load({"v": "hash"}, rows)
     assert loaded.ready
-    assert sorted((w.field, w.value) for _, w in loaded.to_write()) == [("f", "2"), ("h", "3")]
+    assert sorted((w.field, w.value) for w in loaded.take()[1]) == [("f", "2"), ("h", "3")]

@@ -15,7 +15,7 @@ from pspf.windows.timers import ScheduledCall, at_ms
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox.emit import Emitted, Emitter
-    from pspf.outbox.views import HashView, SortedSetView, ViewKind, ViewWrite
+    from pspf.outbox.views import View, ViewKind, ViewWrite
     from pspf.windows.timers import PartitionTimers
 
 
@@ -197,7 +197,7 @@ class Context(Attempt):
             return self.source.table_row(name, self.key, before, "ctx.table", False, at)
         return self.source.table_row(name, key, before, "ctx.table", True, at)
 
-    def view(self, name: str) -> HashView | SortedSetView:
+    def view(self, name: str) -> View:
         """The app's view ``name`` (``App.view``): its writes reach Redis after this entry's batch commits.
 
         A hash view: ``ctx.view(name)[field] = value`` and ``del ctx.view(name)[field]``; a

@@ -21,7 +21,6 @@ from pspf.dataflow.joining import IntervalJoin
 from pspf.dataflow.stream import Node, Source
 from pspf.dataflow.windowing import ChainWindow, Step, nothing
 from pspf.errors import ConfigError
-from pspf.outbox.views import HashView
 
 #: Steps with an effect of their own: a branch without one below it is left out.
 _EFFECTS = frozenset({"to", "to_view", "group_by", "window", "apply", "update"})
@@ -131,7 +130,7 @@ def _viewing(
         view = ctx.view(name)
         field = ctx.key if field_fn is None else field_fn(value, ctx)
         result = value if value_fn is None else value_fn(value, ctx)
-        if isinstance(view, HashView):
+        if view.kind == "hash":
             if result is None:
                 del view[field]
             else:

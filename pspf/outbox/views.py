@@ -1,8 +1,8 @@
 """Views: Redis hashes and sorted sets an app keeps, written as final values after each acknowledgement.
 
-``app.view(name, kind)`` declares one; a handler writes it through ``ctx.view(name)`` (a
-``HashView`` or a ``SortedSetView``), a dataflow through ``Stream.to_view``. The view is the Redis
-key ``name`` itself, so any client reads it (``HGETALL``, ``ZRANGE``).
+``app.view(name, kind)`` declares one; a handler writes it through ``ctx.view(name)`` (a ``View``),
+a dataflow through ``Stream.to_view``. The view is the Redis key ``name`` itself, so any client
+reads it (``HGETALL``, ``ZRANGE``).
 
 A view follows the outbox's protocol: what an attempt writes joins its batch only if the attempt
 returns; the batch's writes are committed with the batch (one store row per commit, in the state
@@ -110,53 +110,55 @@ def encode_value(value: Any) -> str | bytes:
         raise TypeError(f"a view's value must be text, bytes or JSON-encodable: {exc}") from None
 
 
-class HashView:
-    """``ctx.view(name)`` of a hash view: ``view[field] = value`` and ``del view[field]``."""
+class View:
+    """``ctx.view(name)``: ``view[field] = value``, ``del view[field]`` (hash); ``.add``, ``.remove`` (zset).
 
-    __slots__ = ("_name", "_writes")
+    One type for both kinds, so a handler type-checks either way; the other kind's methods raise
+    TypeError.
+    """
 
-    def __init__(self, name: str, writes: list[ViewWrite]) -> None:
+    __slots__ = ("_name", "_writes", "kind")
+
+    def __init__(self, name: str, kind: ViewKind, writes: list[ViewWrite]) -> None:
         self._name = name
+        self.kind = kind
         self._writes = writes
 
     def __setitem__(self, field: str | bytes | int, value: Any) -> None:
+        if self.kind != "hash":
+            raise TypeError(f"view {self._name!r} is a sorted set: view.add(member, score)")
         kind = type(value)
         encoded = value if kind is str or kind is bytes else encode_value(value)
         named = field if type(field) is str else _field("a view's field", field)
         self._writes.append(ViewWrite(self._name, "hash", named, encoded))
 
     def __delitem__(self, field: str | bytes | int) -> None:
+        if self.kind != "hash":
+            raise TypeError(f"view {self._name!r} is a sorted set: view.remove(member)")
         self._writes.append(ViewWrite(self._name, "hash", _field("a view's field", field), None))
-
-
-class SortedSetView:
-    """``ctx.view(name)`` of a sorted set view: ``view.add(member, score)`` and ``view.remove(member)``."""
-
-    __slots__ = ("_name", "_writes")
-
-    def __init__(self, name: str, writes: list[ViewWrite]) -> None:
-        self._name = name
-        self._writes = writes
 
     def add(self, member: str | bytes | int, score: float) -> None:
         """Set ``member``'s score (added when missing)."""
+        if self.kind != "zset":
+            raise TypeError(f"view {self._name!r} is a hash: view[field] = value")
         if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
             raise TypeError(f"a sorted set view's score must be a number, got {score!r}")
         named = member if type(member) is str else _field("a view's member", member)
         self._writes.append(ViewWrite(self._name, "zset", named, float(score)))
 
     def remove(self, member: str | bytes | int) -> None:
+        """Remove ``member``."""
+        if self.kind != "zset":
+            raise TypeError(f"view {self._name!r} is a hash: del view[field]")
         self._writes.append(ViewWrite(self._name, "zset", _field("a view's member", member), None))
 
 
-def handle(kinds: Mapping[str, ViewKind], name: str, writes: list[ViewWrite]) -> HashView | SortedSetView:
+def handle(kinds: Mapping[str, ViewKind], name: str, writes: list[ViewWrite]) -> View:
     """What ``ctx.view(name)`` gives, writing into ``writes``."""
     kind = kinds.get(name)
-    if kind == "hash":
-        return HashView(name, writes)
     if kind is None:
         raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
-    return SortedSetView(name, writes)
+    return View(name, kind, writes)
 
 
 class PartitionViews:

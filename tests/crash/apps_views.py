@@ -30,7 +30,6 @@ import msgspec
 
 from pspf import App, Context
 from pspf.hooks import ProcessorHooks
-from pspf.outbox.views import HashView, SortedSetView
 
 #: A picked key's hash field is absent while its count is a multiple of this.
 DELETE_EVERY = 7
@@ -92,7 +91,6 @@ def main() -> App:
         total = state["total"] = state.get("total", 0) + order.amount
         key = ctx.key
         totals, board = ctx.view(hash_view), ctx.view(zset_view)
-        assert isinstance(totals, HashView) and isinstance(board, SortedSetView)
         if deletes(key) and count % DELETE_EVERY == 0:
             del totals[key]
         else:

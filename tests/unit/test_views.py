@@ -165,3 +165,24 @@ def test_writes_go_out_once_acknowledged_even_when_each_batch_rewrites_the_same_
     loaded = PartitionViews.load({"v": "hash"}, rows)
     assert loaded.ready
     assert sorted((w.field, w.value) for w in loaded.take()[1]) == [("f", "2"), ("h", "3")]
+
+
+def test_the_other_kinds_writes_fail_the_entry() -> None:
+    app = App("kinds")
+    app.view("h")
+    app.view("z", kind="zset")
+
+    @app.handler("orders")
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        if order["wrong"] == "hash":
+            ctx.view("h").add("m", 1)
+        else:
+            ctx.view("z")["f"] = 1
+
+    t = TestApp(app)
+    t.send("orders", {"wrong": "hash"}, key="a")
+    t.send("orders", {"wrong": "zset"}, key="b")
+    assert [d.message for d in t.dead_letters("orders")] == [
+        "view 'h' is a hash: view[field] = value",
+        "view 'z' is a sorted set: view.add(member, score)",
+    ]

@@ -9,13 +9,13 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.errors import ConfigError
-from pspf.outbox.views import handle
+from pspf.outbox.views import View
 from pspf.windows.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox.emit import Emitted, Emitter
-    from pspf.outbox.views import View, ViewKind, ViewWrite
+    from pspf.outbox.views import ViewKind, ViewWrite
     from pspf.windows.timers import PartitionTimers
 
 
@@ -210,7 +210,10 @@ class Context(Attempt):
         viewed = self.viewed
         if viewed is None:
             viewed = self.viewed = []
-        return handle(self.source.view_kinds, name, viewed)
+        kind = self.source.view_kinds.get(name)
+        if kind is None:
+            raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
+        return View(name, kind, viewed)
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

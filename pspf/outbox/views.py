@@ -55,8 +55,30 @@ class ViewWrite(msgspec.Struct, array_like=True, frozen=True, gc=False):
     value: str | bytes | float | None
 
 
-_encode_writes = msgspec.msgpack.Encoder().encode
-_decode_rows = msgspec.msgpack.Decoder(list[list[Any]]).decode  # msgspec types no str | bytes union
+_encode = msgspec.msgpack.Encoder().encode
+_decode_rows = msgspec.msgpack.Decoder(list[tuple[str, str, list[Any]]]).decode  # no str | bytes union
+
+
+def encode_row(writes: Iterable[ViewWrite]) -> bytes:
+    """A commit's store row: per view, its name, its kind and its fields and values in turn."""
+    grouped: dict[tuple[str, str], list[Any]] = {}
+    for write in writes:
+        flat = grouped.get((write.view, write.kind))
+        if flat is None:
+            flat = grouped[(write.view, write.kind)] = []
+        flat += (write.field, write.value)
+    return _encode([(view, kind, flat) for (view, kind), flat in grouped.items()])
+
+
+def decode_row(raw: bytes) -> list[ViewWrite]:
+    """The writes of a row ``encode_row`` made."""
+    found: list[ViewWrite] = []
+    for view, kind, flat in _decode_rows(raw):
+        pairs = iter(flat)
+        found += [ViewWrite(view, kind, field, value) for field, value in zip(pairs, pairs, strict=True)]
+    return found
+
+
 _json = msgspec.json.Encoder()
 
 
@@ -128,9 +150,11 @@ class View:
         if self.kind != "hash":
             raise TypeError(f"view {self._name!r} is a sorted set: view.add(member, score)")
         kind = type(value)
-        encoded = value if kind is str or kind is bytes else encode_value(value)
-        named = field if type(field) is str else _field("a view's field", field)
-        self._writes.append(ViewWrite(self._name, "hash", named, encoded))
+        if kind is not str and kind is not bytes:
+            value = str(value) if kind is int else encode_value(value)
+        if type(field) is not str:
+            field = _field("a view's field", field)
+        self._writes.append(ViewWrite(self._name, "hash", field, value))
 
     def __delitem__(self, field: str | bytes | int) -> None:
         if self.kind != "hash":
@@ -151,14 +175,6 @@ class View:
         if self.kind != "zset":
             raise TypeError(f"view {self._name!r} is a hash: del view[field]")
         self._writes.append(ViewWrite(self._name, "zset", _field("a view's member", member), None))
-
-
-def handle(kinds: Mapping[str, ViewKind], name: str, writes: list[ViewWrite]) -> View:
-    """What ``ctx.view(name)`` gives, writing into ``writes``."""
-    kind = kinds.get(name)
-    if kind is None:
-        raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
-    return View(name, kind, writes)
 
 
 class PartitionViews:
@@ -207,9 +223,7 @@ class PartitionViews:
     @classmethod
     def load(cls, kinds: Mapping[str, ViewKind], items: Iterable[tuple[str, bytes]]) -> PartitionViews:
         """The partition's views as its store left them (``items``: the ``VIEWS_NAMESPACE`` rows)."""
-        return cls(
-            kinds, [(int(name), [ViewWrite(*row) for row in _decode_rows(raw)]) for name, raw in items]
-        )
+        return cls(kinds, [(int(name), decode_row(raw)) for name, raw in items])
 
     def staged(
         self, writes: list[ViewWrite]
@@ -220,9 +234,7 @@ class PartitionViews:
             (keys.VIEWS_NAMESPACE, f"{number:020d}"): None for number in self.obsolete
         }
         if latest:
-            updates[(keys.VIEWS_NAMESPACE, f"{self._commits + 1:020d}")] = _encode_writes(
-                list(latest.values())
-            )
+            updates[(keys.VIEWS_NAMESPACE, f"{self._commits + 1:020d}")] = encode_row(latest.values())
         return latest, updates
 
     def committed(self, latest: dict[tuple[str, str | bytes], ViewWrite]) -> None:

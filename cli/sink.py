@@ -94,18 +94,32 @@ def _deliver(target: Sink, topic: str, settings: Settings, into: str, until_idle
 @sink.command(
     "files",
     epilog="\b\nExamples:\n  pspf sink files orders --url ./lake/orders --format parquet --until-idle\n"
+    "  pspf sink files orders --url ./lake/orders --roll-entries 50000 --roll-seconds 60\n"
     "  AWS_ENDPOINT_URL=http://127.0.0.1:9000 pspf sink files orders --url s3://lake/raw",
 )
 @click.argument("topic")
 @click.option("--url", required=True, help="A local folder, or s3://BUCKET/PREFIX (AWS_* variables).")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
 @click.option("--name", help="The sink's consumer group  [default: sink-files-URL].")
+@click.option("--roll-entries", type=int, help="The most entries of a partition one object holds.")
+@click.option(
+    "--roll-seconds", type=float, help="After an object that filled less, wait this long to read again."
+)
 @broker_option
 @worker_options(leave_out=("--store", "--durability", "--standby"))  # no local state
 @click.option("--until-idle", is_flag=True, help="Stop once nothing is left to deliver.")
 @click.pass_obj
 def files(
-    obj: CliState, /, topic: str, url: str, fmt: str, name: str | None, until_idle: bool, **options: Any
+    obj: CliState,
+    /,
+    topic: str,
+    url: str,
+    fmt: str,
+    name: str | None,
+    roll_entries: int | None,
+    roll_seconds: float | None,
+    until_idle: bool,
+    **options: Any,
 ) -> None:
     """Write every entry of TOPIC into JSON Lines or Parquet objects under URL, once, whatever fails.
 
@@ -117,7 +131,51 @@ def files(
     from pspf.sink.files import FilesSink
 
     settings = run_settings(obj, options)
-    target = FilesSink(url, "parquet" if fmt == "parquet" else "jsonl", name=name)
+    target = FilesSink(
+        url,
+        "parquet" if fmt == "parquet" else "jsonl",
+        name=name,
+        roll_entries=roll_entries,
+        roll_seconds=roll_seconds,
+    )
+    _deliver(target, topic, settings, target.describe(), until_idle)
+
+
+@sink.command(
+    "iceberg",
+    epilog="\b\nExamples:\n  pspf sink iceberg orders --table lake.orders --until-idle\n"
+    "  PYICEBERG_CATALOG__PROD__URI=http://rest:8181 pspf sink iceberg orders --table lake.orders "
+    "--catalog prod",
+)
+@click.argument("topic")
+@click.option(
+    "--table", required=True, help="NAMESPACE.TABLE; the namespace and table are created when missing."
+)
+@click.option(
+    "--catalog",
+    default="default",
+    show_default=True,
+    help="The pyiceberg catalog (PYICEBERG_CATALOG__NAME__* variables or .pyiceberg.yaml).",
+)
+@click.option("--name", help="The sink's consumer group  [default: sink-iceberg-TABLE].")
+@broker_option
+@worker_options(leave_out=("--store", "--durability", "--standby"))  # no local state
+@click.option("--until-idle", is_flag=True, help="Stop once nothing is left to deliver.")
+@click.pass_obj
+def iceberg(
+    obj: CliState, /, topic: str, table: str, catalog: str, name: str | None, until_idle: bool, **options: Any
+) -> None:
+    """Write every entry of TOPIC into an Apache Iceberg table, once, whatever fails.
+
+    Each batch of a partition is one snapshot (an append) whose summary holds the partition's
+    position, so a crash, a retry or a takeover writes no row twice; a worker taken over writes
+    nothing more. Start several to share the partitions. Needs the iceberg extra
+    (pip install 'pspf[iceberg]').
+    """
+    from pspf.sink.iceberg import IcebergSink
+
+    settings = run_settings(obj, options)
+    target = IcebergSink(table, catalog=catalog, name=name)
     _deliver(target, topic, settings, target.describe(), until_idle)
 
 

@@ -13,7 +13,8 @@ The rooms:
 - ``base``: what both tiers share (``Sink``: the consumer machinery; ``SinkPartition``,
   ``SinkStore``; the records; refused rows and an unreachable target) and the transactional tier;
 - ``idempotent``: the idempotent tier (``IdempotentSink``, ``IdempotentPartition``, ``BatchName``);
-- ``postgres``: the PostgreSQL sink (psycopg 3); ``pspf.sink_postgres`` is its public path.
+- ``postgres``: the PostgreSQL sink (psycopg 3); ``pspf.sink_postgres`` is its public path;
+- ``iceberg``: the Apache Iceberg sink (pyiceberg; rows and position in one snapshot); ``pspf.sink.iceberg``.
 
 A new sink is one more room beside ``postgres``, written against one tier (``docs/how-to/sinks.md``).
 This face re-exports ``base`` and ``idempotent`` only, so importing it needs no database driver.

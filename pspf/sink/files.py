@@ -52,7 +52,7 @@ POSITION_KEY = b"pspf.position"
 _json = msgspec.json.Encoder()
 
 
-def _columns(records: Sequence[SinkRecord]) -> dict[str, list[Any]]:
+def record_columns(records: Sequence[SinkRecord]) -> dict[str, list[Any]]:
     """The records as the Spark source's columns."""
     return {
         "topic": [r.topic for r in records],
@@ -68,7 +68,7 @@ def _columns(records: Sequence[SinkRecord]) -> dict[str, list[Any]]:
 
 def encode_jsonl(records: Sequence[SinkRecord], position: bytes) -> bytes:
     """A JSON Lines object: its position first, then one record a line."""
-    columns = _columns(records)
+    columns = record_columns(records)
     lines = [_json.encode({"position": base64.b64encode(position).decode()})]
     names = list(columns)
     for row in zip(*columns.values(), strict=True):
@@ -96,7 +96,7 @@ def encode_parquet(records: Sequence[SinkRecord], position: bytes) -> bytes:
         ],
         metadata={POSITION_KEY: base64.b64encode(position)},
     )
-    table = pa.table(_columns(records), schema=schema)
+    table = pa.table(record_columns(records), schema=schema)
     out = io.BytesIO()
     pq.write_table(table, out)
     return out.getvalue()

@@ -71,7 +71,7 @@ class IdempotentPartition(ABC):
         return None
 
 
-class _Position(msgspec.Struct, array_like=True):
+class Position(msgspec.Struct, array_like=True):
     """A partition's checkpoints and bookkeeping, as stored with each batch."""
 
     values: list[tuple[str, str, bytes]]
@@ -89,7 +89,7 @@ class BatchPartition(SinkPartition):
     def claim(self) -> tuple[dict[tuple[str, str], bytes], dict[str, StreamId]]:
         raw = self.target.last()
         if raw is not None:
-            position = msgspec.msgpack.decode(raw, type=_Position)
+            position = msgspec.msgpack.decode(raw, type=Position)
             self.values = {(ns, key): value for ns, key, value in position.values}
             self.checkpoints = {t: StreamId(*c) for t, c in position.checkpoints.items()}
         return dict(self.values), dict(self.checkpoints)
@@ -105,7 +105,7 @@ class BatchPartition(SinkPartition):
                 values[name] = value
         merged = {**self.checkpoints, **checkpoints}
         if records:
-            position = _Position(
+            position = Position(
                 [(ns, key, value) for (ns, key), value in sorted(values.items())],
                 {topic: (c.ms, c.seq) for topic, c in merged.items()},
             )

@@ -140,3 +140,17 @@ def test_bad_roll_settings_are_refused(tmp_path: Path) -> None:
         FilesSink(str(tmp_path), roll_entries=0)
     with pytest.raises(ConfigError, match="roll seconds must be 0-600"):
         FilesSink(str(tmp_path), roll_seconds=-1)
+
+
+def test_the_cli_rolls_objects_and_refuses_a_bad_roll_in_one_line(
+    make_topic: Callable[[int], str], redis_url: str, tmp_path: Path
+) -> None:
+    topic = make_topic(1)
+    produce(redis_url, topic, 250)
+    out = tmp_path / "cli-rolled"
+    result = deliver(redis_url, topic, "--url", str(out), "--roll-entries", "100", "--roll-seconds", "0")
+    assert result.exit_code == 0, result.output
+    assert _object_sizes(out, topic) == [50, 100, 100]
+    refused = deliver(redis_url, topic, "--url", str(out), "--roll-entries", "0")
+    assert refused.exit_code == 2 and "roll entries must be 1-100,000" in refused.output
+    assert "Traceback" not in refused.output

@@ -31,6 +31,7 @@ from pspf.keys import partition_for, stream_key
 from tests.conftest import subprocess_env
 from tests.sinks import dir_sink
 from tests.sinks.files_read import files_delivered
+from tests.sinks.iceberg_read import iceberg_rows, sql_catalog
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
@@ -85,6 +86,26 @@ def _files(fmt: str, s3: bool) -> Callable[[pytest.FixtureRequest, Path], Target
     return make
 
 
+def _iceberg(s3: bool) -> Callable[[pytest.FixtureRequest, Path], Target]:
+    """The Iceberg sink, a SQL catalog on SQLite; its warehouse on disk, or in a bucket of the S3 server.
+
+    On S3 a snapshot takes a dozen round trips to the server: batches of up to 200 entries (not
+    20) let the last run deliver what the killed ones left within its time.
+    """
+
+    def make(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+        properties = sql_catalog(tmp_path, request.getfixturevalue("s3_bucket") if s3 else None)
+        table = "lake.conformance"
+        kwargs = {"table": table, "name": f"sink-iceberg-{uuid.uuid4().hex[:8]}", "properties": properties}
+        return Target(
+            "pspf.sink.iceberg:IcebergSink",
+            {**kwargs, "batch_size": 200} if s3 else kwargs,
+            lambda: [(r["partition"], r["id"]) for r in iceberg_rows(table, properties)],
+        )
+
+    return make
+
+
 #: The sinks under test: one line each.
 SINKS: dict[str, Callable[[pytest.FixtureRequest, Path], Target]] = {
     "postgres": _postgres,
@@ -93,6 +114,8 @@ SINKS: dict[str, Callable[[pytest.FixtureRequest, Path], Target]] = {
     "files-parquet": _files("parquet", s3=False),
     "files-s3-jsonl": _files("jsonl", s3=True),
     "files-s3-parquet": _files("parquet", s3=True),
+    "iceberg": _iceberg(s3=False),
+    "iceberg-s3": _iceberg(s3=True),
 }
 
 

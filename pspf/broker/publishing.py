@@ -173,32 +173,28 @@ class Publishing:
             raise reply
         return int(reply[0])
 
-    def send_views(
-        self, writes: Sequence[tuple[str, str, str | bytes, str | bytes | float | None]]
-    ) -> ViewsSent:
-        """Send views' final values in one write, HSET or HDEL, ZADD or ZREM; the replies are read later.
+    def send_views(self, kinds: Mapping[str, str], writes: Mapping[str, Mapping[Any, Any]]) -> ViewsSent:
+        """Send views' final values in one write; the replies are read later (``ViewsSent.wait``).
 
-        Each write is (key, "hash" or "zset", field or member, value or score; None removes). They
-        name each (key, field) once, so their order does not matter. On a cluster each view's key
-        goes to its own node, at once (one round trip per node).
+        ``writes``: view -> field (or member) -> value (or score), None removing it; ``kinds``:
+        each view's "hash" or "zset". A view's fields go in one HSET (ZADD), its removals in one
+        HDEL (ZREM). On a cluster each view's key goes to its own node, at once.
         """
-        grouped: dict[tuple[str, str, bool], list[Any]] = {}
-        for key, kind, field, value in writes:
-            args = grouped.setdefault((key, kind, value is None), [])
-            if value is None:
-                args.append(field)
-            elif kind == "hash":
-                args += (field, value)
+        commands: list[tuple[Any, ...]] = []
+        for view, fields in writes.items():
+            hash_ = kinds[view] == "hash"
+            removed = [field for field, value in fields.items() if value is None]
+            if removed:
+                commands.append(("HDEL" if hash_ else "ZREM", view, *removed))
+                fields = {field: value for field, value in fields.items() if value is not None}
+            if not fields:
+                continue
+            if hash_:
+                commands.append(("HSET", view, *[item for pair in fields.items() for item in pair]))
             else:
-                args += (value, field)
-        commands = [
-            (
-                ("HDEL" if removes else "HSET") if kind == "hash" else ("ZREM" if removes else "ZADD"),
-                key,
-                *args,
-            )
-            for (key, kind, removes), args in grouped.items()
-        ]
+                commands.append(
+                    ("ZADD", view, *[item for field, score in fields.items() for item in (score, field)])
+                )
         with self.conn.translate_errors():
             if self.conn.cluster:
                 pipe = self.conn.client.pipeline(transaction=False)

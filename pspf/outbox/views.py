@@ -29,8 +29,12 @@ from pspf import keys
 from pspf.errors import ConfigError
 
 ViewKind = Literal["hash", "zset"]
-#: A write as the broker sends it: (key, kind, field or member, value or score; None removes)
-Write = tuple[str, str, str | bytes, str | bytes | float | None]
+KINDS: tuple[ViewKind, ...] = ("hash", "zset")
+#: One final value of a view, as a handler wrote it: (view, field or member, value or score); a
+#: value of None removes the field. A plain tuple: one is made per write, on the hot path.
+ViewWrite = tuple[str, "str | bytes", "str | bytes | float | None"]
+#: A commit's writes, the last per field: view -> field -> value (None: removed)
+Writes = dict[str, dict["str | bytes", "str | bytes | float | None"]]
 
 
 class Sent(Protocol):
@@ -41,45 +45,36 @@ class Sent(Protocol):
     def abandon(self) -> None: ...
 
 
-KINDS: tuple[ViewKind, ...] = ("hash", "zset")
-
-
-class ViewWrite(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One final value of a view: a hash field's value or a sorted set member's score; None removes it."""
-
-    view: str
-    kind: str
-    #: the hash field or the sorted set member: text, or bytes that are not UTF-8
-    field: str | bytes
-    #: the hash field's value (text or bytes) or the member's score (float); None deletes it
-    value: str | bytes | float | None
-
-
 _encode = msgspec.msgpack.Encoder().encode
-_decode_rows = msgspec.msgpack.Decoder(list[tuple[str, str, list[Any]]]).decode  # no str | bytes union
+_json = msgspec.json.Encoder()
+_decode_rows = msgspec.msgpack.Decoder(list[tuple[str, list[Any]]]).decode  # no str | bytes union
 
 
-def encode_row(writes: Iterable[ViewWrite]) -> bytes:
-    """A commit's store row: per view, its name, its kind and its fields and values in turn."""
-    grouped: dict[tuple[str, str], list[Any]] = {}
-    for write in writes:
-        flat = grouped.get((write.view, write.kind))
-        if flat is None:
-            flat = grouped[(write.view, write.kind)] = []
-        flat += (write.field, write.value)
-    return _encode([(view, kind, flat) for (view, kind), flat in grouped.items()])
-
-
-def decode_row(raw: bytes) -> list[ViewWrite]:
-    """The writes of a row ``encode_row`` made."""
-    found: list[ViewWrite] = []
-    for view, kind, flat in _decode_rows(raw):
-        pairs = iter(flat)
-        found += [ViewWrite(view, kind, field, value) for field, value in zip(pairs, pairs, strict=True)]
+def latest(writes: Iterable[ViewWrite]) -> Writes:
+    """A batch's writes, the last per field of each view."""
+    found: Writes = {}
+    for view, field, value in writes:
+        fields = found.get(view)
+        if fields is None:
+            fields = found[view] = {}
+        fields[field] = value
     return found
 
 
-_json = msgspec.json.Encoder()
+def encode_row(writes: Writes) -> bytes:
+    """A commit's store row: per view, its name and its fields and values in turn."""
+    return _encode(
+        [(view, [item for pair in fields.items() for item in pair]) for view, fields in writes.items()]
+    )
+
+
+def decode_row(raw: bytes) -> Writes:
+    """The writes of a row ``encode_row`` made."""
+    found: Writes = {}
+    for view, flat in _decode_rows(raw):
+        pairs = iter(flat)
+        found[view] = dict(zip(pairs, pairs, strict=True))
+    return found
 
 
 def check_view(name: str, kind: str) -> ViewKind:
@@ -154,12 +149,12 @@ class View:
             value = str(value) if kind is int else encode_value(value)
         if type(field) is not str:
             field = _field("a view's field", field)
-        self._writes.append(ViewWrite(self._name, "hash", field, value))
+        self._writes.append((self._name, field, value))
 
     def __delitem__(self, field: str | bytes | int) -> None:
         if self.kind != "hash":
             raise TypeError(f"view {self._name!r} is a sorted set: view.remove(member)")
-        self._writes.append(ViewWrite(self._name, "hash", _field("a view's field", field), None))
+        self._writes.append((self._name, _field("a view's field", field), None))
 
     def add(self, member: str | bytes | int, score: float) -> None:
         """Set ``member``'s score (added when missing)."""
@@ -168,13 +163,13 @@ class View:
         if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
             raise TypeError(f"a sorted set view's score must be a number, got {score!r}")
         named = member if type(member) is str else _field("a view's member", member)
-        self._writes.append(ViewWrite(self._name, "zset", named, float(score)))
+        self._writes.append((self._name, named, float(score)))
 
     def remove(self, member: str | bytes | int) -> None:
         """Remove ``member``."""
         if self.kind != "zset":
             raise TypeError(f"view {self._name!r} is a hash: del view[field]")
-        self._writes.append(ViewWrite(self._name, "zset", _field("a view's member", member), None))
+        self._writes.append((self._name, _field("a view's member", member), None))
 
 
 class PartitionViews:
@@ -200,15 +195,10 @@ class PartitionViews:
         "unconfirmed",
     )
 
-    def __init__(
-        self, kinds: Mapping[str, ViewKind], rows: list[tuple[int, list[ViewWrite]]] | None = None
-    ) -> None:
+    def __init__(self, kinds: Mapping[str, ViewKind], rows: list[tuple[int, Writes]] | None = None) -> None:
         self.kinds = dict(kinds)
-        #: per commit not known written, in order: its number and its writes by (view, field)
-        self.pending: list[tuple[int, dict[tuple[str, str | bytes], ViewWrite]]] = [
-            (number, {(w.view, w.field): w for w in writes})
-            for number, writes in sorted(rows or (), key=lambda row: row[0])
-        ]
+        #: per commit not known written, in order: its number and its writes
+        self.pending: list[tuple[int, Writes]] = sorted(rows or (), key=lambda row: row[0])
         #: the numbers of the rows in the store, in order
         self._rows = [number for number, _ in self.pending]
         #: what a new owner loads is committed and acknowledged: all of it is to be written
@@ -217,7 +207,7 @@ class PartitionViews:
         self._sent = 0
         #: the rows the next commit deletes
         self.obsolete: list[int] = []
-        #: the writes sent whose replies are still to be read, and the commit they reach
+        #: the writes sent whose replies are still to be read, the commit they reach, the one before
         self._in_flight: tuple[Sent, int, int] | None = None
 
     @classmethod
@@ -225,28 +215,26 @@ class PartitionViews:
         """The partition's views as its store left them (``items``: the ``VIEWS_NAMESPACE`` rows)."""
         return cls(kinds, [(int(name), decode_row(raw)) for name, raw in items])
 
-    def staged(
-        self, writes: list[ViewWrite]
-    ) -> tuple[dict[tuple[str, str | bytes], ViewWrite], dict[tuple[str, str], bytes | None]]:
+    def staged(self, writes: list[ViewWrite]) -> tuple[Writes, dict[tuple[str, str], bytes | None]]:
         """A batch's writes (the last per field), and its commit's store writes (its row; done rows gone)."""
-        latest = {(w.view, w.field): w for w in writes}
+        found = latest(writes)
         updates: dict[tuple[str, str], bytes | None] = {
             (keys.VIEWS_NAMESPACE, f"{number:020d}"): None for number in self.obsolete
         }
-        if latest:
-            updates[(keys.VIEWS_NAMESPACE, f"{self._commits + 1:020d}")] = encode_row(latest.values())
-        return latest, updates
+        if found:
+            updates[(keys.VIEWS_NAMESPACE, f"{self._commits + 1:020d}")] = encode_row(found)
+        return found, updates
 
-    def committed(self, latest: dict[tuple[str, str | bytes], ViewWrite]) -> None:
+    def committed(self, found: Writes) -> None:
         """The commit of a batch's ``staged`` writes is done."""
         if self.obsolete:
             self._rows = self._rows[len(self.obsolete) :]
             self.obsolete = []
-        if latest:
+        if found:
             self._commits = number = self._commits + 1
             self.unconfirmed = number
             self._rows.append(number)
-            self.pending.append((number, latest))
+            self.pending.append((number, found))
 
     def confirm(self) -> None:
         """The commits so far were acknowledged: their writes may go to Redis."""
@@ -262,17 +250,20 @@ class PartitionViews:
         """Whether acknowledged writes wait to be written, or to be known written."""
         return self._in_flight is not None or self.ready
 
-    def take(self) -> tuple[int, list[ViewWrite]]:
+    def take(self) -> tuple[int, Writes]:
         """The acknowledged writes not sent yet, the last per field, and the commit they reach."""
-        merged: dict[tuple[str, str | bytes], ViewWrite] = {}
         upto = self.confirmed
-        for number, writes in self.pending:
-            if self._sent < number <= upto:
-                merged.update(writes)
+        taken = [writes for number, writes in self.pending if self._sent < number <= upto]
         self._sent = upto
-        return upto, list(merged.values())
+        if len(taken) == 1:
+            return upto, taken[0]
+        merged: Writes = {}
+        for writes in taken:
+            for view, fields in writes.items():
+                merged.setdefault(view, {}).update(fields)
+        return upto, merged
 
-    def send(self, send: Callable[[list[Write]], Sent]) -> None:
+    def send(self, send: Callable[[Mapping[str, str], Writes], Sent]) -> None:
         """Read the writes in flight, then send the acknowledged ones (their replies read next time).
 
         ``send`` is ``Publishing.send_views``. Writes whose replies say they failed stay pending
@@ -283,7 +274,7 @@ class PartitionViews:
             before = self._sent
             upto, writes = self.take()
             try:
-                self._in_flight = send([(w.view, w.kind, w.field, w.value) for w in writes]), upto, before
+                self._in_flight = send(self.kinds, writes), upto, before
             except BaseException:
                 self._sent = before
                 raise

@@ -360,13 +360,14 @@ class TestApp:
         views = batch.owned.views
         if views is not None and views.ready:
             upto, writes = views.take()
-            for write in writes:
-                fields, field = self._views[write.view], write.field
-                name = field.decode(errors="replace") if isinstance(field, bytes) else field
-                if write.value is None:
-                    fields.pop(name, None)
-                else:
-                    fields[name] = write.value.decode() if isinstance(write.value, bytes) else write.value
+            for view, fields in writes.items():
+                held = self._views[view]
+                for field, written in fields.items():
+                    name = field.decode(errors="replace") if isinstance(field, bytes) else field
+                    if written is None:
+                        held.pop(name, None)
+                    else:
+                        held[name] = written.decode() if isinstance(written, bytes) else written
             views.written(upto)
 
     def _publish(

@@ -273,8 +273,9 @@ def unwritten_rows(views: Views, state_dir: Path, partitions: int) -> dict[tuple
         backup = cast(dict[bytes, bytes], views.rclient.hgetall(backup_key(views.topic, p, views.app)))
         backed = {name[len(head) :].decode(): raw for name, raw in backup.items() if name.startswith(head)}
         assert backed == rows, f"partition {p}: the backup's view rows differ from the store's"
-        for write in PartitionViews.load(kinds, rows.items()).take()[1]:
-            found[(write.view, _text(write.field))] = _text(write.value)
+        for view, fields in PartitionViews.load(kinds, rows.items()).take()[1].items():
+            for field, value in fields.items():
+                found[(view, _text(field))] = _text(value)
     return found
 
 

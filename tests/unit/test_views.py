@@ -137,34 +137,33 @@ def test_bad_scores_and_fields_fail_the_entry_not_the_run() -> None:
 
 
 def _commit(views: PartitionViews, *writes: ViewWrite) -> dict[tuple[str, str], bytes | None]:
-    latest, updates = views.staged(list(writes))
-    views.committed(latest)
+    found, updates = views.staged(list(writes))
+    views.committed(found)
     return updates
 
 
 def test_writes_go_out_once_acknowledged_even_when_each_batch_rewrites_the_same_fields() -> None:
     views = PartitionViews({"v": "hash"})
-    first = _commit(views, ViewWrite("v", "hash", "f", "1"), ViewWrite("v", "hash", "g", "1"))
+    first = _commit(views, ("v", "f", "1"), ("v", "g", "1"), ("v", "f", "0"))
     assert list(first) == [("__views", f"{1:020d}")]
     assert not views.ready  # committed, not yet acknowledged
     views.confirm()
-    second = _commit(views, ViewWrite("v", "hash", "f", "2"))  # the next batch rewrites f, unacknowledged
+    second = _commit(views, ("v", "f", "2"))  # the next batch rewrites f, unacknowledged
     assert views.ready
-    upto, writes = views.take()  # commit 1's values, not held back by commit 2
-    assert upto == 1 and sorted((w.field, w.value) for w in writes) == [("f", "1"), ("g", "1")]
+    upto, writes = views.take()  # commit 1's values (its last of f), not held back by commit 2
+    assert (upto, writes) == (1, {"v": {"f": "0", "g": "1"}})
     assert not views.ready  # sent: not again
     views.written(upto)
-    third = _commit(views, ViewWrite("v", "hash", "h", "3"))
+    third = _commit(views, ("v", "h", "3"), ("v", "g", None))
     assert third[("__views", f"{1:020d}")] is None  # row 1 is done: deleted with commit 3
     views.confirm()
-    upto, writes = views.take()
-    assert upto == 3 and sorted((w.field, w.value) for w in writes) == [("f", "2"), ("h", "3")]
+    assert views.take() == (3, {"v": {"f": "2", "h": "3", "g": None}})
     # A new owner applies the rows left in order: each field's latest value, every one to write.
     store = {**first, **second, **third}
     rows = sorted((name, raw) for (_, name), raw in store.items() if raw is not None)
     loaded = PartitionViews.load({"v": "hash"}, rows)
     assert loaded.ready
-    assert sorted((w.field, w.value) for w in loaded.take()[1]) == [("f", "2"), ("h", "3")]
+    assert loaded.take() == (3, {"v": {"f": "2", "h": "3", "g": None}})
 
 
 def test_the_other_kinds_writes_fail_the_entry() -> None:

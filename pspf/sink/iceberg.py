@@ -243,23 +243,10 @@ class IcebergSink(TransactionalSink):
         with every snapshot the table keeps.
         """
         import pyarrow as pa
-        from pyiceberg.table import Table
 
-        table = self.table
-        current = table.current_snapshot()
-        metadata = table.metadata.model_copy(
-            update={
-                "properties": {**table.metadata.properties, _NO_RETRIES: "0"},
-                "snapshots": [] if current is None else [current],
-                "snapshot_log": [],
-                "metadata_log": [],
-            }
-        )
-        local = Table(table.name(), metadata, table.metadata_location, table.io, table.catalog)
-        schema = self._arrow_schema(local)
-        local.append(pa.table(record_columns(rows), schema=schema), snapshot_properties=summary)
-        self.table = local
-        return local
+        schema = self._arrow_schema(self.table)
+        self.table = append_trimmed(self.table, pa.table(record_columns(rows), schema=schema), summary)
+        return self.table
 
     def _arrow_schema(self, table: Any) -> Any:
         schema_id = table.metadata.current_schema_id
@@ -430,6 +417,29 @@ class IcebergPartition(SinkPartition):
 
     def close(self) -> None:
         """Nothing to release: the table object is the sink's."""
+
+
+def append_trimmed(table: Any, rows: Any, summary: dict[str, str]) -> Any:
+    """``table.append(rows)`` as ONE snapshot with ``summary``, from a trimmed copy of the metadata.
+
+    The copy holds the current snapshot only and no logs (pyiceberg copies the whole metadata many
+    times per append, a cost that grows with every snapshot kept; the catalog applies the new
+    snapshot to the metadata it has), and its commit retries are off. Returns the table after.
+    """
+    from pyiceberg.table import Table
+
+    current = table.current_snapshot()
+    metadata = table.metadata.model_copy(
+        update={
+            "properties": {**table.metadata.properties, _NO_RETRIES: "0"},
+            "snapshots": [] if current is None else [current],
+            "snapshot_log": [],
+            "metadata_log": [],
+        }
+    )
+    local = Table(table.name(), metadata, table.metadata_location, table.io, table.catalog)
+    local.append(rows, snapshot_properties=summary)
+    return local
 
 
 def _walk(metadata: Any, key: str, until: int | None) -> Mapping[str, str] | None:

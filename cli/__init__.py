@@ -1,6 +1,6 @@
 """The ``pspf`` command line; importing this package registers every subcommand."""
 
-from pspf.cli import adopt, commands, operations, repartition, server, sink, source, state_transfer
+from pspf.cli import adopt, commands, operations, repartition, schemas, server, sink, source, state_transfer
 from pspf.cli.main import cli
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "commands",
     "operations",
     "repartition",
+    "schemas",
     "server",
     "sink",
     "source",

@@ -5,7 +5,8 @@ An entry is a Redis stream entry with the fields
 - ``key``: the partition and state key, UTF-8 (optional);
 - ``value``: the payload bytes, JSON unless ``encoding`` says ``msgpack``;
 - ``headers``: a JSON object of strings (optional);
-- ``encoding``: ``json`` (default) or ``msgpack`` (optional).
+- ``encoding``: ``json`` (default) or ``msgpack`` (optional);
+- ``schema``: the version of the topic's schema the value was checked against (optional).
 
 An entry without a ``value`` field is a flat record: its field map (but ``headers``) is the value, so
 ``XADD 'pspf:{orders:0}' * user u1 amount 3`` is a valid input. Flat values are text, so a typed
@@ -29,6 +30,8 @@ VALUE = b"value"
 HEADERS = b"headers"
 ENCODING = b"encoding"
 MSGPACK = b"msgpack"
+#: the version of the topic's schema a value was checked against when written (``pspf.contracts``)
+SCHEMA = b"schema"
 
 json_encoder = msgspec.json.Encoder()
 state_encoder = msgspec.msgpack.Encoder()

@@ -192,6 +192,12 @@ class DecodeError(PSPFError):
     """An entry cannot become the value type its handler declares."""
 
 
+class SchemaError(DecodeError):
+    """A value does not match its topic's schema (``pspf topic schema``): the field and the rule."""
+
+    exit_code = 2
+
+
 class NotFound(PSPFError):
     """A topic, app or key does not exist."""
 

@@ -283,6 +283,11 @@ def backup_log_key(topic: str, partition: int, group: str) -> str:
     return f"{PREFIX}:{{{topic}:{partition}}}:backup-log:{group}"
 
 
+def schemas_key(topic: str) -> str:
+    """Hash of a topic's schema versions: ``v1``, ``v2``, ... each the JSON of one and how it was set."""
+    return f"{PREFIX}:topic:{{{topic}}}:schemas"
+
+
 def producers_key(topic: str, partition: int) -> str:
     """Hash of the last sequence number published to a topic partition per producer (app/partition).
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from pspf import codec, keys
 from pspf.broker import Broker, Fields, partition_count
+from pspf.contracts.registry import TopicChecks, topic_checks
 from pspf.settings import Settings
 
 
@@ -77,6 +78,8 @@ class Producer:
         #: topic -> (partition count, layout generation), as last read
         self._layouts: dict[str, tuple[int, str]] = {}
         self._round_robin: dict[str, Iterator[int]] = {}
+        #: topic -> its schema versions, compiled (``pspf.contracts``), as read when first written
+        self._schemas: dict[str, TopicChecks] = {}
         #: how long a flush waits for a repartition of a topic to finish (PSPF_REPARTITION_WAIT_S)
         self.repartition_wait_s = self.broker.conn.repartition_wait_s
         self.sent = 0
@@ -116,9 +119,14 @@ class Producer:
         The bytes go into the entry's ``value`` field unchanged, and are decoded as JSON by the
         apps that read the topic. Arguments are as for ``send``.
 
+        A topic with a schema (``pspf topic schema set``) refuses a value that does not match its
+        current version, as read when this producer first wrote the topic.
+
         Raises:
             ConfigError: the topic name is invalid, or the key or a header is not UTF-8 text
                 (checked before Redis is asked anything).
+            SchemaError: the value does not match the topic's schema (the field and the rule);
+                nothing of it is queued.
             NotFound: the topic does not exist.
             BrokerError: as for ``send``.
         """
@@ -126,6 +134,10 @@ class Producer:
         if topic not in self._layouts:
             keys.check_name("topic", topic)
             self._learn(topic)
+        checker = self._schemas[topic].current
+        if checker is not None:
+            checker.check(value)
+            fields[codec.SCHEMA] = b"%d" % checker.version
         if self.ordered:
             self._in_order.append((topic, fields))
         else:
@@ -145,6 +157,8 @@ class Producer:
         )
         self._layouts[topic] = (partitions, layout)
         self._round_robin[topic] = itertools.cycle(range(partitions))
+        if topic not in self._schemas:  # read once: a schema set later is checked from the next producer on
+            self._schemas[topic] = topic_checks(self.broker, topic)
 
     def _routed(self, topic: str, entries: list[Fields]) -> dict[int, list[Fields]]:
         partitions, _ = self._layouts[topic]

@@ -79,6 +79,17 @@ class Topics:
             if read is not None and built is not None and topic in _text(read).split(",")
         }
 
+    def schemas(self, topic: str) -> dict[int, bytes]:
+        """A topic's schema versions (``keys.schemas_key``): version -> its record's JSON."""
+        with self.conn.translate_errors():
+            found = self.conn.client.hgetall(keys.schemas_key(topic))
+        return {int(_text(name)[1:]): raw for name, raw in found.items() if _text(name).startswith("v")}
+
+    def add_schema(self, topic: str, version: int, record: bytes) -> bool:
+        """Add version ``version``; False when another writer added it first (HSETNX: one wins)."""
+        with self.conn.translate_errors():
+            return bool(self.conn.client.hsetnx(keys.schemas_key(topic), f"v{version}", record))
+
     def list_topics(self) -> list[str]:
         with self.conn.translate_errors():
             return sorted(_text(t) for t in self.conn.client.smembers(keys.TOPICS_KEY))

@@ -15,8 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pspf.app import App
+import msgspec
+
+from pspf.app import App, Handler
 from pspf.broker import Fields
+from pspf.contracts.registry import CheckedDecoder, TopicChecks
 from pspf.cycle.execution import (
     KNOWN_KEYS_LIMIT,
     KNOWN_KEYS_MIN_SHARE,
@@ -113,6 +116,16 @@ class Attempts:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: (topic, partition, partition count) -> the keys found to belong there
         self._known: dict[tuple[str, int, int], dict[bytes, str]] = {}
+        #: the handlers of topics with a schema, their decoders checking it first (``check_schemas``)
+        self._checked: dict[str, Handler] = {}
+
+    def check_schemas(self, checks: dict[str, TopicChecks]) -> None:
+        """Check each entry of these topics against its schema version before its handler runs."""
+        for topic, found in checks.items():
+            handler = self.app.handlers[topic]
+            self._checked[topic] = msgspec.structs.replace(
+                handler, decoder=CheckedDecoder(handler.decoder, found)
+            )
 
     def run(
         self,
@@ -151,7 +164,7 @@ class Attempts:
     ) -> tuple[int, dict[int, BaseException], dict[int, tuple[Outcome, Failure]]]:
         """How many entries ran, their errors, and each failure's outcome."""
         cursor = read.cursor
-        handler = self.app.handlers[cursor.topic]
+        handler = self._checked.get(cursor.topic) or self.app.handlers[cursor.topic]
         policy = self.policies[cursor.topic]
         partitions = self.emitter.partitions(cursor.topic)
         meta = EntryMeta(

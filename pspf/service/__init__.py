@@ -21,7 +21,9 @@ parsers re-exported here:
 - ``service.state`` (``state``): an app's state: get, windows, keys, export, import, adopt;
 - ``service.tables`` (``tables``): a row of an app's table or global table;
 - ``service.outbox`` (``outbox``): an app's outbox rows: list, show, replay;
-- ``service.ingest`` (``ingest``): writing a batch of entries once per idempotency key.
+- ``service.ingest`` (``ingest``): writing a batch of entries once per idempotency key;
+- ``service.schemas`` (``schemas``): a topic's schema versions: set (compatibility checked), show,
+  history.
 
 ``Service`` itself keeps the two calls the docs' tests and examples make, ``create_topic`` and
 ``state_get``, and ``close``. The records the families return live in ``records`` (one shape for
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pspf.contracts.registry import SchemaVersion
 from pspf.service.apps import Apps
 from pspf.service.base import ServiceBase, parse_duration_ms
 from pspf.service.dead_letters import DeadLetterCounts, DeadLetters, parse_dlq_id
@@ -69,6 +72,7 @@ from pspf.service.records import (
 from pspf.service.repartition import Repartitioning
 from pspf.service.replay import Replaying, parse_position
 from pspf.service.retire import Retiring
+from pspf.service.schemas import Schemas
 from pspf.service.state import State
 from pspf.service.tables import Tables
 from pspf.service.topic_read import Positions, TopicReading, parse_read_start
@@ -101,6 +105,8 @@ __all__ = [
     "Positions",
     "RepartitionResult",
     "ReplayResult",
+    "SchemaVersion",
+    "Schemas",
     "Service",
     "ServiceBase",
     "TopicDescription",
@@ -139,6 +145,7 @@ class Service:
         self.state = State(base)
         self.tables = Tables(base)
         self.ingest = Ingesting(base)
+        self.schemas = Schemas(base)
 
     def create_topic(self, name: str, partitions: int) -> tuple[TopicInfo, bool]:
         """``service.topics.create_topic``, kept here for the tests and examples the docs show."""

@@ -118,7 +118,7 @@ class Retiring(Family):
                 keys.layout_key(topic, partition),
             )
         ]
-        found = self.broker.topics.existing_keys([*names, keys.topic_key(topic)])
+        found = self.broker.topics.existing_keys([*names, keys.topic_key(topic), keys.schemas_key(topic)])
         if not dry_run:
             self.broker.topics.delete_topic(topic, found)
         return TopicRemoval(topic=topic, partitions=partitions, keys=found, dry_run=dry_run)

@@ -30,6 +30,7 @@ import msgspec
 from pspf import keys, state_stores
 from pspf.app import App
 from pspf.broker import Broker, partition_count
+from pspf.contracts.registry import topic_checks
 from pspf.cycle.processor import BatchProcessor
 from pspf.errors import (
     BrokerDataLost,
@@ -401,6 +402,8 @@ class Worker:
             views=list(views),
         )
         self.processor.start_tables(self._partitions, self._global_tables())
+        schemas = {topic: topic_checks(self.broker, topic) for topic in self.app.handlers}
+        self.processor.attempts.check_schemas({topic: c for topic, c in schemas.items() if c.checkers})
         log.info(
             "worker started app=%s consumer=%s topics=%s partitions=%s server=%s",
             self.app.name,

@@ -1,0 +1,125 @@
+"""A topic's schema versions as Redis keeps them, and the checks of one topic's values.
+
+The versions live in the topic's schema hash (``keys.schemas_key``), one record each
+(``Stored``); the current version is the highest. ``TopicChecks`` holds a topic's versions compiled
+(``schema.Checker``) for the doors that write the topic and the workers that read it: an entry
+names the version it was written under in its ``schema`` field (``codec.SCHEMA``), and is checked
+against that one (the current one when it names none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+from pspf import codec
+from pspf.contracts.schema import Checker
+from pspf.errors import SchemaError
+
+Compat = Literal["backward", "forward", "full", "none"]
+COMPAT_MODES: tuple[Compat, ...] = ("backward", "forward", "full", "none")
+
+
+class SchemaVersion(msgspec.Struct, frozen=True, kw_only=True):
+    """One version of a topic's schema, as kept in Redis and shown by ``pspf topic schema``."""
+
+    topic: str
+    version: int
+    #: the compatibility the version was checked under when it was set
+    compat: Compat
+    set_at_ms: int
+    schema: dict[str, Any]
+
+
+class Stored(msgspec.Struct, frozen=True, kw_only=True):
+    """A version's record in the topic's schema hash."""
+
+    compat: Compat
+    set_at_ms: int
+    schema: dict[str, Any]
+
+
+_decode = msgspec.json.Decoder(Stored).decode
+
+
+def read_versions(broker: Any, topic: str) -> dict[int, SchemaVersion]:
+    """Every version of ``topic``'s schema (none: {}), by number."""
+    return {
+        version: stored_version(topic, version, raw)
+        for version, raw in sorted(broker.topics.schemas(topic).items())
+    }
+
+
+def checkers(broker: Any, topic: str) -> dict[int, Checker]:
+    """A compiled checker per version of ``topic``'s schema (none: {})."""
+    return {v: Checker(topic, v, found.schema) for v, found in read_versions(broker, topic).items()}
+
+
+def topic_checks(broker: Any, topic: str) -> TopicChecks:
+    """``topic``'s schema versions compiled, read again from ``broker`` when an entry names a newer one."""
+    return TopicChecks(topic, lambda: checkers(broker, topic))
+
+
+def stored_version(topic: str, version: int, raw: bytes) -> SchemaVersion:
+    stored = _decode(raw)
+    return SchemaVersion(
+        topic=topic, version=version, compat=stored.compat, set_at_ms=stored.set_at_ms, schema=stored.schema
+    )
+
+
+class TopicChecks:
+    """A topic's schema versions, compiled: what doors check new values and workers entries against."""
+
+    __slots__ = ("_load", "checkers", "topic")
+
+    def __init__(self, topic: str, load: Callable[[], dict[int, Checker]]) -> None:
+        self.topic = topic
+        self._load = load
+        self.checkers = load()
+
+    @property
+    def current(self) -> Checker | None:
+        """The current version's checker (None: the topic has no schema)."""
+        return self.checkers[max(self.checkers)] if self.checkers else None
+
+    def of(self, version: bytes | None) -> Checker | None:
+        """The checker of the version an entry names (read again when unknown), else the current one."""
+        if version is None:
+            return self.current
+        try:
+            number = int(version)
+        except ValueError:
+            raise SchemaError(f"topic {self.topic!r}: the entry names schema version {version!r}") from None
+        if number not in self.checkers:
+            self.checkers = self._load()
+            if number not in self.checkers:
+                raise SchemaError(f"topic {self.topic!r} has no schema v{number}, which the entry names")
+        return self.checkers[number]
+
+
+class CheckedDecoder:
+    """A handler's decoder that first checks the entry's value against the schema version it names."""
+
+    __slots__ = ("checks", "inner", "value_type")
+
+    def __init__(self, inner: Any, checks: TopicChecks) -> None:
+        self.inner = inner
+        self.checks = checks
+        self.value_type = inner.value_type
+
+    def decode(self, fields: dict[bytes, bytes]) -> Any:
+        """The value, once it matches; SchemaError (to the DLQ at once) when it does not."""
+        raw = fields.get(codec.VALUE)
+        if raw is None:  # a flat record: its fields are the value, as text
+            checker = self.checks.current
+            if checker is not None:
+                checker.check_record(
+                    {k.decode(): v.decode() for k, v in fields.items() if k != codec.HEADERS}
+                )
+        else:
+            checker = self.checks.of(fields.get(codec.SCHEMA))
+            if checker is not None:
+                checker.check(raw, msgpack=fields.get(codec.ENCODING) == codec.MSGPACK)
+        return self.inner.decode(fields)

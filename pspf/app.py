@@ -286,14 +286,13 @@ class App:
 
     def compile(self) -> None:
         """Compile the app's streams: raise ``ConfigError`` for a chain that cannot run."""
-        flow = self.dataflow
         for what, names, declared in (
-            ("joins table", flow.asof_tables, set(self.tables)),
-            ("writes view", flow.views, set(self.views)),
+            ("joins table", self.dataflow.asof_tables, set(self.tables)),
+            ("writes view", self.dataflow.views, set(self.views)),
         ):
             if missing := sorted(names - declared):
                 raise ConfigError(
-                    f"app {self.name!r}: a stream {what} {missing[0]!r}, which the app does not declare"
+                    f"app {self.name!r}: a stream {what} {missing[0]!r}, which it does not declare"
                 )
         for runner in self._streams.values():
             runner.compile()

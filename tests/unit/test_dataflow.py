@@ -610,7 +610,7 @@ def test_lookups_as_of_a_time_need_a_versioned_table_of_the_app() -> None:
         app.table("other", timestamp="ts")
     elsewhere = App("elsewhere").table("customers", versioned=timedelta(days=1))
     app.stream("orders").join_asof(elsewhere).to("out")
-    with pytest.raises(ConfigError, match="joins table 'customers', which the app does not declare"):
+    with pytest.raises(ConfigError, match="joins table 'customers', which it does not declare"):
         TestApp(app)
     looked = App("at-plain")
     looked.table("plain")

@@ -88,7 +88,7 @@ def test_a_stream_writes_a_view_by_field_and_value_functions() -> None:
 def test_a_stream_writing_an_undeclared_view_is_refused_when_compiled() -> None:
     app = App("undeclared")
     app.stream("orders").to_view("nowhere")
-    with pytest.raises(ConfigError, match="writes view 'nowhere', which the app does not declare"):
+    with pytest.raises(ConfigError, match="writes view 'nowhere', which it does not declare"):
         app.compile()
 
 

@@ -25,6 +25,7 @@ from pspf.errors import (
     NotFound,
     ParameterError,
     PSPFError,
+    SchemaError,
     StateOutOfReach,
     StoreLocked,
 )
@@ -43,6 +44,7 @@ class ErrorBody(msgspec.Struct, frozen=True):
 _STATUS: list[tuple[type[PSPFError], int]] = [
     (NotFound, 404),
     (ConfigError, 422),
+    (SchemaError, 422),
     (AppRunning, 409),
     (StoreLocked, 409),
     (StateOutOfReach, 409),

@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pspf import keys
+from pspf import codec, keys
 from pspf.broker import Broker, Fields, PublishCall, TopicCount, partition_count, refused_layout
+from pspf.contracts.registry import topic_checks
+from pspf.errors import SchemaError
 
 #: Rows per publishing call to one partition.
 CALL_ROWS = 1000
@@ -56,6 +58,8 @@ class Appender:
         self.producer = producer
         self.before_layout = before_layout
         self.count = count or self._learn(None)
+        #: the topic's schema versions (``pspf.contracts``): rows are checked against the current one
+        self.schemas = topic_checks(broker, topic)
         #: per layout generation used: its count and the producer's record on each partition
         self._records: dict[str, tuple[TopicCount, list[int]]] = {}
         self._announced: set[str] = set()
@@ -93,6 +97,7 @@ class Appender:
                 again adds the others.
         """
         pending = [row for row in rows if not self._seen(row)]
+        self._check(pending)
         self.already += len(rows) - len(pending)
         while pending:
             count = self.count
@@ -106,6 +111,19 @@ class Appender:
             pending = self._send(count, routed)
             if pending:  # refused for their layout: a repartition switched those partitions
                 self.count = self._learn(count.layout)
+
+    def _check(self, rows: Sequence[Row]) -> None:
+        """Refuse the whole call when a row's value does not match the topic's current schema."""
+        checker = self.schemas.current
+        if checker is None:
+            return
+        version = b"%d" % checker.version
+        for row in rows:
+            try:
+                checker.check(row.fields[codec.VALUE])
+            except SchemaError as exc:
+                raise SchemaError(f"row {row.seq}: {exc}") from None
+            row.fields[codec.SCHEMA] = version
 
     def _send(self, count: TopicCount, routed: dict[int, list[Row]]) -> list[Row]:
         """One write of every partition's calls; the rows of partitions that refused the layout."""

@@ -16,7 +16,8 @@ from pspf import App, Context, Producer, Settings, Worker
 from pspf.cli import cli
 from pspf.errors import ConfigError, SchemaError
 from pspf.keys import stream_key
-from pspf.service import Service
+from pspf.service import IngestEntry, Service
+from pspf.source.files import FilesSource
 from tests.conftest import Names
 
 pytestmark = pytest.mark.integration
@@ -159,3 +160,28 @@ def test_a_schema_outside_the_subset_or_for_no_topic_is_refused(
     with pytest.raises(ConfigError, match="--compat must be one of"):
         service.schemas.set_schema(topic, {}, "sideways")
     service.close()
+
+
+def test_the_files_source_and_the_http_ingest_refuse_a_bad_row_and_add_nothing_of_its_call(
+    make_topic: Callable[[int], str], redis_url: str, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    topic = make_topic(2)
+    assert schema_cli(redis_url, "set", topic, "--type", f"{__name__}:OrderV1").exit_code == 0
+    settings = Settings.load({"PSPF_BROKER": redis_url}, environ={})
+    service = Service(settings)
+    bad = [IngestEntry(key="u1", value={"user": "u1", "amount": 1}), IngestEntry(key="u2", value={"user": 2})]
+    with pytest.raises(SchemaError, match=r"row 2: topic '.*' schema v1: .*at `\$.user`"):
+        service.ingest.ingest(topic, bad, "req-1")
+    good = service.ingest.ingest(topic, bad[:1], "req-2")
+    assert good.added == 1
+    service.close()
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    lines = [{"user": "u3", "amount": 3}, {"user": "u4", "amount": "four"}]
+    (folder / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(SchemaError, match=r"row 2: .*Expected `int`, got `str` - at `\$.amount`"):
+        FilesSource(str(folder), topic, "jsonl", key_field="user").run(settings)
+    stored = [f for p in (0, 1) for _, f in rclient.xrange(stream_key(topic, p))]
+    assert [json.loads(f[b"value"])["user"] for f in stored] == ["u1"]
+    assert stored[0][b"schema"] == b"1"

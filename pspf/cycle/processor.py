@@ -50,6 +50,7 @@ import msgspec
 from pspf import keys
 from pspf.app import App
 from pspf.broker import Broker
+from pspf.contracts.registry import topic_checks
 from pspf.cycle.attempts import Attempts
 from pspf.cycle.delivery import Delivery
 from pspf.cycle.ordering import empty_outcome, hold_runs, id_order_runs, joined
@@ -93,7 +94,7 @@ class BatchProcessor:
         self.consumer = consumer
         self.policies = policies
         self.hooks = hooks or ProcessorHooks()
-        self.emitter = Emitter(broker.topics, app.name)
+        self.emitter = Emitter(broker.topics, app.name, lambda topic: topic_checks(broker, topic).current)
         self.relay = Relay(broker.publishing, consumer, outbox or OutboxSettings(), self.emitter, self.hooks)
         self.owned: dict[int, OwnedPartition] = {}
         self._by_stream: dict[str, StreamCursor] = {}

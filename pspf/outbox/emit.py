@@ -5,7 +5,8 @@ form an outbox page stores; it checks the target topic (its partition count is c
 emitter), encodes the value as ``Producer.send`` does (JSON; bytes as they are), and picks the
 target partition: the key's (CRC32 of the key, modulo the topic's count), else the source
 entry's partition number modulo the count. A topic, value, key or header that cannot be emitted
-raises ``EmitError`` in the handler, which fails like any handler error (retries, then the DLQ).
+raises ``EmitError`` in the handler, which fails like any handler error (retries, then the DLQ); a
+value that does not match the target topic's schema (``pspf.contracts``) raises ``SchemaError``.
 
 Every emitted entry carries the ``pspf-source-*`` headers naming the entry it came from
 (``SourceHeaders``): merged into the handler's own headers when it gave some (then stored with
@@ -18,6 +19,7 @@ This module knows nothing of how rows are stored (``pspf.outbox.rows``) or publi
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -27,6 +29,7 @@ from pspf.errors import ConfigError, NotFound, PSPFError
 
 if TYPE_CHECKING:
     from pspf.broker import Fields
+    from pspf.contracts.schema import Checker
 
 #: Headers every emitted entry carries: where it came from.
 SOURCE_APP_HEADER = "pspf-source-app"
@@ -103,9 +106,14 @@ class Emitter:
     the new layout and the relay re-routes the ones before (``PartitionOutbox.reroute``).
     """
 
-    def __init__(self, topics: Topics, app: str) -> None:
+    def __init__(
+        self, topics: Topics, app: str, schemas: Callable[[str], Checker | None] | None = None
+    ) -> None:
         self.topics = topics
         self.app = app
+        #: a topic's current schema, read once per topic (``pspf.contracts``); None: no checks
+        self.schemas = schemas
+        self._checks: dict[str, Checker | None] = {}
         self._partitions: dict[str, int] = {}
         #: topic -> the layout generation its known count belongs to
         self.layouts: dict[str, str] = {}
@@ -120,6 +128,7 @@ class Emitter:
         except (ConfigError, NotFound) as exc:
             raise EmitError(f"cannot emit to topic {topic!r}: {exc}") from None
         self._partitions[topic], self.layouts[topic] = count, layout
+        self._checks[topic] = None if self.schemas is None else self.schemas(topic)
         return count
 
     def refresh(self, topic: str) -> bool:
@@ -154,6 +163,9 @@ class Emitter:
                 encoded = bytes(value)
             else:
                 encoded = _json_encode(value)
+            checker = self._checks.get(topic)
+            if checker is not None:  # a SchemaError fails the entry: to the DLQ at once
+                checker.check(encoded)
             given = None
             if headers:
                 source = SourceHeaders(self.app, source_partition).source(source_topic, source_id.decode())
@@ -169,6 +181,9 @@ class Emitter:
         """A closed window's result, its source the entry that moved stream time past it."""
         partitions = self._partitions.get(topic) or self.partitions(topic)
         encoded = _json_encode(value)
+        checker = self._checks.get(topic)
+        if checker is not None:
+            checker.check(encoded)
         source_topic, source_id = source
         if not key:
             return (topic, partition % partitions, None, encoded, source_topic, source_id, None)

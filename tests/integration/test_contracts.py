@@ -185,3 +185,32 @@ def test_the_files_source_and_the_http_ingest_refuse_a_bad_row_and_add_nothing_o
     stored = [f for p in (0, 1) for _, f in rclient.xrange(stream_key(topic, p))]
     assert [json.loads(f[b"value"])["user"] for f in stored] == ["u1"]
     assert stored[0][b"schema"] == b"1"
+
+
+def test_an_emit_that_does_not_match_its_targets_schema_fails_its_entry_to_the_dlq(
+    make_topic: Callable[[int], str],
+    redis_url: str,
+    rclient: redis.Redis,
+    make_settings: Callable[..., Settings],
+    names: Names,
+) -> None:
+    source, target = make_topic(1), make_topic(1)
+    assert schema_cli(redis_url, "set", target, "--type", f"{__name__}:OrderV1").exit_code == 0
+    app = App(names.app())
+
+    @app.handler(source)
+    def forward(order: dict[str, Any], ctx: Context) -> None:
+        ctx.emit(target, {"user": ctx.key, "amount": order["amount"]}, key=ctx.key)
+
+    settings = make_settings()
+    with Producer(settings=settings) as producer:
+        producer.send(source, {"amount": 5}, key="u1")
+        producer.send(source, {"amount": "five"}, key="u2")
+    summary = Worker(app, settings).run(until_idle=True)
+    assert summary.dead_lettered == 1
+    emitted = [json.loads(f[b"value"]) for _, f in rclient.xrange(stream_key(target, 0))]
+    assert emitted == [{"user": "u1", "amount": 5}]
+    service = Service(settings)
+    (dead,) = service.dlq.dlq_list(source)
+    service.close()
+    assert dead.key == "u2" and dead.error_type == "SchemaError" and "at `$.amount`" in dead.message

@@ -56,7 +56,9 @@ import msgspec
 from pspf import keys
 from pspf.broker import Broker, partition_count
 from pspf.codec import KEY, VALUE
-from pspf.errors import ConfigError
+from pspf.contracts.registry import topic_checks
+from pspf.contracts.schema import Checker
+from pspf.errors import ConfigError, SchemaError
 from pspf.settings import RedisSettings, mask_url
 from pspf.spark.connection import CONNECTION_OPTIONS, SPARK_OPTIONS, broker_url, connected
 
@@ -265,6 +267,7 @@ def _write_task(
     entries = _Encoder(options, schema).entries(batches)
     broker = Broker(RedisSettings(url=options.url))
     chunks = _Chunks(options, broker, None if token is None else f"{token}:{spark_partition}")
+    chunks.schema = topic_checks(broker, options.topic).current
     try:
         for chunk_number in itertools.count():
             if not chunks.write(chunk_number, itertools.islice(entries, _CHUNK_ROWS)):
@@ -292,6 +295,8 @@ class _Chunks:
         #: keyless entries, in the task's order: a retry spreads them as its earlier attempt did
         self.round_robin = itertools.count()
         self.written = self.skipped = 0
+        #: the topic's current schema (``pspf.contracts``): a chunk with a value it refuses writes nothing
+        self.schema: Checker | None = None
 
     def write(self, chunk_number: int, entries: Iterable[tuple[bytes | None, bytes]]) -> bool:
         """Write one chunk; False when ``entries`` is empty.
@@ -303,6 +308,13 @@ class _Chunks:
         again. (A marker named as before the switch could even skip entries: one may be in a
         partition both layouts have, left by this chunk's entries written there.)
         """
+        if self.schema is not None:
+            entries = list(entries)
+            for n, (_, value) in enumerate(entries, start=chunk_number * _CHUNK_ROWS + 1):
+                try:
+                    self.schema.check(value)
+                except SchemaError as exc:
+                    raise SchemaError(f"row {n} of the task: {exc}") from None
         routed = self._routed(entries, self.round_robin)
         if not routed:
             return False

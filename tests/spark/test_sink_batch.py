@@ -386,3 +386,27 @@ def test_broker_password_never_shows_in_task_errors(
         assert SECRET not in text
     finally:
         rclient.acl_deluser(user)
+
+
+def test_a_row_that_does_not_match_the_topics_schema_fails_the_write_naming_it(
+    spark: SparkSession, make_topic: Callable[[int], str], redis_url: str, topics: TopicReader
+) -> None:
+    from pspf import Settings
+    from pspf.service import Service
+
+    topic = make_topic(1)
+    service = Service(Settings.load({"PSPF_BROKER": redis_url}, environ={}))
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "amount": {"type": "integer", "maximum": 50}},
+        "required": ["id", "amount"],
+    }
+    service.schemas.set_schema(topic, schema, "none")
+    service.close()
+    small = spark.range(0, 40, numPartitions=1).selectExpr("id", "id + 1 as amount")
+    pspf_write(small, redis_url, topic)
+    assert len(list(topics.entries(topic, 1))) == 40
+    big = spark.range(0, 100, numPartitions=1).selectExpr("id", "id + 1 as amount")  # row 51: amount 51
+    with pytest.raises(Exception, match=r"row 51 of the task: topic '.*' schema v1: Expected `int` <= 50"):
+        pspf_write(big, redis_url, topic)
+    assert len(list(topics.entries(topic, 1))) == 40  # its chunk (all 100 rows) wrote nothing

@@ -12,14 +12,13 @@ fails the entry for all (retries, then the DLQ).
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from pspf.codec import StateDecoder, ValueDecoder
+from pspf.codec import StateDecoder, ValueDecoder, value_type_of
 from pspf.context import Context, TimerContext
 from pspf.dataflow import Dataflow, Runner, Source, Stream
 from pspf.errors import ConfigError
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
 HandlerFunc = Callable[[Any, Context], None] | Callable[[Any, Context], Awaitable[None]]
 TimerFunc = Callable[[TimerContext], None]
 ScheduleFunc = Callable[[Any, Context], None]
+MigrateFunc = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class Decoder(Protocol):
@@ -158,6 +158,8 @@ class App:
         self.timers: list[Timer] = []
         #: the views handlers write (``view``), by name (their Redis key)
         self.views: dict[str, ViewKind] = {}
+        #: the topics handlers emit to, with their value types (``emits``)
+        self.outputs: dict[str, Any] = {}
         self.callbacks: dict[str, Callback] = {}
         self.state_ttl_ms = None if state_ttl is None else ms_of("state_ttl", state_ttl)
         self.hooks = hooks
@@ -190,7 +192,7 @@ class App:
                 topic=topic,
                 func=func,
                 is_async=inspect.iscoroutinefunction(func),
-                decoder=ValueDecoder(_value_type(func)),
+                decoder=ValueDecoder(value_type_of(func)),
                 retry=policy,
                 non_retryable=(*self.non_retryable, *non_retryable),
                 state_ttl_ms=ttl_ms,
@@ -238,6 +240,25 @@ class App:
             non_retryable=(Exception,),
         )
         return table
+
+    def emits(self, topic: str, value_type: Any = None) -> None:
+        """Declare that handlers ``ctx.emit`` to ``topic`` values of ``value_type`` (for ``pspf docs``)."""
+        self.outputs[check_name("topic", topic)] = value_type
+
+    def migrate_state(self, from_type: Any) -> Callable[[MigrateFunc], MigrateFunc]:
+        """Declare how a key's state stored under ``from_type`` becomes one of ``state_type``.
+
+        The function takes the key's old state (a dict of ``from_type`` values) and returns its
+        new one. It runs when a key is read, once: its result is stored with the key's batch.
+        A worker refuses to start an app whose ``state_type`` cannot read the stored state
+        without one.
+        """
+
+        def register(func: MigrateFunc) -> MigrateFunc:
+            self.state_decoder = StateDecoder(self.state_decoder.value_type, (from_type, func))
+            return func
+
+        return register
 
     def view(self, name: str, kind: str = "hash") -> None:
         """Declare a view: the Redis key ``name``, a hash or a sorted set ("zset"); ``pspf.outbox.views``."""
@@ -350,7 +371,7 @@ class App:
             if name in self.callbacks:
                 raise ConfigError(f"app {self.name!r} already has a callback for {name!r}")
             try:
-                decoder = msgspec.msgpack.Decoder(_value_type(func))
+                decoder = msgspec.msgpack.Decoder(value_type_of(func))
             except TypeError as exc:
                 raise ConfigError(f"schedule callback {func.__qualname__}: {exc}") from None
             self.callbacks[name] = Callback(func, decoder)
@@ -574,26 +595,3 @@ def _refuse_count_windows(topic: str, spec: WindowSpec) -> None:
             f"window of topic {topic!r}: count windows are a step of a stream: "
             f"app.stream({topic!r}).window(windows.tumbling_count(n)).agg(...)"
         )
-
-
-def _value_type(func: Callable[..., Any]) -> Any:
-    """The declared type of the handler's first parameter, ``Any`` when not annotated."""
-    try:
-        params = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"cannot inspect handler {func!r}: {exc}") from None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) != 2:
-        raise ConfigError(f"handler {func.__qualname__} must take two positional parameters (value, ctx)")
-    try:
-        hints = typing.get_type_hints(func)
-    except Exception as exc:
-        raise ConfigError(f"cannot resolve the annotations of {func.__qualname__}: {exc}") from None
-    value_type = hints.get(positional[0].name, Any)
-    try:
-        ValueDecoder(value_type)
-    except TypeError as exc:
-        raise ConfigError(
-            f"handler {func.__qualname__}: msgspec cannot decode into {value_type!r}: {exc}"
-        ) from None
-    return value_type

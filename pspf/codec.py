@@ -18,6 +18,8 @@ a DecodeError, as is a value that cannot be decoded.
 
 from __future__ import annotations
 
+import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -39,24 +41,52 @@ state_decoder: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder
 
 
 class StateDecoder:
-    """Decodes a key's stored state into the value type an app declared for its state."""
+    """Decodes a key's stored state into the value type an app declared for its state.
 
-    __slots__ = ("_decoder", "_untyped", "value_type")
+    With a migration (``App.migrate_state``), a stored state the type cannot read is read with the
+    type it was written under and handed to the migration, whose result is the key's state: a key
+    is migrated when it is read, and stored migrated when its batch commits.
+    """
 
-    def __init__(self, value_type: Any = Any) -> None:
+    __slots__ = ("_decoder", "_old", "_untyped", "migrate", "value_type")
+
+    def __init__(
+        self,
+        value_type: Any = Any,
+        migrate: tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
+    ) -> None:
         self.value_type = value_type
         self._untyped = value_type is Any
         self._decoder: msgspec.msgpack.Decoder[dict[str, Any]] = msgspec.msgpack.Decoder(
             dict[str, value_type]
+        )
+        #: (the type the state was written under, the function from that state to this type's)
+        self.migrate = migrate
+        old_type: Any = None if migrate is None else migrate[0]
+        self._old: msgspec.msgpack.Decoder[dict[str, Any]] | None = (
+            None if migrate is None else msgspec.msgpack.Decoder(dict[str, old_type])
         )
 
     def decode(self, key: str, raw: bytes) -> dict[str, Any]:
         try:
             return self._decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if self._old is not None and self.migrate is not None:
+                return self._migrated(key, raw, exc)
             raise StateError(
                 f"stored state of key {key!r} does not match the app's state type {self.value_type!r}: {exc}"
             ) from None
+
+    def _migrated(self, key: str, raw: bytes, exc: Exception) -> dict[str, Any]:
+        assert self._old is not None and self.migrate is not None
+        try:
+            old = self._old.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as old_exc:
+            raise StateError(
+                f"stored state of key {key!r} matches neither the app's state type {self.value_type!r} "
+                f"({exc}) nor the one it migrates from, {self.migrate[0]!r} ({old_exc})"
+            ) from None
+        return self.migrate[1](old)
 
     def check(self, key: str, state: dict[Any, Any], raw: bytes) -> None:
         """StateError when ``raw``, the encoding of ``state``, would not read back with ``decode``.
@@ -222,3 +252,26 @@ def entry_fields(
     if headers:
         fields[HEADERS] = _encode_headers(headers)
     return fields
+
+
+def value_type_of(func: Callable[..., Any]) -> Any:
+    """The declared type of the handler's first parameter, ``Any`` when not annotated."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot inspect handler {func!r}: {exc}") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != 2:
+        raise ConfigError(f"handler {func.__qualname__} must take two positional parameters (value, ctx)")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as exc:
+        raise ConfigError(f"cannot resolve the annotations of {func.__qualname__}: {exc}") from None
+    value_type = hints.get(positional[0].name, Any)
+    try:
+        ValueDecoder(value_type)
+    except TypeError as exc:
+        raise ConfigError(
+            f"handler {func.__qualname__}: msgspec cannot decode into {value_type!r}: {exc}"
+        ) from None
+    return value_type

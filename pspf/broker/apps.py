@@ -73,6 +73,16 @@ class Apps:
             raw = self.conn.client.hget(keys.app_key(app), "managed")
         return [t for t in _text(raw).split(",") if t] if raw else []
 
+    def state_schemas(self, app: str) -> bytes | None:
+        """The JSON list of the state schemas an app's stores may still hold (``pspf.contracts``)."""
+        with self.conn.translate_errors():
+            raw = self.conn.client.hget(keys.app_key(app), "state_schemas")
+        return None if raw is None else bytes(raw)
+
+    def record_state_schemas(self, app: str, raw: bytes) -> None:
+        with self.conn.translate_errors():
+            self.conn.client.hset(keys.app_key(app), "state_schemas", raw)
+
     def app_views(self, app: str) -> list[str]:
         """The Redis keys of an app's views, as its workers last recorded them."""
         with self.conn.translate_errors():

@@ -15,8 +15,10 @@ from typing import Any, Literal
 import msgspec
 
 from pspf import codec
+from pspf.codec import StateDecoder
+from pspf.contracts.compat import problems
 from pspf.contracts.schema import Checker
-from pspf.errors import SchemaError
+from pspf.errors import ConfigError, SchemaError
 
 Compat = Literal["backward", "forward", "full", "none"]
 COMPAT_MODES: tuple[Compat, ...] = ("backward", "forward", "full", "none")
@@ -123,3 +125,37 @@ class CheckedDecoder:
             if checker is not None:
                 checker.check(raw, msgpack=fields.get(codec.ENCODING) == codec.MSGPACK)
         return self.inner.decode(fields)
+
+
+def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
+    """Refuse an app whose state type cannot read what its stores may hold; record what they may hold.
+
+    The app record keeps the JSON Schemas of every state type whose values may still be stored
+    (``msgspec.json.schema`` of the type of ``ctx.state``'s values). A new type must read each of them
+    (``compat.problems``), or the app must migrate from a type that reads them
+    (``App.migrate_state``): then the old schemas are kept, as keys are migrated only when read.
+    """
+    value_type: Any = decoder.value_type
+    new = msgspec.json.schema(value_type)
+    raw = broker.apps.state_schemas(app)
+    stored: list[dict[str, Any]] = [] if raw is None else msgspec.json.decode(raw)
+    unread = [old for old in stored if problems(new, old)]
+    if unread and decoder.migrate is None:
+        found = "; ".join(problems(new, unread[-1])[:3])
+        raise ConfigError(
+            f"app {app!r}: its state type {decoder.value_type!r} cannot read the state its stores hold "
+            f"({found}): declare @app.migrate_state(OldType) with a function from the old state"
+        )
+    if unread and decoder.migrate is not None:
+        from_type: Any = decoder.migrate[0]
+        source = msgspec.json.schema(from_type)
+        left = [old for old in unread if problems(source, old)]
+        if left:
+            found = "; ".join(problems(source, left[-1])[:3])
+            raise ConfigError(
+                f"app {app!r}: @app.migrate_state({decoder.migrate[0]!r}) cannot read all the state its "
+                f"stores hold ({found})"
+            )
+    kept = [*unread, new] if unread else [new]
+    if kept != stored:
+        broker.apps.record_state_schemas(app, msgspec.json.encode(kept))

@@ -30,7 +30,7 @@ import msgspec
 from pspf import keys, state_stores
 from pspf.app import App
 from pspf.broker import Broker, partition_count
-from pspf.contracts.registry import topic_checks
+from pspf.contracts.registry import check_state, topic_checks
 from pspf.cycle.processor import BatchProcessor
 from pspf.errors import (
     BrokerDataLost,
@@ -390,6 +390,7 @@ class Worker:
                     stream = keys.stream_key(topic, partition)
                     self.broker.apps.ensure_group(stream, self.app.name, start_id)
                     self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
+        check_state(self.broker, self.app.name, self.app.state_decoder)
         views = self.app.views
         if views:
             check_view_types(views, self.broker.publishing.key_types(list(views)))

@@ -214,3 +214,60 @@ def test_an_emit_that_does_not_match_its_targets_schema_fails_its_entry_to_the_d
     (dead,) = service.dlq.dlq_list(source)
     service.close()
     assert dead.key == "u2" and dead.error_type == "SchemaError" and "at `$.amount`" in dead.message
+
+
+class TotalsV1(msgspec.Struct):
+    total: int
+
+
+class TotalsV2(msgspec.Struct):
+    total_cents: int
+    orders: int = 0
+
+
+def totals_app(name: str, topic: str, migrate: bool) -> App:
+    app = App(name, state_type=TotalsV2)
+    if migrate:
+
+        @app.migrate_state(TotalsV1)
+        def to_cents(old: dict[str, Any]) -> dict[str, Any]:
+            return {field: TotalsV2(total_cents=value.total * 100) for field, value in old.items()}
+
+    @app.handler(topic)
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        now = ctx.state.get("t", TotalsV2(total_cents=0))
+        ctx.state["t"] = TotalsV2(total_cents=now.total_cents + order["amount"] * 100, orders=now.orders + 1)
+
+    return app
+
+
+def test_a_new_state_type_is_refused_without_a_migration_and_each_key_is_migrated_once_with_one(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    produce: Callable[..., int],
+    names: Names,
+    tmp_path: Path,
+) -> None:
+    topic, name = make_topic(2), names.app()
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "state"))
+    v1 = App(name, state_type=TotalsV1)
+
+    @v1.handler(topic)
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        ctx.state["t"] = TotalsV1(total=ctx.state.get("t", TotalsV1(0)).total + order["amount"])
+
+    produce(topic, [(f"k{i % 10}", {"amount": 1}) for i in range(100)])
+    Worker(v1, settings).run(until_idle=True)
+    with pytest.raises(
+        ConfigError, match=r"cannot read the state its stores hold .*total_cents.*migrate_state"
+    ):
+        Worker(totals_app(name, topic, migrate=False), settings).run(until_idle=True)
+
+    produce(topic, [(f"k{i % 10}", {"amount": 2}) for i in range(50)])
+    summary = Worker(totals_app(name, topic, migrate=True), settings).run(until_idle=True)
+    assert summary.handled == 50
+    service = Service(settings)
+    state = {k: service.state_get(name, k) for k in [f"k{i}" for i in range(10)]}
+    service.close()
+    # 10 entries of 1 before (migrated once: x100), then 5 entries of 2 after
+    assert all(s == {"t": {"total_cents": 10 * 100 + 5 * 200, "orders": 5}} for s in state.values()), state

@@ -42,6 +42,7 @@ from pspf.service import (
     OpenWindow,
     OutboxRowDetail,
     OutboxRowInfo,
+    SchemaVersion,
     Service,
     TopicDescription,
     TopicEntry,
@@ -219,6 +220,32 @@ def prometheus_metrics(state: State) -> bytes:
     return metrics.render(registry)
 
 
+@get(
+    "/topics/{topic:str}/schema",
+    sync_to_thread=True,
+    responses=responses(404),
+    summary="A topic's current schema, or one version of it",
+)
+def schema_show(
+    state: State,
+    topic: FromPath[str],
+    version: Annotated[
+        int | None, QueryParameter(ge=1, description="this version (default: the current)")
+    ] = None,
+) -> SchemaVersion:
+    return service_of(state).schemas.show(topic, version)
+
+
+@get(
+    "/topics/{topic:str}/schema/history",
+    sync_to_thread=True,
+    responses=responses(404),
+    summary="Every version of a topic's schema, the first first",
+)
+def schema_history(state: State, topic: FromPath[str]) -> list[SchemaVersion]:
+    return service_of(state).schemas.history(topic)
+
+
 _READ_ROUTES: list[ControllerRouterHandler] = [
     health,
     list_topics,
@@ -233,6 +260,8 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     table_row,
     outbox_list,
     outbox_show,
+    schema_show,
+    schema_history,
     prometheus_metrics,
 ]
 # -- pages ----------------------------------------------------------------------------------------

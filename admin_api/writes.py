@@ -24,6 +24,7 @@ from pspf.service import (
     OutboxReplay,
     RepartitionResult,
     ReplayResult,
+    SchemaVersion,
     TopicRemoval,
     parse_duration_ms,
     parse_position,
@@ -106,6 +107,18 @@ class TopicDeleteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """What ``pspf topic delete`` takes."""
 
     dry_run: Annotated[bool, msgspec.Meta(description="say what would be removed; change nothing")] = False
+
+
+class SchemaSetRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``pspf topic schema set`` takes: the schema itself, and what it must keep of the current one."""
+
+    schema: Annotated[
+        dict[str, Any], msgspec.Meta(description="a JSON Schema (2020-12, the subset PSPF checks)")
+    ]
+    compat: Annotated[
+        Literal["backward", "forward", "full", "none"],
+        msgspec.Meta(description="the compatibility checked against the current version"),
+    ] = "backward"
 
 
 class RepartitionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -328,6 +341,24 @@ def ingest(
     return result
 
 
+@post(
+    "/topics/{topic:str}/schema",
+    sync_to_thread=True,
+    status_code=200,
+    opt={AUDIT_OPTION: "topic.schema.set"},
+    security=_BEARER,
+    responses=responses(401, 403, 404),
+    summary="Set a topic's schema: its next version, once compatible with the current one",
+)
+def schema_set(
+    request: Request[Any, Any, Any], state: State, topic: FromPath[str], data: JSONBody[SchemaSetRequest]
+) -> SchemaVersion:
+    remember_params(request, data)
+    result = service_of(state).schemas.set_schema(topic, data.schema, data.compat)
+    audit(request, 200, "ok", result)
+    return result
+
+
 WRITE_ROUTES: list[ControllerRouterHandler] = [
     dlq_redrive,
     dlq_purge,
@@ -339,7 +370,7 @@ WRITE_ROUTES: list[ControllerRouterHandler] = [
     topic_repartition,
 ]
 #: Write routes on a path that a read route has too (``create_app`` registers them before the reads).
-WRITES_BESIDE_READS: list[ControllerRouterHandler] = [ingest]
+WRITES_BESIDE_READS: list[ControllerRouterHandler] = [ingest, schema_set]
 
 
 #: The request bodies, which the OpenAPI document says refuse unknown fields.
@@ -353,4 +384,5 @@ BODIES = (
     TopicDeleteRequest,
     RepartitionRequest,
     IngestEntry,
+    SchemaSetRequest,
 )

@@ -227,6 +227,9 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("POST", "/topics/{topic}/delete"),
         ("POST", "/topics/{topic}/repartition"),
         ("POST", "/topics/{topic}/entries"),
+        ("GET", "/topics/{topic}/schema"),
+        ("GET", "/topics/{topic}/schema/history"),
+        ("POST", "/topics/{topic}/schema"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]
@@ -241,7 +244,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
     assert reset["security"] == [{"bearer": []}] and {"401", "403", "404", "409"} <= set(reset["responses"])
     # Every body refuses unknown fields, and says so.
     bodies = [name for name in schemas if name.endswith("Request")]
-    assert len(bodies) == 8 and all(schemas[name]["additionalProperties"] is False for name in bodies)
+    assert len(bodies) == 9 and all(schemas[name]["additionalProperties"] is False for name in bodies)
     entries = document["paths"]["/topics/{topic}/entries"]["get"]
     assert {p["name"] for p in entries["parameters"]} == {"topic", "partition", "from", "count"}
 
@@ -711,3 +714,23 @@ def test_a_global_table_row_is_served_from_the_state_dir_the_api_was_started_wit
         f"store of it, and none is under {tmp_path / 'elsewhere'}: pass a worker's --state-dir "
         "(or run a worker with this one)"
     )
+
+
+def test_schemas_are_set_with_the_token_shown_and_listed_like_the_cli(
+    api: TestClient[Any], make_topic: Callable[[int], str]
+) -> None:
+    topic = make_topic(1)
+    v1 = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert api.post(f"/topics/{topic}/schema", json={"schema": v1}).status_code == 401
+    assert api.get(f"/topics/{topic}/schema").status_code == 404
+    set_v1 = api.post(f"/topics/{topic}/schema", json={"schema": v1}, headers=AUTH)
+    assert set_v1.status_code == 200 and set_v1.json()["version"] == 1
+    v2 = {**v1, "required": ["n", "m"], "properties": {**v1["properties"], "m": {"type": "string"}}}
+    refused = api.post(f"/topics/{topic}/schema", json={"schema": v2}, headers=AUTH)
+    assert refused.status_code == 422 and "$.m" in refused.json()["error"]
+    accepted = api.post(f"/topics/{topic}/schema", json={"schema": v2, "compat": "forward"}, headers=AUTH)
+    assert accepted.status_code == 200 and accepted.json()["version"] == 2
+    assert api.get(f"/topics/{topic}/schema").json()["schema"] == v2
+    assert api.get(f"/topics/{topic}/schema", params={"version": 1}).json()["schema"] == v1
+    history = api.get(f"/topics/{topic}/schema/history").json()
+    assert [(v["version"], v["compat"]) for v in history] == [(1, "backward"), (2, "forward")]

@@ -214,7 +214,24 @@ async function showTopic(name) {
     say("dlq-status", refusal(error), "error");
     return;
   }
-  await Promise.all([loadEntries(), loadDlq()]);
+  await Promise.all([loadSchema(), loadEntries(), loadDlq()]);
+}
+
+/** The topic's current schema (``pspf topic schema``), or that it has none. */
+async function loadSchema() {
+  const name = openTopic;
+  try {
+    const found = await api("GET", `/topics/${path(name)}/schema`);
+    if (openTopic !== name) return;
+    const at = new Date(found.set_at_ms).toISOString();
+    say("schema-status", `version ${found.version} (${found.compat}), set ${at}; every door checks values against it`);
+    $("schema").textContent = JSON.stringify(found.schema, null, 2);
+    $("schema").hidden = false;
+  } catch (error) {
+    if (openTopic !== name) return;
+    $("schema").hidden = true;
+    say("schema-status", error.status === 404 ? "no schema: values are not checked" : refusal(error), error.status === 404 ? "" : "error");
+  }
 }
 
 let partitionsOf = null; // the topic the partition filter lists

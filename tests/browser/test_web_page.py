@@ -455,3 +455,18 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
     with pytest.raises(NotFound):
         service.topics.describe_topic(orders)
     assert_pngs(taken)
+
+
+def test_a_topics_page_shows_its_schema_or_that_it_has_none(
+    driver: WebDriver, base_url: str, service: Service, make_topic: Callable[[int], str]
+) -> None:
+    with_schema, without = make_topic(1), make_topic(1)
+    schema = {"type": "object", "properties": {"amount": {"type": "integer"}}, "required": ["amount"]}
+    service.schemas.set_schema(with_schema, schema)
+
+    driver.get(f"{base_url}/ui/#/topics/{with_schema}")
+    wait(driver, lambda d: "version 1 (backward)" in text_of(d, "schema-status"), "the schema's version")
+    assert json.loads(text_of(driver, "schema")) == schema
+    driver.get(f"{base_url}/ui/#/topics/{without}")
+    wait(driver, lambda d: text_of(d, "schema-status") == "no schema: values are not checked", "no schema")
+    assert not shown(driver, "schema")

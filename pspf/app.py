@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
@@ -121,6 +121,7 @@ class App:
         state_type: Any = Any,
         hooks: ProcessorHooks | None = None,
         state_ttl: timedelta | None = None,
+        schemas: Literal["declare", "check", "off"] = "check",
     ) -> None:
         """Declare an app.
 
@@ -134,6 +135,7 @@ class App:
                 that runs the app, ``pspf run`` included.
             state_ttl: a key's state not written for this long (wall-clock time) is deleted, in
                 the store and its backup; a handler may set its own.
+            schemas: at start, typed handlers read their topics' schemas ("check"), or set them ("declare").
         """
         self.name = check_name("app", name)
         try:
@@ -144,6 +146,7 @@ class App:
             ) from None
         self.retry = (retry or RetryPolicy()).validated()
         self.non_retryable = non_retryable
+        self.schemas = schemas
         #: what each topic's entries run: its handler, its windows, or all of them as one
         self.handlers: dict[str, Handler] = {}
         #: the window aggregations, by name
@@ -248,10 +251,9 @@ class App:
     def migrate_state(self, from_type: Any) -> Callable[[MigrateFunc], MigrateFunc]:
         """Declare how a key's state stored under ``from_type`` becomes one of ``state_type``.
 
-        The function takes the key's old state (a dict of ``from_type`` values) and returns its
-        new one. It runs when a key is read, once: its result is stored with the key's batch.
-        A worker refuses to start an app whose ``state_type`` cannot read the stored state
-        without one.
+        The function takes the key's old state (a dict of ``from_type`` values) and returns its new
+        one; it runs when a key is read, once: its result is stored with the key's batch. Without
+        one, a worker refuses an app whose ``state_type`` cannot read the stored state.
         """
 
         def register(func: MigrateFunc) -> MigrateFunc:

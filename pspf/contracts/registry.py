@@ -9,6 +9,7 @@ against that one (the current one when it names none).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -16,8 +17,8 @@ import msgspec
 
 from pspf import codec
 from pspf.codec import StateDecoder
-from pspf.contracts.compat import problems
-from pspf.contracts.schema import Checker
+from pspf.contracts.compat import check_change, problems
+from pspf.contracts.schema import Checker, check_schema
 from pspf.errors import ConfigError, SchemaError
 
 Compat = Literal["backward", "forward", "full", "none"]
@@ -159,3 +160,49 @@ def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
     kept = [*unread, new] if unread else [new]
     if kept != stored:
         broker.apps.record_state_schemas(app, msgspec.json.encode(kept))
+
+
+def add_version(broker: Any, topic: str, schema: Any, compat: str) -> SchemaVersion:
+    """Add ``schema`` as the topic's next version, once ``compat`` accepts it against the current one."""
+    check_schema(schema)
+    versions = read_versions(broker, topic)
+    current = versions[max(versions)] if versions else None
+    if current is not None:
+        found = check_change(current.schema, schema, compat)
+        if found:
+            listed = "; ".join(found)
+            raise ConfigError(
+                f"topic {topic!r}: the schema is not {compat} compatible with v{current.version}: {listed}"
+            )
+    number = 1 if current is None else current.version + 1
+    raw = msgspec.json.encode(Stored(compat=compat, set_at_ms=int(time.time() * 1000), schema=schema))  # type: ignore[arg-type]
+    if not broker.topics.add_schema(topic, number, raw):
+        raise ConfigError(f"topic {topic!r}: another schema was set meanwhile (v{number}); look again")
+    return stored_version(topic, number, raw)
+
+
+def check_value_types(broker: Any, app: Any) -> None:
+    """At a worker's start: each typed handler reads its topic's schema (``App(schemas=...)``).
+
+    "check" refuses a value type that cannot read the topic's current schema (``compat.problems``);
+    "declare" also sets the value type's schema on a topic that has none; "off" does neither.
+    """
+    if app.schemas == "off":
+        return
+    for topic, handler in app.handlers.items():
+        value_type = getattr(handler.decoder, "value_type", Any)
+        if topic in app.tables or value_type is Any or isinstance(value_type, tuple):
+            continue
+        declared = msgspec.json.schema(value_type)
+        versions = read_versions(broker, topic)
+        if not versions:
+            if app.schemas == "declare":
+                add_version(broker, topic, declared, "backward")
+            continue
+        current = versions[max(versions)]
+        found = problems(declared, current.schema)
+        if found:
+            raise ConfigError(
+                f"app {app.name!r}: the handler of topic {topic!r} reads {value_type!r}, which cannot read "
+                f"the topic's schema v{current.version}: {found[0]}"
+            )

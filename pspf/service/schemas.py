@@ -10,15 +10,10 @@ against the version it names (the current one when it names none).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import msgspec
-
 from pspf import keys
-from pspf.contracts.compat import check_change
-from pspf.contracts.registry import COMPAT_MODES, SchemaVersion, Stored, read_versions, stored_version
-from pspf.contracts.schema import check_schema
+from pspf.contracts.registry import COMPAT_MODES, SchemaVersion, add_version, read_versions
 from pspf.errors import ConfigError, NotFound
 from pspf.service.base import Family
 
@@ -38,22 +33,7 @@ class Schemas(Family):
         if compat not in COMPAT_MODES:
             raise ConfigError(f"--compat must be one of {', '.join(COMPAT_MODES)}, got {compat!r}")
         self.broker.topics.topic_partitions(topic)  # NotFound for a topic that does not exist
-        check_schema(schema)
-        versions = read_versions(self.broker, topic)
-        current = versions[max(versions)] if versions else None
-        if current is not None:
-            problems = check_change(current.schema, schema, compat)
-            if problems:
-                listed = "; ".join(problems)
-                version = current.version
-                raise ConfigError(
-                    f"topic {topic!r}: the schema is not {compat} compatible with v{version}: {listed}"
-                )
-        number = 1 if current is None else current.version + 1
-        stored = Stored(compat=compat, set_at_ms=int(time.time() * 1000), schema=schema)
-        if not self.broker.topics.add_schema(topic, number, msgspec.json.encode(stored)):
-            raise ConfigError(f"topic {topic!r}: another schema was set meanwhile (v{number}); look again")
-        return stored_version(topic, number, msgspec.json.encode(stored))
+        return add_version(self.broker, topic, schema, compat)
 
     def show(self, topic: str, version: int | None = None) -> SchemaVersion:
         """The current version of the topic's schema, or version ``version``.

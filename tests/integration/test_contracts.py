@@ -271,3 +271,39 @@ def test_a_new_state_type_is_refused_without_a_migration_and_each_key_is_migrate
     service.close()
     # 10 entries of 1 before (migrated once: x100), then 5 entries of 2 after
     assert all(s == {"t": {"total_cents": 10 * 100 + 5 * 200, "orders": 5}} for s in state.values()), state
+
+
+class NeedsNote(msgspec.Struct):
+    user: str
+    note: str
+
+
+def test_typed_handlers_check_or_declare_their_topics_schemas_at_start(
+    make_topic: Callable[[int], str], make_settings: Callable[..., Settings], names: Names, redis_url: str
+) -> None:
+    declared, checked = make_topic(1), make_topic(1)
+    settings = make_settings()
+    app = App(names.app(), schemas="declare")
+
+    @app.handler(declared)
+    def keep(order: OrderV1, ctx: Context) -> None:
+        pass
+
+    Worker(app, settings).run(until_idle=True)
+    shown = json.loads(schema_cli(redis_url, "show", declared, "--json").output)
+    assert shown["version"] == 1 and shown["schema"] == msgspec.json.schema(OrderV1)
+
+    assert schema_cli(redis_url, "set", checked, "--type", f"{__name__}:OrderV1").exit_code == 0
+    strict = App(names.app())  # schemas="check", the default
+
+    @strict.handler(checked)
+    def read(order: NeedsNote, ctx: Context) -> None:
+        pass
+
+    with pytest.raises(
+        ConfigError, match=r"cannot read the topic's schema v1: \$.note: the reader requires it"
+    ):
+        Worker(strict, settings).run(until_idle=True)
+    off = App(names.app(), schemas="off")
+    off.handler(checked)(read)
+    assert Worker(off, settings).run(until_idle=True).handled == 0

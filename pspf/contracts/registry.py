@@ -103,29 +103,59 @@ class TopicChecks:
 
 
 class CheckedDecoder:
-    """A handler's decoder that first checks the entry's value against the schema version it names."""
+    """A handler's decoder that first checks the entry's value against the schema version it names.
 
-    __slots__ = ("checks", "inner", "value_type")
+    The common entry (a JSON value naming a known version, or none) is checked by one call of the
+    version's compiled decoder; anything else (msgpack, a flat record, an unknown version, a value
+    that does not match) goes the long way, which says why.
+    """
+
+    __slots__ = ("_fast", "checks", "inner", "value_type")
 
     def __init__(self, inner: Any, checks: TopicChecks) -> None:
         self.inner = inner
         self.checks = checks
         self.value_type = inner.value_type
+        self._fast: dict[bytes | None, Callable[[bytes], Any]] = {}
+        self._learn()
+
+    def _learn(self) -> None:
+        """The decoder of each known version by the ``schema`` field naming it (None: the current one)."""
+        checkers = self.checks.checkers
+        self._fast = {b"%d" % version: checker.decoder for version, checker in checkers.items()}
+        current = self.checks.current
+        if current is not None:
+            self._fast[None] = current.decoder
 
     def decode(self, fields: dict[bytes, bytes]) -> Any:
         """The value, once it matches; SchemaError (to the DLQ at once) when it does not."""
         raw = fields.get(codec.VALUE)
+        if raw is not None and codec.ENCODING not in fields:
+            check = self._fast.get(fields.get(codec.SCHEMA))
+            if check is not None:
+                try:
+                    check(raw)
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    pass  # the long way says why
+                else:
+                    return self.inner.decode(fields)
+        self._check(fields, raw)
+        return self.inner.decode(fields)
+
+    def _check(self, fields: dict[bytes, bytes], raw: bytes | None) -> None:
         if raw is None:  # a flat record: its fields are the value, as text
             checker = self.checks.current
             if checker is not None:
                 checker.check_record(
                     {k.decode(): v.decode() for k, v in fields.items() if k != codec.HEADERS}
                 )
-        else:
-            checker = self.checks.of(fields.get(codec.SCHEMA))
-            if checker is not None:
-                checker.check(raw, msgpack=fields.get(codec.ENCODING) == codec.MSGPACK)
-        return self.inner.decode(fields)
+            return
+        known = len(self.checks.checkers)
+        checker = self.checks.of(fields.get(codec.SCHEMA))
+        if len(self.checks.checkers) != known:
+            self._learn()
+        if checker is not None:
+            checker.check(raw, msgpack=fields.get(codec.ENCODING) == codec.MSGPACK)
 
 
 def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:

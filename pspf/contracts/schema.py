@@ -256,19 +256,20 @@ def compile_schema(doc: dict[str, Any]) -> Any:
 class Checker:
     """One schema version of a topic, compiled: checks values as JSON or msgpack bytes."""
 
-    __slots__ = ("_json", "_msgpack", "kind", "topic", "version")
+    __slots__ = ("_msgpack", "decoder", "kind", "topic", "version")
 
     def __init__(self, topic: str, version: int, doc: dict[str, Any]) -> None:
         self.topic = topic
         self.version = version
         self.kind = kind = compile_schema(doc)
-        self._json: Callable[[bytes], Any] = msgspec.json.Decoder(kind).decode
+        #: decodes (so checks) a JSON value, raising msgspec's errors
+        self.decoder: Callable[[bytes], Any] = msgspec.json.Decoder(kind).decode
         self._msgpack: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
 
     def check(self, raw: bytes, msgpack: bool = False) -> None:
         """Raise SchemaError (the field and the rule) when the value ``raw`` does not match."""
         try:
-            (self._msgpack if msgpack else self._json)(raw)
+            (self._msgpack if msgpack else self.decoder)(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise SchemaError(f"topic {self.topic!r} schema v{self.version}: {exc}") from None
 

@@ -246,6 +246,16 @@ def schema_history(state: State, topic: FromPath[str]) -> list[SchemaVersion]:
     return service_of(state).schemas.history(topic)
 
 
+@get(
+    "/apps/{app:str}/asyncapi",
+    sync_to_thread=True,
+    responses=responses(404),
+    summary="The app's AsyncAPI 3.0.0 document, as its last worker recorded it",
+)
+def app_asyncapi(state: State, app: FromPath[str]) -> dict[str, Any]:
+    return service_of(state).apps.asyncapi(app)
+
+
 _READ_ROUTES: list[ControllerRouterHandler] = [
     health,
     list_topics,
@@ -262,6 +272,7 @@ _READ_ROUTES: list[ControllerRouterHandler] = [
     outbox_show,
     schema_show,
     schema_history,
+    app_asyncapi,
     prometheus_metrics,
 ]
 # -- pages ----------------------------------------------------------------------------------------

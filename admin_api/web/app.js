@@ -440,6 +440,7 @@ let appShown = null; // the app whose reset or delete result is on screen
 
 async function showApp(name) {
   $("app-name").textContent = name;
+  $("app-asyncapi").href = `/apps/${path(name)}/asyncapi`;
   if (appShown !== name) {
     appShown = name;
     resetAppPlan();

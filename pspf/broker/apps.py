@@ -83,6 +83,16 @@ class Apps:
         with self.conn.translate_errors():
             self.conn.client.hset(keys.app_key(app), "state_schemas", raw)
 
+    def record_asyncapi(self, app: str, raw: bytes) -> None:
+        """Keep the app's AsyncAPI document (``pspf.contracts.asyncapi``), as its last worker made it."""
+        with self.conn.translate_errors():
+            self.conn.client.hset(keys.app_key(app), "asyncapi", raw)
+
+    def app_asyncapi(self, app: str) -> bytes | None:
+        with self.conn.translate_errors():
+            raw = self.conn.client.hget(keys.app_key(app), "asyncapi")
+        return None if raw is None else bytes(raw)
+
     def app_views(self, app: str) -> list[str]:
         """The Redis keys of an app's views, as its workers last recorded them."""
         with self.conn.translate_errors():

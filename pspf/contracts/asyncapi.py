@@ -14,6 +14,7 @@ move to ``components/schemas`` and the references follow them there.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from importlib import metadata
@@ -26,6 +27,8 @@ from pspf.windows.functions import declared_types
 
 if TYPE_CHECKING:
     from pspf.app import App
+
+log = logging.getLogger("pspf.contracts")
 
 ASYNCAPI_VERSION = "3.0.0"
 
@@ -108,6 +111,20 @@ def topic_roles(app: App) -> dict[str, dict[str, str]]:
     for name, window in described["windows"].items():
         add(window["emit_to"], "emitted", f"the results of window {name}")
     return roles
+
+
+def record_document(broker: Any, app: App) -> None:
+    """Keep the app's document in its record, with the topics' registered schemas: the admin API serves it.
+
+    A document that cannot be made (a value type msgspec cannot describe) is said and left out: it
+    never stops a worker.
+    """
+    try:
+        document = asyncapi_document(app, registered_schemas(broker, list(topic_roles(app))))
+    except (TypeError, ValueError) as exc:
+        log.warning("app %s: no AsyncAPI document recorded: %s", app.name, exc)
+        return
+    broker.apps.record_asyncapi(app.name, msgspec.json.encode(document))
 
 
 def registered_schemas(broker: Any, topics: list[str]) -> dict[str, dict[str, Any]]:

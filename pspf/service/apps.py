@@ -8,6 +8,9 @@ directory is reachable from here, the committed checkpoints of its stores (read 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import msgspec
 
 from pspf import keys
 from pspf.errors import BrokerError, BrokerUnavailable, NotFound, StateError
@@ -25,6 +28,19 @@ class Apps(Family):
     def apps(self) -> list[str]:
         """The apps that have run against this broker."""
         return self.broker.apps.list_apps()
+
+    def asyncapi(self, app: str) -> dict[str, Any]:
+        """The app's AsyncAPI document, as its last worker recorded it (``pspf docs`` makes it too).
+
+        Raises:
+            NotFound: no worker of the app recorded one.
+        """
+        keys.check_name("app", app)
+        raw = self.broker.apps.app_asyncapi(app)
+        if raw is None:
+            raise NotFound(f"app {app!r} has no AsyncAPI document yet: its workers record it when they start")
+        document: dict[str, Any] = msgspec.json.decode(raw)
+        return document
 
     def lag(self, app: str, dead_letters: DeadLetterCounts | None = None) -> AppLag:
         """Per topic partition of ``app``: newest id, checkpoint, lag, pending, owner, DLQ entries.

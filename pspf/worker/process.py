@@ -30,6 +30,7 @@ import msgspec
 from pspf import keys, state_stores
 from pspf.app import App
 from pspf.broker import Broker, partition_count
+from pspf.contracts.asyncapi import record_document
 from pspf.contracts.registry import check_state, check_value_types, topic_checks
 from pspf.cycle.processor import BatchProcessor
 from pspf.errors import (
@@ -392,6 +393,7 @@ class Worker:
                     self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
         check_state(self.broker, self.app.name, self.app.state_decoder)
         check_value_types(self.broker, self.app)
+        record_document(self.broker, self.app)
         views = self.app.views
         if views:
             check_view_types(views, self.broker.publishing.key_types(list(views)))

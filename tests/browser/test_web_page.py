@@ -386,6 +386,9 @@ def test_an_app_is_reset_and_deleted_from_its_page_each_after_a_dry_run(
 
     driver.get(f"{base_url}/ui/#/apps/{app}")
     wait(driver, lambda d: len(rows(d, "lag")) == PARTITIONS, "the app view")
+    document = driver.find_element("id", "app-asyncapi").get_attribute("href")
+    assert document == f"{base_url}/apps/{app}/asyncapi"
+    assert service.apps.asyncapi(app)["channels"][orders]["address"] == orders  # what the link serves
     driver.find_element("id", "token").send_keys(TOKEN)
     click(driver, "#token-save")
 

@@ -230,6 +230,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/topics/{topic}/schema"),
         ("GET", "/topics/{topic}/schema/history"),
         ("POST", "/topics/{topic}/schema"),
+        ("GET", "/apps/{app}/asyncapi"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]
@@ -734,3 +735,14 @@ def test_schemas_are_set_with_the_token_shown_and_listed_like_the_cli(
     assert api.get(f"/topics/{topic}/schema", params={"version": 1}).json()["schema"] == v1
     history = api.get(f"/topics/{topic}/schema/history").json()
     assert [(v["version"], v["compat"]) for v in history] == [(1, "backward"), (2, "forward")]
+
+
+def test_an_apps_asyncapi_document_is_what_its_worker_recorded(api: TestClient[Any], world: World) -> None:
+    found = api.get(f"/apps/{world.app}/asyncapi")
+    assert found.status_code == 200
+    document = found.json()
+    assert document["asyncapi"] == "3.0.0" and document["info"]["title"] == world.app
+    assert document["channels"][world.topic]["address"] == world.topic
+    assert f"receive.{world.topic}" in document["operations"]
+    missing = api.get("/apps/never-ran/asyncapi")
+    assert missing.status_code == 404 and "no AsyncAPI document yet" in missing.json()["error"]

@@ -391,12 +391,8 @@ class Worker:
                     stream = keys.stream_key(topic, partition)
                     self.broker.apps.ensure_group(stream, self.app.name, start_id)
                     self.broker.apps.record_group_start(self.app.name, topic, partition, stream)
-        check_state(self.broker, self.app.name, self.app.state_decoder)
-        check_value_types(self.broker, self.app)
-        record_document(self.broker, self.app)
+        self._check_contracts()
         views = self.app.views
-        if views:
-            check_view_types(views, self.broker.publishing.key_types(list(views)))
         self.broker.apps.register_app(
             self.app.name,
             self.app.topics,
@@ -416,6 +412,14 @@ class Worker:
             self._partitions,
             f"{info.name} {info.version}",
         )
+
+    def _check_contracts(self) -> None:
+        """Before the app's record: its state type, value types, views' keys; its AsyncAPI document."""
+        check_state(self.broker, self.app.name, self.app.state_decoder)
+        check_value_types(self.broker, self.app)
+        if self.app.views:
+            check_view_types(self.app.views, self.broker.publishing.key_types(list(self.app.views)))
+        record_document(self.broker, self.app)
 
     def _check_app_record(self) -> None:
         """Refuse to start when the server forgot the app its stores here were built for.

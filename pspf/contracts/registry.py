@@ -158,6 +158,14 @@ class CheckedDecoder:
             checker.check(raw, msgpack=fields.get(codec.ENCODING) == codec.MSGPACK)
 
 
+def described(value_type: Any) -> dict[str, Any] | None:
+    """The JSON Schema of a value type; None for one msgspec cannot describe (``object``, a custom class)."""
+    try:
+        return dict(msgspec.json.schema(value_type))
+    except TypeError:
+        return None
+
+
 def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
     """Refuse an app whose state type cannot read what its stores may hold; record what they may hold.
 
@@ -166,8 +174,9 @@ def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
     (``compat.problems``), or the app must migrate from a type that reads them
     (``App.migrate_state``): then the old schemas are kept, as keys are migrated only when read.
     """
-    value_type: Any = decoder.value_type
-    new = msgspec.json.schema(value_type)
+    new = described(decoder.value_type)
+    if new is None:  # a type msgspec cannot describe: nothing to record or compare
+        return
     raw = broker.apps.state_schemas(app)
     stored: list[dict[str, Any]] = [] if raw is None else msgspec.json.decode(raw)
     unread = [old for old in stored if problems(new, old)]
@@ -178,8 +187,7 @@ def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
             f"({found}): declare @app.migrate_state(OldType) with a function from the old state"
         )
     if unread and decoder.migrate is not None:
-        from_type: Any = decoder.migrate[0]
-        source = msgspec.json.schema(from_type)
+        source = described(decoder.migrate[0]) or {}
         left = [old for old in unread if problems(source, old)]
         if left:
             found = "; ".join(problems(source, left[-1])[:3])
@@ -223,7 +231,9 @@ def check_value_types(broker: Any, app: Any) -> None:
         value_type = getattr(handler.decoder, "value_type", Any)
         if topic in app.tables or value_type is Any or isinstance(value_type, tuple):
             continue
-        declared = msgspec.json.schema(value_type)
+        declared = described(value_type)
+        if declared is None:
+            continue
         versions = read_versions(broker, topic)
         if not versions:
             if app.schemas == "declare":

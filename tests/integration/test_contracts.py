@@ -307,3 +307,22 @@ def test_typed_handlers_check_or_declare_their_topics_schemas_at_start(
     off = App(names.app(), schemas="off")
     off.handler(checked)(read)
     assert Worker(off, settings).run(until_idle=True).handled == 0
+
+
+def test_value_types_msgspec_cannot_describe_are_left_unchecked_and_the_worker_starts(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    produce: Callable[..., int],
+    names: Names,
+    redis_url: str,
+) -> None:
+    topic = make_topic(1)
+    app = App(names.app(), schemas="declare")
+
+    @app.handler(topic)
+    def keep(value: object, ctx: Context) -> None:  # msgspec decodes it, but has no schema for it
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+
+    produce(topic, [("k", {"a": 1})])
+    assert Worker(app, make_settings()).run(until_idle=True).handled == 1
+    assert schema_cli(redis_url, "show", topic).exit_code == 4  # nothing declared

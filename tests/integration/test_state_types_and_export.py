@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from pspf import App, Context, Settings, Worker
 from pspf.cli import cli
-from pspf.errors import StateError
-from pspf.keys import stream_key
+from pspf.errors import ConfigError, StateError
+from pspf.keys import app_key, stream_key
 from pspf.service import Service
 from pspf.state_stores import open_store
 from tests.conftest import Names
@@ -49,6 +49,7 @@ def test_typed_state_round_trips_and_a_mismatch_names_the_key(
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
     names: Names,
+    rclient: redis.Redis,
 ) -> None:
     topic = make_topic(2)
     produce(topic, [(f"u{i % 10}", {"amount": i}) for i in range(500)])
@@ -75,6 +76,13 @@ def test_typed_state_round_trips_and_a_mismatch_names_the_key(
             raise
 
     produce(topic, [("u3", {"amount": 1})])
+    # The app records its state type: a worker of the changed app refuses to start, in one line.
+    with pytest.raises(
+        ConfigError, match=r"cannot read the state its stores hold \(\$\.name: the reader requires"
+    ):
+        Worker(changed, settings).run(until_idle=True)
+    # A store from before state types were recorded: the mismatch shows when a key is read, naming it.
+    rclient.hdel(app_key(app.name), "state_schemas")
     Worker(changed, settings).run(until_idle=True)
     assert seen and "stored state of key 'u3' does not match" in str(seen[0])
 

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -198,12 +198,21 @@ class IcebergSink(TransactionalSink):
         catalog = self.catalog()
         namespace = self.table_name.rpartition(".")[0]
         with self.lock, self.translated():
-            with suppress(NamespaceAlreadyExistsError):
+            try:
                 catalog.create_namespace(namespace)
+            except NamespaceAlreadyExistsError:
+                pass
+            except Exception:  # another sink creating it at once: a SQL catalog's insert fails instead
+                if not _namespace_exists(catalog, namespace):
+                    raise
             try:
                 table = catalog.create_table(self.table_name, schema=table_schema())
                 log.info("created Iceberg table %s for sink %s", self.table_name, self.name)
             except TableAlreadyExistsError:
+                table = catalog.load_table(self.table_name)
+            except Exception:  # the same race for the table
+                if not catalog.table_exists(self.table_name):
+                    raise
                 table = catalog.load_table(self.table_name)
             self._check_columns(table)
             if self.uuid is not None and table.metadata.table_uuid != self.uuid:
@@ -440,6 +449,16 @@ def append_trimmed(table: Any, rows: Any, summary: dict[str, str]) -> Any:
     local = Table(table.name(), metadata, table.metadata_location, table.io, table.catalog)
     local.append(rows, snapshot_properties=summary)
     return local
+
+
+def _namespace_exists(catalog: Any, namespace: str) -> bool:
+    from pyiceberg.exceptions import NoSuchNamespaceError
+
+    try:
+        catalog.load_namespace_properties(namespace)
+    except NoSuchNamespaceError:
+        return False
+    return True
 
 
 def _walk(metadata: Any, key: str, until: int | None) -> Mapping[str, str] | None:

@@ -12,6 +12,8 @@ import base64
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,3 +244,35 @@ def test_without_the_extra_the_sink_names_it(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "pyiceberg.catalog", None)  # an import of it fails
     with pytest.raises(ConfigError, match=r"pip install 'pspf\[iceberg\]'"):
         IcebergSink(TABLE)
+
+
+def test_sinks_preparing_at_once_create_the_namespace_and_table_once(tmp_path: Path) -> None:
+    """Sink processes started together race to create them; a SQL catalog's loser gets an insert error.
+
+    An unreachable-looking catalog (SinkUnavailable) is tried again, as a sink's worker does.
+    """
+    properties = sql_catalog(tmp_path)
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def prepare() -> None:
+        sink = IcebergSink(TABLE, name="sink-race", properties=properties)
+        start.wait()
+        for _ in range(20):
+            try:
+                sink.prepare()
+                return
+            except SinkUnavailable:
+                time.sleep(0.05)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+        errors.append(TimeoutError("the catalog stayed unavailable"))
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert iceberg_rows(TABLE, properties) == []

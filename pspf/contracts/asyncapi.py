@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pspf.contracts.registry import read_versions
+from pspf.contracts.registry import current_version
 from pspf.windows.functions import declared_types
 
 if TYPE_CHECKING:
@@ -129,12 +129,8 @@ def record_document(broker: Any, app: App) -> None:
 
 def registered_schemas(broker: Any, topics: list[str]) -> dict[str, dict[str, Any]]:
     """The current schema registered in Redis of each of ``topics`` that has one."""
-    found: dict[str, dict[str, Any]] = {}
-    for topic in topics:
-        versions = read_versions(broker, topic)
-        if versions:
-            found[topic] = versions[max(versions)].schema
-    return found
+    current = {topic: current_version(broker, topic) for topic in topics}
+    return {topic: version.schema for topic, version in current.items() if version is not None}
 
 
 def _readers(app: App, described: dict[str, Any], topic: str) -> list[str]:

@@ -55,6 +55,12 @@ def read_versions(broker: Any, topic: str) -> dict[int, SchemaVersion]:
     }
 
 
+def current_version(broker: Any, topic: str) -> SchemaVersion | None:
+    """The current (highest) version of ``topic``'s schema; None when it has none."""
+    versions = read_versions(broker, topic)
+    return versions[max(versions)] if versions else None
+
+
 def checkers(broker: Any, topic: str) -> dict[int, Checker]:
     """A compiled checker per version of ``topic``'s schema (none: {})."""
     return {v: Checker(topic, v, found.schema) for v, found in read_versions(broker, topic).items()}
@@ -203,8 +209,7 @@ def check_state(broker: Any, app: str, decoder: StateDecoder) -> None:
 def add_version(broker: Any, topic: str, schema: Any, compat: str) -> SchemaVersion:
     """Add ``schema`` as the topic's next version, once ``compat`` accepts it against the current one."""
     check_schema(schema)
-    versions = read_versions(broker, topic)
-    current = versions[max(versions)] if versions else None
+    current = current_version(broker, topic)
     if current is not None:
         found = check_change(current.schema, schema, compat)
         if found:
@@ -234,12 +239,11 @@ def check_value_types(broker: Any, app: Any) -> None:
         declared = described(value_type)
         if declared is None:
             continue
-        versions = read_versions(broker, topic)
-        if not versions:
+        current = current_version(broker, topic)
+        if current is None:
             if app.schemas == "declare":
                 add_version(broker, topic, declared, "backward")
             continue
-        current = versions[max(versions)]
         found = problems(declared, current.schema)
         if found:
             raise ConfigError(

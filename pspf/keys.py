@@ -162,6 +162,11 @@ def app_key(app: str) -> str:
     return f"{PREFIX}:app:{{{app}}}"
 
 
+def savepoints_key(app: str) -> str:
+    """Hash of an app's savepoints: name -> where it was written and its state (``pspf.savepoint``)."""
+    return f"{PREFIX}:savepoints:{{{app}}}"
+
+
 def members_key(app: str) -> str:
     """Sorted set of an app's live workers (member id -> expiry, server ms): who shares its work."""
     return f"{PREFIX}:app:{{{app}}}:members"

@@ -61,6 +61,14 @@ class Moving:
                 pipe.hset(key, mapping=dict(items[start : start + COPY_CHUNK]))
             pipe.execute()
 
+    def add_fields(self, key: str, pairs: Sequence[tuple[Any, Any]]) -> None:
+        """HSET ``pairs`` into the hash ``key``, in chunks of one pipeline."""
+        with self.conn.translate_errors(key):
+            pipe = self.conn.on(key).pipeline(transaction=False)
+            for start in range(0, len(pairs), COPY_CHUNK):
+                pipe.hset(key, mapping=dict(pairs[start : start + COPY_CHUNK]))
+            pipe.execute()
+
     def rename_over(self, source: str, target: str) -> bool:
         """RENAME ``source`` over ``target`` (same slot); False when ``source`` is gone already."""
         with self.conn.translate_errors(source):

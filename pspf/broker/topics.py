@@ -145,6 +145,26 @@ class Topics:
         """The stream's last generated id (also of deleted entries); None when it does not exist."""
         return self.stream_info(stream).last_id
 
+    def stream_tally(self, stream: str) -> tuple[int, int | None, bytes | None, bytes | None]:
+        """Length, entries ever added (Redis 7+, Valkey; None before), first and last id of a stream.
+
+        Topic streams lose entries only to trimming, from their head: what was added and is not
+        there any more was trimmed.
+        """
+        with self.conn.translate_errors(stream):
+            try:
+                info = self.conn.client.xinfo_stream(stream)
+            except redis.ResponseError:
+                return 0, 0, None, None  # no such stream: nothing was ever added
+        added = info.get("entries-added")
+        first = info.get("first-entry")
+        return (
+            int(info["length"]),
+            None if added is None else int(added),
+            None if not first else first[0],
+            info.get("last-generated-id"),
+        )
+
     def last_id_up_to(self, stream: str, at: keys.StreamId) -> bytes | None:
         """The id of the stream's last entry at or before ``at``; None when it holds none."""
         with self.conn.translate_errors(stream):

@@ -165,6 +165,8 @@ class AppState:
     name: str
     #: the app's first topic: its backups are under that topic's partitions
     first: str
+    #: every topic it reads, in its order
+    topics: list[str] = field(default_factory=list)
     #: (topic, old partition) -> entries at or below it were handled (checkpoint or group start)
     handled_to: dict[tuple[str, int], StreamId] = field(default_factory=dict)
     #: entry names at or below the checkpoint that still need a handler (parked, dead, foreign)
@@ -183,7 +185,7 @@ _PENDING_WORK = (keys.FAILURES_NAMESPACE, keys.DEAD_NAMESPACE, keys.FOREIGN_NAME
 def read_app(broker: Broker, app: str, topics: list[str], old: int) -> AppState:
     """The app's positions and backup values over the old partitions."""
     read = broker.apps.app_topic_list(app)
-    state = AppState(app, read[0])
+    state = AppState(app, read[0], read)
     for partition in range(old):
         backup = keys.backup_keys(read[0], partition, app)
         meta = broker.acks.backup_meta(backup.meta)
@@ -341,7 +343,6 @@ def copy_dlqs(broker: Broker, plan: Plan, topic: str) -> None:
 def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Moved], identity: str) -> None:
     """The app's new backups, staged: its state split by key, its new checkpoints and moved map."""
     parts = split(app.values, plan.new, _entry_keys(moved))
-    read = broker.apps.app_topic_list(app.name)
     for q, values in enumerate(parts):
         renamed = {_renamed(name, moved): value for name, value in values.items()}
         meta: dict[bytes | str, bytes | str] = {
@@ -349,7 +350,7 @@ def stage_state(broker: Broker, plan: Plan, app: AppState, moved: dict[str, Move
             keys.BACKUP_MARKED: "1",
             keys.BACKUP_PARTITIONS: str(plan.new),
         }
-        for topic in read:
+        for topic in app.topics:
             found = moved.get(topic)
             if found is None:
                 continue

@@ -23,7 +23,9 @@ parsers re-exported here:
 - ``service.outbox`` (``outbox``): an app's outbox rows: list, show, replay;
 - ``service.ingest`` (``ingest``): writing a batch of entries once per idempotency key;
 - ``service.schemas`` (``schemas``): a topic's schema versions: set (compatibility checked), show,
-  history.
+  history;
+- ``service.savepoints`` (``savepoints``): an app's savepoints: take, list, delete, and restore the
+  app or a fork from one.
 
 ``Service`` itself keeps the two calls the docs' tests and examples make, ``create_topic`` and
 ``state_get``, and ``close``. The records the families return live in ``records`` (one shape for
@@ -72,6 +74,7 @@ from pspf.service.records import (
 from pspf.service.repartition import Repartitioning
 from pspf.service.replay import Replaying, parse_position
 from pspf.service.retire import Retiring
+from pspf.service.savepoints import SavepointRestored, Savepoints, SavepointTaken
 from pspf.service.schemas import Schemas
 from pspf.service.state import State
 from pspf.service.tables import Tables
@@ -105,6 +108,9 @@ __all__ = [
     "Positions",
     "RepartitionResult",
     "ReplayResult",
+    "SavepointRestored",
+    "SavepointTaken",
+    "Savepoints",
     "SchemaVersion",
     "Schemas",
     "Service",
@@ -146,6 +152,7 @@ class Service:
         self.tables = Tables(base)
         self.ingest = Ingesting(base)
         self.schemas = Schemas(base)
+        self.savepoints = Savepoints(base)
 
     def create_topic(self, name: str, partitions: int) -> tuple[TopicInfo, bool]:
         """``service.topics.create_topic``, kept here for the tests and examples the docs show."""

@@ -57,6 +57,7 @@ from pspf.ownership.owning import (
     check_partition_count,
 )
 from pspf.ownership.standby import Standby
+from pspf.savepoint.restoring import refuse_restoring
 from pspf.settings import Settings
 from pspf.tables.global_tables import GlobalTables
 from pspf.tables.lookups import check_table_partitions
@@ -426,8 +427,10 @@ class Worker:
 
         The record is kept with the app's partition count: a count changed since (a topic deleted
         and created again) is refused, and so is a missing record while this state dir holds
-        stores of the app (Redis lost its data: going on would start some partitions anew).
+        stores of the app (Redis lost its data: going on would start some partitions anew), and
+        so is an app a restore is switching (``pspf.savepoint.restoring``).
         """
+        refuse_restoring(self.broker, self.app.name)
         try:
             recorded: int | None = self.broker.apps.app_partitions(self.app.name)
         except NotFound:

@@ -1,0 +1,236 @@
+"""Savepoints against a real server: taken while the app runs, restored as a fork, into another count."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+
+from pspf import App, Context, Settings, Worker
+from pspf.broker import Broker
+from pspf.errors import ConfigError, StateOutOfReach, UnderWay
+from pspf.keys import StreamId, app_key, stream_key
+from pspf.repartition.run import Repartition, make_plan
+from pspf.savepoint.manifest import Location
+from pspf.service import Service
+from tests.conftest import Names, pspf_command, subprocess_env
+from tests.integration.failures_support import WorkerThread
+from tests.support import wait_until
+
+pytestmark = pytest.mark.integration
+
+KEYS = 29
+
+
+def totals(numbers: range) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for n in numbers:
+        found[f"k{n % KEYS}"] = found.get(f"k{n % KEYS}", 0) + n
+    return found
+
+
+def running_totals(name: str, topic: str, out: str, pause_s: float = 0.0) -> App:
+    """Adds each entry's ``n`` to its key's total and emits the total reached, with ``n``."""
+    app = App(name)
+
+    @app.handler(topic)
+    def add(value: dict[str, int], ctx: Context) -> None:
+        time.sleep(pause_s)
+        total = ctx.state.get("total", 0) + value["n"]
+        ctx.state["total"] = total
+        ctx.emit(out, {"n": value["n"], "total": total}, key=ctx.key)
+
+    return app
+
+
+def state_of(service: Service, app: str) -> dict[str, int]:
+    return {f"k{k}": service.state_get(app, f"k{k}")["total"] for k in range(KEYS)}
+
+
+def outputs(rclient: redis.Redis, topic: str, partitions: int) -> list[tuple[int, int]]:
+    """Every (n, total) emitted into ``topic``."""
+    return [
+        (found["n"], found["total"])
+        for p in range(partitions)
+        for _, fields in rclient.xrange(stream_key(topic, p))
+        for found in [json.loads(fields[b"value"])]
+    ]
+
+
+def after_the_cut(rclient: redis.Redis, topic: str, partitions: int, path: str) -> set[int]:
+    """The ``n`` of every input entry after its partition's checkpoint in the savepoint at ``path``."""
+    manifest = Location(path).read_manifest()
+    found = set()
+    for part in manifest.parts:
+        checkpoint = part.topics[topic].checkpoint
+        cut = StreamId.parse(checkpoint) if checkpoint else StreamId(0, 0)
+        for entry_id, fields in rclient.xrange(stream_key(topic, part.partition)):
+            if StreamId.parse(entry_id) > cut:
+                found.add(json.loads(fields[b"value"])["n"])
+    assert len(manifest.parts) == partitions
+    return found
+
+
+def test_a_savepoint_taken_under_load_forks_into_the_same_state_and_the_outputs_after_the_cut(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out, fork_out = make_topic(3), make_topic(2), make_topic(2)
+    app, fork = names.app(), names.app()
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(2000)])
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"), PSPF_BATCH_SIZE="50")
+    with WorkerThread(running_totals(app, topic, out, pause_s=0.0005), settings) as worker:
+        produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(2000, 4000)])
+        wait_until(lambda: service.apps.lag(app).lag < 3000, 30, "the app to handle 1,000 entries")
+        taken = service.savepoints.take(app, str(tmp_path / "savepoints"), "mid-run")
+        produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(4000, 5000)])
+        assert worker.alive()
+    assert not taken.stopped and taken.partitions == 3 and taken.path.endswith("/mid-run")
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+    assert state_of(service, app) == totals(range(5000))
+
+    cut = after_the_cut(rclient, topic, 3, taken.path)
+    assert 1000 < len(cut) < 4000  # the cut fell inside the run
+    restored = service.savepoints.restore(app, taken.path, as_app=fork)
+    assert restored.fork and restored.mode == "same" and restored.entries_to_handle == len(cut)
+    fork_settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "fork"))
+    Worker(running_totals(fork, topic, fork_out), fork_settings).run(until_idle=True)
+
+    assert state_of(service, fork) == state_of(service, app)
+    forked = outputs(rclient, fork_out, 2)
+    assert sorted(n for n, _ in forked) == sorted(cut)  # each entry after the cut, once
+    original = {n: total for n, total in outputs(rclient, out, 2)}
+    assert len(original) == 5000
+    assert {n: total for n, total in forked} == {n: original[n] for n in cut}
+    listed = service.savepoints.listed(app)
+    assert [(e.name, e.state, e.keys) for e in listed] == [("mid-run", "complete", KEYS)]
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 3), (2, 5)])
+def test_a_restore_after_a_repartition_splits_the_state_by_key_exactly(
+    before: int,
+    after: int,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(before), make_topic(1)
+    app, fork = names.app(), names.app()
+    service = Service(make_settings())
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(1500)])
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "before")
+    assert taken.stopped
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(1500, 3000)])
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+
+    broker = Broker(make_settings().redis)
+    Repartition(broker, make_plan(broker, topic, after)).run()
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(3000, 3500)])
+    with pytest.raises(ConfigError, match=f"have {after} partitions now, not {before}"):
+        service.savepoints.restore(app, taken.path, as_app=fork, partitions=before)
+
+    forked = service.savepoints.restore(app, taken.path, as_app=fork, partitions=after)
+    assert forked.mode == "split" and forked.partitions == after and forked.entries_to_handle == 2000
+    itself = service.savepoints.restore(app, taken.path)
+    assert itself.mode == "split" and not itself.fork
+    for name, folder in ((fork, "fork"), (app, "b")):
+        handled = Worker(
+            running_totals(name, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / folder))
+        ).run(until_idle=True)
+        assert handled.handled == 2000, name
+        assert state_of(service, name) == totals(range(3500)), name
+
+
+def test_a_restore_is_refused_when_the_entries_after_the_cut_were_trimmed(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app = names.app()
+    service = Service(make_settings())
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(400)])
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "cut")
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(400, 800)])
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+    before = state_of(service, app)
+    last = rclient.xrevrange(stream_key(topic, 1), count=1)[0][0]
+    rclient.xtrim(stream_key(topic, 1), minid=last.decode())  # retention went past the cut
+    with pytest.raises(StateOutOfReach, match="topic '.*' partition 1 no longer holds the entries"):
+        service.savepoints.restore(app, taken.path)
+    assert state_of(service, app) == before  # nothing was restored
+
+
+def test_the_cli_takes_lists_restores_and_deletes_and_a_worker_waits_for_a_switch(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    topic, out = make_topic(2), make_topic(1)
+    app = names.app()
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(300)])
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+
+    def pspf(*args: str) -> subprocess.CompletedProcess[str]:
+        command = pspf_command("app", *args, "--broker", redis_url)
+        return subprocess.run(command, env=subprocess_env(), capture_output=True, text=True)
+
+    taken = pspf("savepoint", app, "--to", str(tmp_path / "sp"), "--name", "one")
+    assert taken.returncode == 0, taken.stderr
+    path = taken.stdout.strip().splitlines()[-1]
+    assert path == str(tmp_path / "sp" / "one") and (tmp_path / "sp" / "one" / "manifest.json").exists()
+    again = pspf("savepoint", app, "--to", str(tmp_path / "sp"), "--name", "one")
+    assert again.returncode != 0 and "has a savepoint named 'one' already" in again.stderr
+    assert "Traceback" not in again.stderr
+    listed = pspf("savepoints", app, "--json")
+    assert [e["name"] for e in msgspec.json.decode(listed.stdout)] == ["one"]
+    dry = pspf("restore", app, "--from", path, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert msgspec.json.decode(dry.stdout)["dry_run"] is True
+    missing = pspf("restore", app, "--from", str(tmp_path / "nowhere"), "--yes")
+    assert missing.returncode != 0 and "holds no savepoint" in missing.stderr
+
+    # A switch recorded and not finished keeps the app's workers from starting.
+    service = Service(make_settings())
+    broker = Broker(make_settings().redis)
+    from pspf.savepoint import restoring
+
+    done = restoring.prepare(broker, Location(path), app, None, write=True)
+    rclient.hset(app_key(app), restoring.RESTORING, msgspec.json.encode(done.plan))
+    with pytest.raises(UnderWay, match="a restore of app .* is under way"):
+        Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    resumed = pspf("restore", app, "--resume", "--yes")
+    assert resumed.returncode == 0, resumed.stderr
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    assert state_of(service, app) == totals(range(300))
+
+    deleted = pspf("savepoint", app, "--delete", "one", "--yes")
+    assert deleted.returncode == 0, deleted.stderr
+    assert not (tmp_path / "sp" / "one").exists()
+    assert msgspec.json.decode(pspf("savepoints", app, "--json").stdout) == []

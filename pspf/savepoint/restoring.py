@@ -369,6 +369,8 @@ def _stage_split(
             namespace, key = split_field(name)
             if namespace in _PENDING_WORK:
                 app.exceptions.add(key)
+    if not fork:
+        app.values.append(_published_since(broker, manifest, target, count))
     wanted = {
         split_field(name)[1]
         for page in app.values
@@ -403,6 +405,24 @@ def _stage_split(
         values=sum(part.values for part in manifest.parts),
         to_handle=sum(m.unhandled.get(target, 0) for m in moved.values()),
     )
+
+
+def _published_since(
+    broker: Broker, manifest: Manifest, target: str, count: int
+) -> list[tuple[bytes, bytes]]:
+    """The outbox counters the app's partitions reached since the savepoint (the largest).
+
+    Its producers' records in the targets are that far: in another layout the rows it emits again
+    are not those numbers' rows, so they are numbered above them (published again, never dropped).
+    """
+    reached = [
+        broker.acks.backup_value(keys.backup_keys(manifest.topics[0], q, target).values, _COUNTERS)
+        for q in range(count)
+    ]
+    found = [tuple(int(n) for n in raw.decode().split("/")) for raw in reached if raw]
+    if not found:
+        return []
+    return [(_COUNTERS, f"{max(f[0] for f in found)}/{max(f[1] for f in found)}".encode())]
 
 
 def _found(

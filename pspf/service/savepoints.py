@@ -170,7 +170,7 @@ class Savepoints(Family):
                 restoring.switch(self.broker, plan, crash_at)
             return _restored(plan, "resumed", 0, 0, 0, dry_run, True, started)
         if source is None:
-            raise ParameterError("give the savepoint to restore from (--from PATH)")
+            raise ParameterError("give the savepoint to restore from ({from})")
         directory = Location(source)
         done = restoring.prepare(self.broker, directory, target, partitions, not dry_run, crash_at)
         if done.plan.app != app:
@@ -193,7 +193,7 @@ class Savepoints(Family):
                 raise NotFound(f"no savepoint of app {app!r} to resume: take one without --resume")
             return Location(unfinished[-1].path)
         if url is None:
-            raise ParameterError("give where to write the savepoint (--to URL)")
+            raise ParameterError("give where to write the savepoint ({to})")
         name = keys.check_name("savepoint", name or taking.default_name(int(time.time() * 1000)))
         if name in entries:
             raise ConfigError(

@@ -13,13 +13,14 @@ import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
-from pspf.errors import ConfigError, StateOutOfReach, UnderWay
-from pspf.keys import StreamId, app_key, stream_key
+from pspf.errors import ConfigError, NotFound, StateOutOfReach, UnderWay
+from pspf.keys import StreamId, app_key, partition_for, stream_key
 from pspf.repartition.run import Repartition, make_plan
 from pspf.savepoint.manifest import Location
 from pspf.service import Service
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.integration.failures_support import WorkerThread
+from tests.integration.test_repartition import carried_app
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -46,6 +47,14 @@ def running_totals(name: str, topic: str, out: str, pause_s: float = 0.0) -> App
         ctx.emit(out, {"n": value["n"], "total": total}, key=ctx.key)
 
     return app
+
+
+def lag_of(service: Service, app: str) -> int:
+    """The app's lag; all of it before its worker recorded the app."""
+    try:
+        return service.apps.lag(app).lag
+    except NotFound:
+        return 1 << 62
 
 
 def state_of(service: Service, app: str) -> dict[str, int]:
@@ -91,7 +100,7 @@ def test_a_savepoint_taken_under_load_forks_into_the_same_state_and_the_outputs_
     settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"), PSPF_BATCH_SIZE="50")
     with WorkerThread(running_totals(app, topic, out, pause_s=0.0005), settings) as worker:
         produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(2000, 4000)])
-        wait_until(lambda: service.apps.lag(app).lag < 3000, 30, "the app to handle 1,000 entries")
+        wait_until(lambda: lag_of(service, app) < 3000, 30, "the app to handle 1,000 entries")
         taken = service.savepoints.take(app, str(tmp_path / "savepoints"), "mid-run")
         produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(4000, 5000)])
         assert worker.alive()
@@ -156,7 +165,9 @@ def test_a_restore_after_a_repartition_splits_the_state_by_key_exactly(
         assert state_of(service, name) == totals(range(3500)), name
 
 
+@pytest.mark.parametrize("after_the_cut", ["there then", "added since"])
 def test_a_restore_is_refused_when_the_entries_after_the_cut_were_trimmed(
+    after_the_cut: str,
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     make_settings: Callable[..., Settings],
@@ -164,19 +175,25 @@ def test_a_restore_is_refused_when_the_entries_after_the_cut_were_trimmed(
     rclient: redis.Redis,
     tmp_path: Path,
 ) -> None:
+    """Entries after the cut that were in the stream when it was taken, or added since (the server
+    must count what was added: Redis 7+ and Valkey do)."""
     topic, out = make_topic(2), make_topic(1)
     app = names.app()
     service = Service(make_settings())
     settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))
     produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(400)])
     Worker(running_totals(app, topic, out), settings).run(until_idle=True)
+    if after_the_cut == "there then":
+        produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(400, 800)])
+    elif "entries-added" not in rclient.xinfo_stream(stream_key(topic, 1)):
+        pytest.skip("this server does not count the entries added to a stream")
     taken = service.savepoints.take(app, str(tmp_path / "sp"), "cut")
-    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(400, 800)])
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(800, 1200)])
     Worker(running_totals(app, topic, out), settings).run(until_idle=True)
     before = state_of(service, app)
     last = rclient.xrevrange(stream_key(topic, 1), count=1)[0][0]
     rclient.xtrim(stream_key(topic, 1), minid=last.decode())  # retention went past the cut
-    with pytest.raises(StateOutOfReach, match="topic '.*' partition 1 no longer holds the entries"):
+    with pytest.raises(StateOutOfReach, match=r"topic '.*' partition 1 no longer holds the entries"):
         service.savepoints.restore(app, taken.path)
     assert state_of(service, app) == before  # nothing was restored
 
@@ -223,7 +240,7 @@ def test_the_cli_takes_lists_restores_and_deletes_and_a_worker_waits_for_a_switc
 
     done = restoring.prepare(broker, Location(path), app, None, write=True)
     rclient.hset(app_key(app), restoring.RESTORING, msgspec.json.encode(done.plan))
-    with pytest.raises(UnderWay, match="a restore of app .* is under way"):
+    with pytest.raises(UnderWay, match=r"a restore of app .* is under way"):
         Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
     resumed = pspf("restore", app, "--resume", "--yes")
     assert resumed.returncode == 0, resumed.stderr
@@ -264,3 +281,85 @@ def test_the_app_restored_to_an_earlier_savepoint_publishes_nothing_twice(
     assert state_of(service, app) == totals(range(2500))
     assert sorted(outputs(rclient, out, 2)) == first_run  # 2,500 outputs, none twice
     assert len(first_run) == 2500
+
+
+def test_a_fork_carries_windows_tables_and_schedules_and_emits_what_the_original_emitted_after(
+    make_topic: Callable[[int], str],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """The app of the repartition test (a table lookup, a schedule, a window), forked mid-way."""
+    orders, customers, reminders, counts = (make_topic(3) for _ in range(4))
+    fork_reminders, fork_counts = make_topic(3), make_topic(3)
+    app, fork = names.app(), names.app()
+    users = [f"u{i}" for i in range(12)]
+
+    def produce(first: int, last: int) -> None:
+        for n in range(first, last):
+            user = users[n % len(users)]
+            partition = partition_for(user.encode(), 3)
+            if n % 7 == 0:
+                table_row = {b"key": user.encode(), b"value": f'{{"tier": "t{n}"}}'.encode()}
+                rclient.xadd(stream_key(customers, partition), table_row, id=f"{n * 50 + 1}-0")
+            order = {b"key": user.encode(), b"value": f'{{"ts": {n * 50}}}'.encode()}
+            rclient.xadd(stream_key(orders, partition), order, id=f"{n * 50 + 2}-0")
+
+    def emitted(topic: str) -> list[bytes]:
+        return sorted(
+            fields[b"value"] for p in range(3) for _, fields in rclient.xrange(stream_key(topic, p))
+        )
+
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"), PSPF_BATCH_SIZE=25)
+    produce(1, 200)
+    Worker(carried_app(app, orders, customers, reminders, counts), settings).run(until_idle=True)
+    service = Service(make_settings())
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "half")
+    before = {topic: emitted(topic) for topic in (reminders, counts)}
+    produce(200, 400)
+    Worker(carried_app(app, orders, customers, reminders, counts), settings).run(until_idle=True)
+
+    service.savepoints.restore(app, taken.path, as_app=fork)
+    fork_settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "fork"), PSPF_BATCH_SIZE=25)
+    Worker(carried_app(fork, orders, customers, fork_reminders, fork_counts), fork_settings).run(
+        until_idle=True
+    )
+    states = {name: {user: service.state_get(name, user) for user in users} for name in (app, fork)}
+    assert states[fork] == states[app]
+    assert all(state["n"] > 20 and any(state["tiers"]) for state in states[app].values())
+    for original, forked in ((reminders, fork_reminders), (counts, fork_counts)):
+        after = emitted(original)
+        for value in before[original]:
+            after.remove(value)
+        assert after and emitted(forked) == after  # what the original emitted after the cut, once
+    assert len(emitted(fork_reminders)) == len(users)  # each key's schedule came due after the cut
+
+
+def test_a_savepoint_to_s3_restores_from_the_path_it_printed(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app, fork = names.app(), names.app()
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(700)])
+    Worker(running_totals(app, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))).run(
+        until_idle=True
+    )
+    taken = service.savepoints.take(app, f"s3://{s3_bucket}/savepoints", "s3-one")
+    assert taken.path == f"s3://{s3_bucket}/savepoints/s3-one" and taken.bytes > 0
+    manifest = Location(taken.path).read_manifest()
+    assert manifest.keys == KEYS and [part.partition for part in manifest.parts] == [0, 1]
+    service.savepoints.restore(app, taken.path, as_app=fork)
+    Worker(running_totals(fork, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "f"))).run(
+        until_idle=True
+    )
+    assert state_of(service, fork) == totals(range(700))
+    service.savepoints.delete(app, "s3-one")
+    with pytest.raises(NotFound, match="holds no savepoint"):
+        Location(taken.path).read_manifest()

@@ -15,11 +15,16 @@ from pspf.service.wording import counted
     "savepoint",
     epilog="\b\nExamples:\n  pspf app savepoint order-totals --to /backups/pspf\n"
     "  pspf app savepoint order-totals --to s3://bucket/savepoints --name before-v2\n"
+    "  pspf app savepoint order-totals --to /backups/pspf --stop\n"
     "  pspf app savepoint order-totals --resume\n  pspf app savepoint order-totals --delete before-v2",
 )
 @click.argument("app")
 @click.option("--to", "url", metavar="URL", help="A directory, or s3://bucket/prefix (the files extra).")
 @click.option("--name", help="The savepoint's name (default: the UTC time it is taken).")
+@click.option("--stop", is_flag=True, help="Stop the app's workers first (each finishes its batch).")
+@click.option(
+    "--timeout", type=click.FloatRange(0), default=60.0, show_default=True, help="Seconds --stop waits."
+)
 @click.option("--resume", is_flag=True, help="Take again the savepoint a crash interrupted.")
 @click.option("--delete", "delete", metavar="NAME", help="Delete the savepoint NAME (its files too).")
 @click.option("--yes", is_flag=True, help="Do not ask before --delete.")
@@ -31,6 +36,8 @@ def app_savepoint(
     app: str,
     url: str | None,
     name: str | None,
+    stop: bool,
+    timeout: float,
     resume: bool,
     delete: str | None,
     yes: bool,
@@ -40,8 +47,10 @@ def app_savepoint(
     """Write a savepoint of APP: its state and positions at one cut, to URL/NAME.
 
     The app may run: each partition's cut is its last batch its state backup holds (values,
-    windows, tables, timers, TTLs, unpublished outbox rows) with each stream's position. Prints
-    the savepoint's path, which `pspf app restore --from` takes.
+    windows, tables, timers, TTLs, unpublished outbox rows) with each stream's position. With
+    --stop its workers stop first, each after its batch (as on SIGTERM), and workers started
+    meanwhile stop at once; new ones run once it is taken. Prints the savepoint's path, which
+    `pspf app restore --from` takes.
     """
     service = service_for(obj, broker)
     if delete is not None:
@@ -54,7 +63,7 @@ def app_savepoint(
         else:
             click.echo(f"deleted savepoint {entry.name} of app {app} ({entry.path})")
         return
-    taken = service.savepoints.take(app, url, name, resume=resume)
+    taken = service.savepoints.take(app, url, name, resume=resume, stop=stop, timeout_s=timeout)
     if as_json:
         print_json(taken)
         return

@@ -93,6 +93,23 @@ class Apps:
             raw = self.conn.client.hget(keys.app_key(app), "asyncapi")
         return None if raw is None else bytes(raw)
 
+    def request_stop(self, app: str, by: str | None) -> None:
+        """Ask the app's workers to stop (``by``: who asks), or take the request back (None).
+
+        Each worker looks at its next lease round and stops as on SIGTERM; one started while the
+        request stands stops before it takes a partition.
+        """
+        with self.conn.translate_errors():
+            if by is None:
+                self.conn.client.hdel(keys.app_key(app), "stop")
+            else:
+                self.conn.client.hset(keys.app_key(app), "stop", by)
+
+    def stop_requested(self, app: str) -> str | None:
+        with self.conn.translate_errors():
+            raw = self.conn.client.hget(keys.app_key(app), "stop")
+        return None if raw is None else _text(raw)
+
     def app_views(self, app: str) -> list[str]:
         """The Redis keys of an app's views, as its workers last recorded them."""
         with self.conn.translate_errors():

@@ -222,6 +222,7 @@ def _target_record(manifest: Manifest, fork: bool, count: int, split: bool) -> d
     if split:
         kept = {name: value for name, value in kept.items() if not name.startswith("start:")}
     kept.pop("views", None)
+    kept.pop("stop", None)
     kept.update({"topics": ",".join(manifest.topics), "partitions": str(count)})
     return kept
 

@@ -32,8 +32,8 @@ from pspf.savepoint.manifest import (
 )
 from pspf.state_stores.base import field
 
-#: App record fields a savepoint does not keep: the document of the last worker, a restore under way.
-_NOT_KEPT = frozenset({"asyncapi", "restoring"})
+#: App record fields a savepoint does not keep: the last worker's document, a restore or stop request.
+_NOT_KEPT = frozenset({"asyncapi", "restoring", "stop"})
 
 _entry_decoder = msgspec.json.Decoder(SavepointEntry)
 

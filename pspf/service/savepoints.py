@@ -12,7 +12,7 @@ import msgspec
 
 from pspf import keys
 from pspf.errors import AppRunning, ConfigError, NotFound, ParameterError
-from pspf.ownership.operation_lease import exclusive, one_at_a_time
+from pspf.ownership.operation_lease import exclusive, one_at_a_time, this_process
 from pspf.savepoint import restoring, taking
 from pspf.savepoint.manifest import Location, SavepointEntry
 from pspf.service.base import Family
@@ -62,12 +62,21 @@ class Savepoints(Family):
 
     @one_at_a_time("savepoint")
     def take(
-        self, app: str, url: str | None = None, name: str | None = None, resume: bool = False
+        self,
+        app: str,
+        url: str | None = None,
+        name: str | None = None,
+        resume: bool = False,
+        stop: bool = False,
+        timeout_s: float = 60.0,
     ) -> SavepointTaken:
         """Write a savepoint of ``app`` under ``url``/``name`` (``name``: the time it was taken).
 
-        The app may run: each partition's cut is its last batch its state backup holds. ``resume``
-        takes again the savepoint a crash interrupted (its name and place are the server's).
+        The app may run: each partition's cut is its last batch its state backup holds. ``stop``
+        asks its workers to stop first (each finishes its batch, as on SIGTERM) and waits up to
+        ``timeout_s`` for them; workers started while the savepoint is taken stop at once, and
+        the request is taken back when it is done. ``resume`` takes again the savepoint a crash
+        interrupted (its name and place are the server's).
 
         Raises:
             NotFound: the app never ran here; nothing to resume.
@@ -76,15 +85,21 @@ class Savepoints(Family):
         """
         started = time.perf_counter()
         directory = self._where(app, url, name, resume)
-        stopped = self._stopped(app)
-        manifest = taking.take(
-            self.broker,
-            app,
-            directory,
-            directory.url.rpartition("/")[2],
-            stopped,
-            taking.crash_point("PSPF_SAVEPOINT_CRASH_AT"),
-        )
+        if stop:
+            self.broker.apps.request_stop(app, f"a savepoint by {this_process()}")
+        try:
+            stopped = self._stopped(app, timeout_s if stop else 0.0)
+            manifest = taking.take(
+                self.broker,
+                app,
+                directory,
+                directory.url.rpartition("/")[2],
+                stopped,
+                taking.crash_point("PSPF_SAVEPOINT_CRASH_AT"),
+            )
+        finally:
+            if stop:
+                self.broker.apps.request_stop(app, None)
         return SavepointTaken(
             app=app,
             name=manifest.name,
@@ -202,15 +217,29 @@ class Savepoints(Family):
             )
         return Location(url).child(name)
 
-    def _stopped(self, app: str) -> bool:
+    def _stopped(self, app: str, wait_s: float) -> bool:
+        """Whether no worker of the app runs, waiting up to ``wait_s`` for them to stop.
+
+        Raises:
+            AppRunning: one still runs after a wait.
+        """
         topics = self.broker.apps.app_topic_list(app)
         if not topics:
             raise NotFound(f"app {app!r} has never run against this server: there is nothing to save")
-        try:
-            restoring.refuse_running(self.broker, app, topics, self.broker.apps.app_partitions(app))
-        except AppRunning:
-            return False
-        return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                restoring.refuse_running(self.broker, app, topics, self.broker.apps.app_partitions(app))
+                return True
+            except AppRunning as exc:
+                if wait_s <= 0:
+                    return False
+                if time.monotonic() > deadline:
+                    raise AppRunning(
+                        f"{exc.args[0].partition(':')[0]} {wait_s:g}s after it was asked to stop: "
+                        "no savepoint was taken"
+                    ) from None
+            time.sleep(0.1)
 
 
 def _restored(

@@ -14,6 +14,7 @@ committed and acknowledged; tests run one with ``worker.lease_round.step()``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -68,6 +69,8 @@ class LeaseRound:
         self.processor = processor
         self.standby = standby
         self.metrics = metrics
+        #: Set to stop the worker: by ``Worker.stop``, a signal, or an operator's request
+        self.stopping = threading.Event()
         #: the partitions this worker holds, and their leases
         self.held: dict[int, Leases] = {}
         #: the app's partition count (``started``)
@@ -104,6 +107,8 @@ class LeaseRound:
         """
         self.round_at = time.monotonic()
         self.check_policy()  # first: after a reconnect too, before anything is written
+        if self._stop_asked():
+            return
         for owned in self.processor.owned.values():
             owned.store.check_in_place()
         self._drop_lost(self.keeper.take_lost())
@@ -138,6 +143,14 @@ class LeaseRound:
             self._trim_owned()
         if self.standby is not None:
             self.standby.keep({p for p in range(self.count) if p not in self.held})
+
+    def _stop_asked(self) -> bool:
+        """Whether an operator asked the app's workers to stop (``pspf app savepoint --stop``)."""
+        asked = self.broker.apps.stop_requested(self.app.name)
+        if asked is not None and not self.stopping.is_set():
+            log.warning("stopping: %s asked app %s to stop", asked, self.app.name)
+            self.stopping.set()
+        return asked is not None
 
     def _recheck_after_reconnect(self) -> None:
         """Check the owned partitions before anything is read again after a lost connection."""

@@ -209,7 +209,7 @@ class Worker:
             self.metrics,
         )
         self._partitions = 0
-        self._stopping = threading.Event()
+        self._stopping = self.lease_round.stopping  # stop(), a signal, or an operator's request
         self._memory_episode = MemoryEpisode(self.metrics)
         self._signals = 0
 

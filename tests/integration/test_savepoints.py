@@ -363,3 +363,52 @@ def test_a_savepoint_to_s3_restores_from_the_path_it_printed(
     service.savepoints.delete(app, "s3-one")
     with pytest.raises(NotFound, match="holds no savepoint"):
         Location(taken.path).read_manifest()
+
+
+def test_a_savepoint_with_stop_stops_the_workers_after_their_batch_and_lets_new_ones_run_after(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app, fork = names.app(), names.app()
+    service = Service(make_settings(PSPF_LEASE_TTL_MS="1500"))
+    settings = make_settings(
+        PSPF_STATE_DIR=str(tmp_path / "a"), PSPF_LEASE_TTL_MS="1500", PSPF_BATCH_SIZE="100"
+    )
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(3000)])
+    with WorkerThread(running_totals(app, topic, out, pause_s=0.002), settings) as worker:
+        wait_until(lambda: lag_of(service, app) < 2900, 30, "the app to handle 100 entries")
+        taken = service.savepoints.take(app, str(tmp_path / "sp"), "stopped", stop=True, timeout_s=30)
+        assert not worker.alive() and worker.error is None  # it stopped, as on SIGTERM
+    assert taken.stopped
+    at_stop = state_of(service, app)
+    assert sum(at_stop.values()) < sum(totals(range(3000)).values())  # it stopped mid-way
+    assert Broker(make_settings().redis).apps.stop_requested(app) is None  # the request is gone
+
+    service.savepoints.restore(app, taken.path, as_app=fork)
+    Worker(running_totals(app, topic, out), settings).run(until_idle=True)  # new workers run
+    Worker(running_totals(fork, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "f"))).run(
+        until_idle=True
+    )
+    assert state_of(service, app) == state_of(service, fork) == totals(range(3000))
+
+
+def test_a_worker_started_while_a_stop_is_asked_stops_before_it_takes_a_partition(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app = names.app()
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100, 200)])
+    broker = Broker(make_settings().redis)
+    broker.apps.request_stop(app, "a test")
+    assert Worker(running_totals(app, topic, out), make_settings()).run().handled == 0
+    broker.apps.request_stop(app, None)
+    assert Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True).handled == 100

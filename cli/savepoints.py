@@ -7,6 +7,7 @@ import click
 from pspf.cli.main import CliState, broker_option, confirm, service_for
 from pspf.cli.operations import app_group
 from pspf.cli.render import json_option, print_json, print_table
+from pspf.service import SavepointRestored
 from pspf.service.records import iso_time
 from pspf.service.wording import counted
 
@@ -132,14 +133,17 @@ def app_restore(
     """
     service = service_for(obj, broker)
     restore = service.savepoints.restore
-    preview = restore(app, source, as_app, partitions, dry_run=True, resume=resume)
-    if not dry_run:
-        if not yes:
-            what = f"fork {preview.target} of {app}" if preview.fork else f"app {app}"
-            confirm(f"Put {what} at savepoint {preview.source} (its state and positions replaced)?")
-        result = restore(app, source, as_app, partitions, resume=resume)
-    else:
-        result = preview
+    if dry_run or not yes:  # the dry run reads the whole savepoint: only when it is shown
+        result = restore(app, source, as_app, partitions, dry_run=True, resume=resume)
+        if dry_run:
+            return _show_restored(app, result, as_json)
+        what = f"fork {result.target} of {app}" if result.fork else f"app {app}"
+        confirm(f"Put {what} at savepoint {result.source} (its state and positions replaced)?")
+    _show_restored(app, restore(app, source, as_app, partitions, resume=resume), as_json)
+
+
+def _show_restored(app: str, result: SavepointRestored, as_json: bool) -> None:
+    dry_run = result.dry_run
     if as_json:
         print_json(result)
         return

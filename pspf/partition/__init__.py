@@ -9,6 +9,7 @@ and the cycle (``pspf.cycle``) works on it until the worker gives it up. The roo
 - ``durability``: a committed batch made durable: the fenced acknowledgement with the backup's update;
 - ``backup``: the state backup in Redis that lets the partition's state follow it anywhere: its
   keys, its log, restore and catch-up;
+- ``copies``: consistent copies of a backup read without its lease (export, savepoints);
 - ``adoption``: which store is the partition's state after Redis lost its data.
 
 PSPF's own modules import the rooms by their full path, so no face sits in an import circle; the
@@ -29,10 +30,10 @@ from pspf.partition.backup import (
     locate,
     meta_checkpoints,
     restore,
-    snapshot,
     split_field,
 )
 from pspf.partition.batch import PartitionBatch, StreamOutcome
+from pspf.partition.copies import snapshot, snapshot_fields
 from pspf.partition.durability import Durability, flush
 from pspf.partition.owned import OwnedPartition, Read, StreamCursor, check_tail, parked
 
@@ -61,6 +62,7 @@ __all__ = [
     "restore",
     "shown",
     "snapshot",
+    "snapshot_fields",
     "split_field",
     "stamp_of",
     "trusted_identity",

@@ -268,37 +268,6 @@ def restore(
     return values, LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
 
 
-def snapshot(
-    acks: Acknowledging, backup: BackupKeys
-) -> tuple[dict[str, StreamId], dict[tuple[str, str], bytes]] | None:
-    """A consistent copy of a backup (checkpoints, values) while its owner may write; None: none."""
-    for _ in range(3):
-        meta, last = acks.backup_head(backup)
-        identity = meta.get(BACKUP_IDENTITY, "")
-        if not identity:
-            return None
-        checkpoints = meta_checkpoints(meta)
-        values: Updates = {
-            split_field(raw): value
-            for page in acks.backup_values(backup.values, CHUNK)
-            for raw, value in page
-        }
-        reader = LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
-        try:
-            while updates := reader.read():
-                for update in updates:
-                    values.update(update.updates)
-                    checkpoints.update(update.checkpoints)
-        except LogGap:
-            continue
-        values.pop((BACKUP_NAMESPACE, BACKUP_IDENTITY), None)
-        return checkpoints, {name: value for name, value in values.items() if value is not None}
-    raise BrokerError(
-        f"the state backup {backup.values} changed faster than it could be read: try again, or "
-        "read a local store with --state-dir"
-    )
-
-
 class PartitionBackup:
     """The backup of one owned partition: its journal and its next update."""
 

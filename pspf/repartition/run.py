@@ -97,7 +97,8 @@ def make_plan(broker: Broker, topic: str, new: int) -> Plan:
     return plan
 
 
-def _refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
+def refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
+    """Refuse (``AppRunning``) while the app has a live member or a worker holds a lease."""
     members = sorted(m.consumer for m in live_members(broker.leases, app))
     held = broker.leases.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])
     owners = sorted({owner for owner in held if owner is not None})
@@ -549,7 +550,7 @@ def crash_point() -> Callable[[str], None]:
 def check_stopped(broker: Broker, plan: Plan) -> None:
     """Refuse while a worker of an app of the plan is alive."""
     for app in plan.apps:
-        _refuse_running(broker, app, plan.topics, plan.old)
+        refuse_running(broker, app, plan.topics, plan.old)
 
 
 def recorded(broker: Broker, topic: str) -> Plan | None:

@@ -105,7 +105,7 @@ class Location:
             raise ConfigError(
                 f"savepoints at {url!r} need the files extra: pip install 'pspf[files]' ({exc})"
             ) from None
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             raise ConfigError(f"cannot use {url!r} for savepoints: {exc}") from None
 
     def child(self, name: str) -> Location:
@@ -166,6 +166,8 @@ class Location:
                 f"{self.url} holds no savepoint ({MANIFEST} is missing: none was taken there, or "
                 "it was never finished)"
             ) from None
+        except (OSError, ValueError) as exc:  # not a directory, a name too long, a NUL in it
+            raise ConfigError(f"cannot read a savepoint at {self.url!r}: {exc}") from None
         try:
             manifest = msgspec.json.decode(raw, type=Manifest)
         except msgspec.DecodeError as exc:

@@ -30,10 +30,9 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.broker import Broker
-from pspf.errors import AppRunning, ConfigError, StateOutOfReach, UnderWay
+from pspf.errors import ConfigError, StateOutOfReach, UnderWay
 from pspf.keys import StreamId
-from pspf.ownership.membership import live_members
-from pspf.repartition.run import STAGED, AppState, Moved, Plan, stage_state
+from pspf.repartition.run import STAGED, AppState, Moved, Plan, refuse_running, stage_state
 from pspf.savepoint.manifest import Location, Manifest, PartitionCut, TopicCut
 from pspf.state_stores.base import field, split_field
 
@@ -138,14 +137,6 @@ def switch(broker: Broker, plan: RestorePlan, crash_at: Callable[[str], None] = 
     broker.moving.set_fields(record, plan.record)
     broker.apps.register_app(plan.target, plan.topics, plan.partitions)
     broker.moving.delete_fields(record, [RESTORING])
-
-
-def refuse_running(broker: Broker, app: str, topics: list[str], count: int) -> None:
-    members = sorted(m.consumer for m in live_members(broker.leases, app))
-    held = broker.leases.lease_holders([keys.lease_key(t, p, app) for t in topics for p in range(count)])
-    owners = sorted({owner for owner in held if owner is not None})
-    if members or owners:
-        raise AppRunning(f"app {app!r} is running ({', '.join(members or owners)}): stop it first")
 
 
 def _refuse_target(broker: Broker, manifest: Manifest, target: str, fork: bool, count: int) -> None:

@@ -21,7 +21,7 @@ from pspf import keys
 from pspf.broker import Broker
 from pspf.errors import ConfigError, NotFound, StateOutOfReach, UnderWay
 from pspf.keys import StreamId
-from pspf.partition.backup import snapshot
+from pspf.partition.copies import snapshot_fields
 from pspf.savepoint.manifest import (
     Location,
     Manifest,
@@ -36,6 +36,8 @@ from pspf.state_stores.base import field
 _NOT_KEPT = frozenset({"asyncapi", "restoring", "stop"})
 
 _entry_decoder = msgspec.json.Decoder(SavepointEntry)
+_STATE = field(keys.STATE_NAMESPACE, "")
+_OUTBOX = field(keys.OUTBOX_NAMESPACE, "")
 
 
 def default_name(now_ms: int) -> str:
@@ -154,19 +156,17 @@ def _cut(
     record_fields: dict[str, str],
 ) -> PartitionCut:
     """One partition's state at its last committed batch, written to its file."""
-    copy = snapshot(broker.acks, keys.backup_keys(topics[0], partition, app))
+    copy = snapshot_fields(broker.acks, keys.backup_keys(topics[0], partition, app))
     if copy is None:
         raise StateOutOfReach(
             f"app {app!r} has no state backup of partition {partition}: a savepoint is read from the "
             "state backups (run the app with the state backup on)"
         )
     checkpoints, values = copy
-    state_keys = sum(1 for namespace, _ in values if namespace == keys.STATE_NAMESPACE)
-    pages = sum(1 for namespace, _ in values if namespace == keys.OUTBOX_NAMESPACE)
+    state_keys = sum(1 for name in values if name.startswith(_STATE))
+    pages = sum(1 for name in values if name.startswith(_OUTBOX))
     file = f"partition-{partition}.state"
-    sha256, size = directory.write_pairs(
-        file, ((field(ns, key), value) for (ns, key), value in values.items())
-    )
+    sha256, size = directory.write_pairs(file, values.items())
     cuts = {}
     for topic in topics:
         stream = keys.stream_key(topic, partition)

@@ -13,6 +13,7 @@ import msgspec
 from pspf import keys
 from pspf.errors import AppRunning, ConfigError, NotFound, ParameterError
 from pspf.ownership.operation_lease import exclusive, one_at_a_time, this_process
+from pspf.repartition.run import refuse_running
 from pspf.savepoint import restoring, taking
 from pspf.savepoint.manifest import Location, SavepointEntry
 from pspf.service.base import Family
@@ -169,7 +170,7 @@ class Savepoints(Family):
         resume: bool,
         started: float,
     ) -> SavepointRestored:
-        crash_at = taking.crash_point("PSPF_RESTORE_CRASH_AT")
+        crash_at = taking.crash_point("PSPF_RESTORE_CRASH_AT") if not dry_run else (lambda step: None)
         if resume:
             plan = restoring.recorded(self.broker, target)
             if plan is None:
@@ -180,7 +181,7 @@ class Savepoints(Family):
                 raise ConfigError(
                     f"the restore of {target!r} under way restores {plan.partitions} partitions"
                 )
-            restoring.refuse_running(self.broker, target, plan.topics, plan.partitions)
+            refuse_running(self.broker, target, plan.topics, plan.partitions)
             if not dry_run:
                 restoring.switch(self.broker, plan, crash_at)
             return _restored(plan, "resumed", 0, 0, 0, dry_run, True, started)
@@ -229,7 +230,7 @@ class Savepoints(Family):
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                restoring.refuse_running(self.broker, app, topics, self.broker.apps.app_partitions(app))
+                refuse_running(self.broker, app, topics, self.broker.apps.app_partitions(app))
                 return True
             except AppRunning as exc:
                 if wait_s <= 0:

@@ -18,7 +18,8 @@ from pspf import codec, keys
 from pspf.errors import ConfigError, NotFound, ParameterError
 from pspf.keys import STATE_NAMESPACE, StreamId
 from pspf.ownership.owning import check_partition_count
-from pspf.partition.backup import field, snapshot, split_field
+from pspf.partition.backup import field, split_field
+from pspf.partition.copies import snapshot
 from pspf.service.adopting import Adopter
 from pspf.service.base import Family
 from pspf.service.exporting import export_lines, kept_bookkeeping, parse_export_line

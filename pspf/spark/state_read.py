@@ -17,7 +17,7 @@ from pspf import codec, keys
 from pspf.broker import Broker
 from pspf.errors import ConfigError, NotFound, StateValueError
 from pspf.ownership.membership import live_members
-from pspf.partition.backup import snapshot
+from pspf.partition.copies import snapshot
 from pspf.service.state import shown_state
 from pspf.spark.connection import broker_url, connected
 from pspf.spark.reading import ARROW_STATE, ARROW_TABLE, PAGE, arrow_batch, read_connection

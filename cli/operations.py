@@ -392,8 +392,9 @@ def app_delete(
 
     Its consumer group on every stream of its topics (a retired app's group holds retention for
     ever), its leases, members, state backups and their logs, outbox replay requests and record,
-    and the re-keying topics its streams created (group_by) that no other app reads. The stores
-    under its workers' state dirs stay: delete those folders where they are.
+    and the re-keying topics its streams created (group_by) that no other app reads, and its list
+    of savepoints. The stores under its workers' state dirs stay (delete those folders where they
+    are), and so do its savepoints' files (`pspf app restore --from PATH` still takes them).
     """
     service = service_for(obj, broker, None, None)
     preview = service.retire.delete_app(app, force=force, dry_run=True)

@@ -32,8 +32,8 @@ from pspf.savepoint.manifest import (
 )
 from pspf.state_stores.base import field
 
-#: App record fields a savepoint does not keep: the last worker's document, a restore or stop request.
-_NOT_KEPT = frozenset({"asyncapi", "restoring", "stop"})
+#: App record fields a savepoint does not keep: a restore or a stop under way.
+_NOT_KEPT = frozenset({"restoring", "stop"})
 
 _entry_decoder = msgspec.json.Decoder(SavepointEntry)
 _STATE = field(keys.STATE_NAMESPACE, "")

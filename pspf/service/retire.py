@@ -57,6 +57,7 @@ class Retiring(Family):
             keys.outbox_replay_key(app),
             keys.outbox_replayed_key(app),
             keys.app_key(app),
+            keys.savepoints_key(app),  # the list: the savepoints' files stay where they were written
             *self.broker.apps.app_views(app),
         ]
         found = self.broker.topics.existing_keys([*per_partition, *per_app])

@@ -14,7 +14,7 @@ import redis
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
 from pspf.errors import ConfigError, NotFound, StateOutOfReach, UnderWay
-from pspf.keys import StreamId, app_key, partition_for, stream_key
+from pspf.keys import StreamId, app_key, partition_for, savepoints_key, stream_key
 from pspf.repartition.run import Repartition, make_plan
 from pspf.savepoint.manifest import Location
 from pspf.service import Service
@@ -412,3 +412,26 @@ def test_a_worker_started_while_a_stop_is_asked_stops_before_it_takes_a_partitio
     assert Worker(running_totals(app, topic, out), make_settings()).run().handled == 0
     broker.apps.request_stop(app, None)
     assert Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True).handled == 100
+
+
+def test_a_deleted_app_loses_its_list_of_savepoints_but_is_restored_from_a_path(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app = names.app()
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(200)])
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "kept")
+    removal = service.retire.delete_app(app)
+    assert savepoints_key(app) in removal.keys and not rclient.exists(savepoints_key(app))
+    assert service.savepoints.listed(app) == []
+    service.savepoints.restore(app, taken.path)  # the files stay: the app comes back from them
+    handled = Worker(running_totals(app, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "b")))
+    assert handled.run(until_idle=True).handled == 0
+    assert state_of(service, app) == totals(range(200))

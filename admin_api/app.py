@@ -1,7 +1,7 @@
 """The admin HTTP API: the read routes, the pages and ``create_app``.
 
-The routes that change data are in ``writes`` (behind the bearer token), the error mapping in
-``errors``.
+The routes that change data are in ``writes`` (behind the bearer token), an app's savepoints in
+``savepoints``, the error mapping in ``errors``.
 
 Built on Litestar because it speaks msgspec natively: the handlers return the very msgspec
 Structs ``pspf.service`` returns and ``pspf ... --json`` prints, so a response body is the CLI's
@@ -30,7 +30,7 @@ from litestar.types import ControllerRouterHandler
 from prometheus_client import CollectorRegistry
 from swagger_ui_bundle import swagger_ui_path
 
-from pspf.admin_api import metrics
+from pspf.admin_api import metrics, savepoints
 from pspf.admin_api.errors import on_error, responses, service_of
 from pspf.admin_api.security import audit_logger, bearer_guard
 from pspf.admin_api.writes import BODIES, DLQ_ID_PATTERN, ROW_ID_PATTERN, WRITE_ROUTES, WRITES_BESIDE_READS
@@ -313,17 +313,19 @@ def create_app(service: Service, token: str | None) -> Litestar:
     registry = metrics.make_registry(service)
     # Registering copies the handlers, so each app (and token) gets its own guarded copies.
     guard = bearer_guard(token)
-    writes = Router("/", route_handlers=WRITE_ROUTES, guards=[guard])
+    writes = Router("/", route_handlers=[*WRITE_ROUTES, *savepoints.WRITE_ROUTES], guards=[guard])
     # Writes on a path a read route has too go before the reads: Litestar then gives the path one
     # OPTIONS handler (a second router's own would clash with the reads').
-    beside_reads = Router("/", route_handlers=WRITES_BESIDE_READS, guards=[guard])
+    beside = [*WRITES_BESIDE_READS, *savepoints.WRITES_BESIDE_READS]
+    beside_reads = Router("/", route_handlers=beside, guards=[guard])
     app = Litestar(
-        route_handlers=[beside_reads, *_READ_ROUTES, writes, *_pages()],
+        route_handlers=[beside_reads, *_READ_ROUTES, *savepoints.READ_ROUTES, writes, *_pages()],
         exception_handlers={Exception: on_error},
         openapi_config=OpenAPIConfig(
             title="PSPF admin API",
             version="1",
-            description="Topics, lag, DLQ and replay of a PSPF broker; writes need a bearer token.",
+            description="Topics, lag, DLQ, replay and savepoints of a PSPF broker; writes need a bearer "
+            "token.",
             path="/schema",
             render_plugins=[_swagger_ui()],
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
@@ -342,9 +344,9 @@ def _amend_openapi(app: Litestar) -> None:
     """
     openapi = app.openapi_schema
     for path_item in (openapi.paths or {}).values():
-        for operation in (path_item.get, path_item.post):
+        for operation in (path_item.get, path_item.post, path_item.delete):
             if operation is not None and operation.responses:
                 operation.responses.pop("400", None)
     schemas = openapi.components.schemas or {}
-    for body in BODIES:
+    for body in (*BODIES, *savepoints.BODIES):
         schemas[body.__name__].additional_properties = False

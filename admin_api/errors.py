@@ -58,7 +58,7 @@ _STATUS: list[tuple[type[PSPFError], int]] = [
 _DESCRIPTIONS = {
     401: "no or malformed Authorization header",
     403: "wrong token, or the API is read-only",
-    404: "unknown topic, app, DLQ id, key, table or row",
+    404: "unknown topic, app, DLQ id, key, table, row or savepoint",
     409: "the app is running or the operation under way, its store is in use, or its state is out of reach",
     422: "invalid request: parameters, body or a selection the operation refuses",
     502: "Redis refused a command",

@@ -25,6 +25,9 @@ audit_logger = logging.getLogger("pspf.audit")
 AUDIT_OPTION = "audit_action"
 _PARAMS_STATE = "audit_params"
 
+#: Write routes say in the OpenAPI document that they need the bearer token.
+BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
+
 READ_ONLY = "the admin API is read-only: it was started without a token, so writes are refused"
 
 

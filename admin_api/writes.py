@@ -14,7 +14,7 @@ from litestar.params import FromPath, HeaderParameter, JSONBody
 from litestar.types import ControllerRouterHandler
 
 from pspf.admin_api.errors import responses, service_of
-from pspf.admin_api.security import AUDIT_OPTION, audit, remember_params
+from pspf.admin_api.security import AUDIT_OPTION, BEARER, audit, remember_params
 from pspf.service import (
     AppRemoval,
     AppReset,
@@ -153,16 +153,12 @@ class IngestAudit(msgspec.Struct, frozen=True, kw_only=True):
 # -- write routes ---------------------------------------------------------------------------------
 
 
-#: Write routes say in the OpenAPI document that they need the bearer token.
-_BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
-
-
 @post(
     "/topics/{topic:str}/dlq/redrive",
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "dlq.redrive"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404),
     summary="Put DLQ entries back into their partitions, each exactly once",
 )
@@ -182,7 +178,7 @@ def dlq_redrive(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "dlq.purge"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404),
     summary="Delete DLQ entries for good",
 )
@@ -201,7 +197,7 @@ def dlq_purge(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "app.replay"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404, 409),
     summary="Deliver entries again from a position; the app must be stopped",
 )
@@ -222,7 +218,7 @@ def replay(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "outbox.replay"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404),
     summary="Publish dead or published outbox rows again, each once more (queued for the owners)",
 )
@@ -243,7 +239,7 @@ def outbox_replay(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "app.delete"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404, 409),
     summary="Remove a retired app from the server (groups, leases, backups, record); it must be stopped",
 )
@@ -261,7 +257,7 @@ def app_delete(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "topic.delete"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404, 409),
     summary="Remove a topic no app reads any more: its streams, DLQs and records",
 )
@@ -279,7 +275,7 @@ def topic_delete(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "topic.repartition"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404, 409),
     summary="Change a topic's partition count (and the topics read with it), with every app's state",
 )
@@ -297,7 +293,7 @@ def topic_repartition(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "app.reset"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404, 409),
     summary="Start a stopped app afresh at the start or the end of its topics, with or without its state",
 )
@@ -317,7 +313,7 @@ def app_reset(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "topic.ingest"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404),
     summary="Write entries to a topic; a retry with the same Idempotency-Key adds none of them twice",
 )
@@ -346,7 +342,7 @@ def ingest(
     sync_to_thread=True,
     status_code=200,
     opt={AUDIT_OPTION: "topic.schema.set"},
-    security=_BEARER,
+    security=BEARER,
     responses=responses(401, 403, 404),
     summary="Set a topic's schema: its next version, once compatible with the current one",
 )

@@ -67,8 +67,8 @@ function refusal(error) {
 function showMode() {
   const writable = Boolean(token());
   $("mode").textContent = writable
-    ? "Token in use for this tab: redrive, purge, reset and delete are sent with it (the API checks it)."
-    : "Read-only: without the admin token the API refuses redrive, purge, reset and delete.";
+    ? "Token in use for this tab: redrive, purge, reset, savepoints and delete are sent with it (the API checks it)."
+    : "Read-only: without the admin token the API refuses redrive, purge, reset, savepoints and delete.";
   $("mode").className = writable ? "ok" : "muted";
   $("token-forget").disabled = !writable;
 }
@@ -91,7 +91,7 @@ $("token-forget").addEventListener("click", () => {
 //   #/                     the overview (#/topics and #/apps: the same, at that list)
 //   #/topics/NAME          a topic: partitions, latest entries, DLQ
 //   #/topics/NAME/dlq/ID   the same, with one DLQ entry open
-//   #/apps/NAME            an app: lag, workers, outbox, reset and delete
+//   #/apps/NAME            an app: lag, workers, outbox, savepoints, reset and delete
 // Every part is URI-encoded, so any name makes the trip.
 
 let openTopic = null;
@@ -446,6 +446,9 @@ async function showApp(name) {
     resetAppPlan();
     say("app-result", "");
     $("app-plan").hidden = true;
+    resetSavepointPlan();
+    say("savepoint-result", "");
+    $("savepoint-plan").hidden = true;
   }
   try {
     const lag = await api("GET", `/apps/${path(name)}/lag`);
@@ -468,10 +471,11 @@ async function showApp(name) {
     if (openApp !== name) return;
     fill($("lag"), []);
     fill($("members"), []);
+    fill($("savepoints"), []);
     say("outbox-summary", refusal(error), "error");
     return;
   }
-  await loadOutbox(name);
+  await Promise.all([loadOutbox(name), loadSavepoints(name)]); // savepoints.js
 }
 
 async function loadOutbox(name) {
@@ -597,5 +601,6 @@ async function refresh() {
 
 $("refresh").addEventListener("click", refresh);
 window.addEventListener("hashchange", () => render(false));
+wireSavepoints(); // savepoints.js
 showMode();
 refresh();

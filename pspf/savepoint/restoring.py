@@ -101,13 +101,19 @@ def refuse_restoring(broker: Broker, app: str) -> None:
 def prepare(
     broker: Broker,
     directory: Location,
+    app: str,
     target: str,
     expect: int | None,
     write: bool,
     crash_at: Callable[[str], None] = lambda step: None,
 ) -> Restoring:
-    """Check the restore and stage the target's backups (nothing staged without ``write``)."""
+    """Check a restore of ``app``'s savepoint into ``target``, and stage its backups (if ``write``)."""
     manifest = directory.read_manifest()
+    if manifest.app != app:
+        raise ConfigError(
+            f"the savepoint at {directory.url} is of app {manifest.app!r}, not {app!r} (a fork "
+            f"of it: pspf app restore {manifest.app} --from {directory.url} --as NEW_APP)"
+        )
     fork = target != manifest.app
     count, mode = _layout(broker, manifest, expect)
     _refuse_target(broker, manifest, target, fork, count)

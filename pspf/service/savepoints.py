@@ -85,6 +85,8 @@ class Savepoints(Family):
             ConfigError: a savepoint of that name exists; a bad name or URL.
         """
         started = time.perf_counter()
+        if not self.broker.apps.app_topic_list(app):
+            raise NotFound(f"app {app!r} has never run against this server: there is nothing to save")
         directory = self._where(app, url, name, resume)
         if stop:
             self.broker.apps.request_stop(app, f"a savepoint by {this_process()}")
@@ -188,12 +190,7 @@ class Savepoints(Family):
         if source is None:
             raise ParameterError("give the savepoint to restore from ({from})")
         directory = Location(source)
-        done = restoring.prepare(self.broker, directory, target, partitions, not dry_run, crash_at)
-        if done.plan.app != app:
-            raise ConfigError(
-                f"the savepoint at {directory.url} is of app {done.plan.app!r}, not {app!r} (a fork "
-                f"of it: pspf app restore {done.plan.app} --from {directory.url} --as NEW_APP)"
-            )
+        done = restoring.prepare(self.broker, directory, app, target, partitions, not dry_run, crash_at)
         if not dry_run:
             restoring.switch(self.broker, done.plan, crash_at)
         return _restored(
@@ -225,8 +222,6 @@ class Savepoints(Family):
             AppRunning: one still runs after a wait.
         """
         topics = self.broker.apps.app_topic_list(app)
-        if not topics:
-            raise NotFound(f"app {app!r} has never run against this server: there is nothing to save")
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -473,3 +473,83 @@ def test_a_topics_page_shows_its_schema_or_that_it_has_none(
     driver.get(f"{base_url}/ui/#/topics/{without}")
     wait(driver, lambda d: text_of(d, "schema-status") == "no schema: values are not checked", "no schema")
     assert not shown(driver, "schema")
+
+
+def test_an_apps_savepoints_are_taken_restored_as_a_fork_after_a_dry_run_and_deleted(
+    driver: WebDriver,
+    base_url: str,
+    service: Service,
+    make_settings: Callable[..., Settings],
+    names: Names,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    tmp_path: Path,
+    screenshots: Path,
+) -> None:
+    orders, app, fork = make_topic(PARTITIONS), names.app(), names.app()
+    produce(orders, [(f"u{n % 5}", {"n": n}) for n in range(ENTRIES)])
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))
+    Worker(watcher(app, orders), settings).run(until_idle=True)
+    taken: list[Path] = []
+
+    driver.get(f"{base_url}/ui/#/apps/{app}")
+    wait(driver, lambda d: text_of(d, "savepoints-status") == "no savepoints yet", "the empty list")
+    driver.find_element("id", "token").send_keys(TOKEN)
+    click(driver, "#token-save")
+
+    # Taking one asks where to write it; the list then shows it.
+    click(driver, "#savepoint-take")
+    wait(driver, lambda d: "say where to write it" in text_of(d, "savepoint-result"), "the question")
+    driver.find_element("id", "savepoint-to").send_keys(str(tmp_path / "sp"))
+    driver.find_element("id", "savepoint-name").send_keys("before")
+    click(driver, "#savepoint-take")
+    wait(driver, lambda d: "took savepoint before" in text_of(d, "savepoint-result"), "the savepoint")
+    assert "app stopped" in text_of(driver, "savepoint-result")
+    row = '#savepoints tr[data-savepoint="before"]'
+    wait(driver, lambda d: d.find_elements("css selector", row), "its row")
+    cells = [c.text for c in driver.find_elements("css selector", f"{row} td")]
+    assert cells[0] == "before" and cells[2] == "complete" and cells[3] == "5"
+    assert cells[4] == str(tmp_path / "sp" / "before")
+    assert (tmp_path / "sp" / "before" / "manifest.json").exists()
+    shoot(driver, screenshots, "savepoint-taken", taken, show="savepoints")
+
+    # The app goes on; a fork restored from the savepoint, after a dry run, handles what came since.
+    produce(orders, [(f"u{n % 5}", {"n": n}) for n in range(ENTRIES, ENTRIES + 10)])
+    Worker(watcher(app, orders), settings).run(until_idle=True)
+    driver.find_element("id", "restore-as").send_keys(fork)
+    click(driver, f"{row} button.savepoint-restore")
+    wait(driver, lambda d: "dry run: would restore fork" in text_of(d, "savepoint-result"), "the dry run")
+    assert "10 entries to handle after the cut" in text_of(driver, "savepoint-result")
+    assert f"into the new app {fork}" in text_of(driver, "savepoint-plan")
+    with pytest.raises(NotFound):  # a dry run changes nothing
+        service.apps.lag(fork)
+    confirm = driver.find_element("id", "savepoint-confirm")
+    assert confirm.is_enabled() and confirm.text == f"Restore fork {fork}"
+    shoot(driver, screenshots, "restore-dry-run", taken, show="savepoints")
+    confirm.click()
+    wait(driver, lambda d: text_of(d, "savepoint-result").startswith(f"restored fork {fork}"), "the restore")
+    assert service.apps.lag(fork).lag == 10
+    wait(driver, lambda d: d.find_elements("css selector", f'#apps tr[data-app="{fork}"]'), "the fork listed")
+    fork_settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "fork"))
+    assert Worker(watcher(fork, orders), fork_settings).run(until_idle=True).handled == 10
+    assert [service.state_get(fork, f"u{k}") for k in range(5)] == [
+        service.state_get(app, f"u{k}") for k in range(5)
+    ]
+
+    # The app itself, back at the cut: the dry run says so, and nothing changes without the confirm.
+    driver.find_element("id", "restore-as").clear()
+    click(driver, f"{row} button.savepoint-restore")
+    wait(driver, lambda d: "dry run: would restore app" in text_of(d, "savepoint-result"), "the rollback")
+    assert driver.find_element("id", "savepoint-confirm").text == f"Restore app {app}"
+    assert service.apps.lag(app).lag == 0
+
+    # Deleting: the dry run names it and keeps its files; then it goes with them.
+    click(driver, f"{row} button.savepoint-delete")
+    wait(driver, lambda d: "dry run: would delete savepoint before" in text_of(d, "savepoint-result"), "dry")
+    assert (tmp_path / "sp" / "before").exists()
+    assert driver.find_element("id", "savepoint-confirm").text == "Delete savepoint before"
+    click(driver, "#savepoint-confirm")
+    wait(driver, lambda d: "deleted savepoint before" in text_of(d, "savepoint-result"), "the deletion")
+    wait(driver, lambda d: text_of(d, "savepoints-status") == "no savepoints yet", "the empty list again")
+    assert not (tmp_path / "sp" / "before").exists() and service.savepoints.listed(app) == []
+    assert_pngs(taken)

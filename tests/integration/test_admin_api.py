@@ -231,6 +231,10 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
         ("GET", "/topics/{topic}/schema/history"),
         ("POST", "/topics/{topic}/schema"),
         ("GET", "/apps/{app}/asyncapi"),
+        ("GET", "/apps/{app}/savepoints"),
+        ("POST", "/apps/{app}/savepoints"),
+        ("DELETE", "/apps/{app}/savepoints/{name}"),
+        ("POST", "/apps/{app}/restore"),
     }
     # The service's own records are the response schemas; validation failures are 422, not 400.
     schemas = document["components"]["schemas"]
@@ -245,7 +249,7 @@ def test_health_and_openapi_document(api: TestClient[Any], rclient: redis.Redis)
     assert reset["security"] == [{"bearer": []}] and {"401", "403", "404", "409"} <= set(reset["responses"])
     # Every body refuses unknown fields, and says so.
     bodies = [name for name in schemas if name.endswith("Request")]
-    assert len(bodies) == 9 and all(schemas[name]["additionalProperties"] is False for name in bodies)
+    assert len(bodies) == 11 and all(schemas[name]["additionalProperties"] is False for name in bodies)
     entries = document["paths"]["/topics/{topic}/entries"]["get"]
     assert {p["name"] for p in entries["parameters"]} == {"topic", "partition", "from", "count"}
 

@@ -1,9 +1,9 @@
 """Schemathesis against the admin API's own OpenAPI document, with the token, on throwaway data.
 
 Every operation gets generated requests, valid and invalid, some aimed at a real topic with
-DLQ entries and at a real app (so redrive, purge, replay and reset really run). No response may
-be a 5xx (Redis is up here), and each must match what the document promises: a documented
-status, its media type and its schema.
+DLQ entries and at a real app (so redrive, purge, replay, reset, savepoints and restores really
+run). No response may be a 5xx (Redis is up here), and each must match what the document
+promises: a documented status, its media type and its schema.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,6 +65,7 @@ def test_no_operation_answers_a_server_error(
     make_topic: Callable[[int], str],
     produce: Callable[..., int],
     names: Names,
+    tmp_path: Path,
 ) -> None:
     topic, outputs, app_name = make_topic(2), make_topic(1), names.app()
     clicks, customers = make_topic(2), make_topic(2)
@@ -97,6 +99,12 @@ def test_no_operation_answers_a_server_error(
     dlq_ids = [d.dlq_id for d in service.dlq.dlq_list(topic)]
     service.schemas.set_schema(spares["GET /topics/{topic}/schema"], {"type": "object"})
     row_ids = [r.row_id for r in service.outbox.outbox_list(app_name)]
+    saved = service.savepoints.take(app_name, str(tmp_path / "savepoints"), "kept").path
+    # The savepoint the deletion gets: of an app of its own, which the app's deletion leaves alone.
+    keeper = App(names.app())
+    keeper.handler(clicks)(lambda value, ctx: None)
+    Worker(keeper, config).run(until_idle=True)
+    service.savepoints.take(keeper.name, str(tmp_path / "savepoints"), "doomed")
     real = {
         "topic": topic,
         "app": app_name,
@@ -105,6 +113,9 @@ def test_no_operation_answers_a_server_error(
         "row_id": row_ids[0],
         "table": customers,
     }
+    # A savepoint is written where the body says: generated bodies go to apps that never ran here
+    # (refused before anything is written), and only the realistic ones below reach the real app.
+    unpinned = {"POST /apps/{app}/savepoints"}
 
     # Bodies an operator would send, so the writes also succeed, not only fail validation.
     realistic: dict[str, list[Any]] = {
@@ -142,6 +153,17 @@ def test_no_operation_answers_a_server_error(
             {"topics": [topic], "to_time": "2020-01-01T00:00:00Z"},
             {"topics": [topic], "to_id": "0-1", "keep_state": True},
         ],
+        "POST /apps/{app}/savepoints": [
+            {"to": str(tmp_path / "taken")},
+            {"to": str(tmp_path / "taken"), "name": "named"},
+            {"resume": True},
+        ],
+        "POST /apps/{app}/restore": [
+            {"from": saved, "dry_run": True},
+            {"from": saved, "as": f"{app_name}-fork"},
+            {"from": saved, "partitions": 2, "dry_run": True},
+            {"from": str(tmp_path / "nowhere")},
+        ],
     }
 
     schema = schemathesis.openapi.from_asgi("/schema/openapi.json", create_app(service, token=TOKEN))
@@ -150,14 +172,16 @@ def test_no_operation_answers_a_server_error(
     results = list(schema.get_all_operations())
     assert not [r.err() for r in results if isinstance(r, Err)]  # the document itself is valid
     operations = [r.ok() for r in results if not isinstance(r, Err)]
-    assert len(operations) == 27
+    assert len(operations) == 31
     for operation in operations:
         names_in_path = {p.name for p in operation.path_parameters}
         pinned = {name: value for name, value in real.items() if name in names_in_path}
         if operation.label in spares:
             pinned = {"topic": spares[operation.label]}  # a topic of its own: the others' data stays
+        if operation.label == "DELETE /apps/{app}/savepoints/{name}":
+            pinned = {"app": keeper.name, "name": "doomed"}
         strategies = [operation.as_strategy(mode) for mode in GenerationMode]
-        if pinned:
+        if pinned and operation.label not in unpinned:
             strategies += [operation.as_strategy(mode, path_parameters=pinned) for mode in GenerationMode]
         bodies = realistic.get(operation.label, [])
         strategies += [operation.as_strategy(path_parameters=pinned, body=body) for body in bodies]

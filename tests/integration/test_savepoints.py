@@ -238,7 +238,7 @@ def test_the_cli_takes_lists_restores_and_deletes_and_a_worker_waits_for_a_switc
     broker = Broker(make_settings().redis)
     from pspf.savepoint import restoring
 
-    done = restoring.prepare(broker, Location(path), app, None, write=True)
+    done = restoring.prepare(broker, Location(path), app, app, None, write=True)
     rclient.hset(app_key(app), restoring.RESTORING, msgspec.json.encode(done.plan))
     with pytest.raises(UnderWay, match=r"a restore of app .* is under way"):
         Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
@@ -435,3 +435,22 @@ def test_a_deleted_app_loses_its_list_of_savepoints_but_is_restored_from_a_path(
     handled = Worker(running_totals(app, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "b")))
     assert handled.run(until_idle=True).handled == 0
     assert state_of(service, app) == totals(range(200))
+
+
+def test_a_savepoint_of_another_app_is_refused_before_anything_is_staged(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app, other = names.app(), names.app()
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(50)])
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    taken = service.savepoints.take(app, str(tmp_path / "sp"))
+    with pytest.raises(ConfigError, match=f"is of app '{app}', not '{other}'"):
+        service.savepoints.restore(other, taken.path)
+    assert not [key for key in rclient.scan_iter(match=f"*{other}*")]  # nothing staged, nothing made

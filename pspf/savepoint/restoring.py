@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 
 import msgspec
 
 from pspf import codec, keys
 from pspf.broker import Broker
-from pspf.errors import ConfigError, StateOutOfReach, UnderWay
+from pspf.errors import BrokerError, ConfigError, StateOutOfReach, UnderWay
 from pspf.keys import StreamId
 from pspf.repartition.run import STAGED, AppState, Moved, Plan, refuse_running, stage_state
 from pspf.savepoint.manifest import Location, Manifest, PartitionCut, TopicCut
@@ -117,11 +118,16 @@ def prepare(
     fork = target != manifest.app
     count, mode = _layout(broker, manifest, expect)
     _refuse_target(broker, manifest, target, fork, count)
-    if mode == "same":
-        done = _stage_same(broker, manifest, directory, target, fork, write, crash_at)
-    else:
-        done = _stage_split(broker, manifest, directory, target, fork, count, write, crash_at)
-    return done
+    try:
+        if mode == "same":
+            return _stage_same(broker, manifest, directory, target, fork, write, crash_at)
+        return _stage_split(broker, manifest, directory, target, fork, count, write, crash_at)
+    except Exception:  # a damaged file, a lost connection: leave no staged copy behind
+        if write:
+            staged = [keys.backup_keys(manifest.topics[0], q, target) for q in range(count)]
+            with suppress(BrokerError):
+                broker.moving.delete_keys([k + STAGED for b in staged for k in (b.values, b.meta)])
+        raise
 
 
 def switch(broker: Broker, plan: RestorePlan, crash_at: Callable[[str], None] = lambda step: None) -> None:
@@ -238,8 +244,9 @@ def _stage_same(
     identity = _identity(started)
     positions: dict[str, list[str]] = {topic: [] for topic in manifest.topics}
     to_handle = 0
-    for part in manifest.parts:
+    for part in manifest.parts:  # every check before anything is staged
         _refuse_trimmed(broker, manifest, part)
+    for part in manifest.parts:
         pending: dict[str, list[StreamId]] = {topic: [] for topic in manifest.topics}
         backup = keys.backup_keys(manifest.topics[0], part.partition, target)
         staged = _Staged(broker, backup.values + STAGED, write)

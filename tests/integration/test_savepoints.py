@@ -13,7 +13,7 @@ import redis
 
 from pspf import App, Context, Settings, Worker
 from pspf.broker import Broker
-from pspf.errors import ConfigError, NotFound, StateOutOfReach, UnderWay
+from pspf.errors import ConfigError, NotFound, StateError, StateOutOfReach, UnderWay
 from pspf.keys import StreamId, app_key, partition_for, savepoints_key, stream_key
 from pspf.repartition.run import Repartition, make_plan
 from pspf.savepoint.manifest import Location
@@ -195,7 +195,8 @@ def test_a_restore_is_refused_when_the_entries_after_the_cut_were_trimmed(
     rclient.xtrim(stream_key(topic, 1), minid=last.decode())  # retention went past the cut
     with pytest.raises(StateOutOfReach, match=r"topic '.*' partition 1 no longer holds the entries"):
         service.savepoints.restore(app, taken.path)
-    assert state_of(service, app) == before  # nothing was restored
+    assert state_of(service, app) == before  # nothing was restored, nothing staged
+    assert not list(rclient.scan_iter(match=f"*{app}:next"))
 
 
 def test_the_cli_takes_lists_restores_and_deletes_and_a_worker_waits_for_a_switch(
@@ -454,3 +455,27 @@ def test_a_savepoint_of_another_app_is_refused_before_anything_is_staged(
     with pytest.raises(ConfigError, match=f"is of app '{app}', not '{other}'"):
         service.savepoints.restore(other, taken.path)
     assert not [key for key in rclient.scan_iter(match=f"*{other}*")]  # nothing staged, nothing made
+
+
+def test_a_damaged_savepoint_file_is_refused_and_leaves_nothing_staged(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(1)
+    app = names.app()
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(300)])
+    Worker(running_totals(app, topic, out), make_settings()).run(until_idle=True)
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "cut")
+    damaged = tmp_path / "sp" / "cut" / "partition-1.state"
+    raw = bytearray(damaged.read_bytes())
+    raw[-3] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(StateError, match=r"the file partition-1\.state is damaged"):
+        service.savepoints.restore(app, taken.path)
+    assert not list(rclient.scan_iter(match=f"*{app}:next"))
+    assert state_of(service, app) == totals(range(300))

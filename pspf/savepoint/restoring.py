@@ -325,24 +325,31 @@ def _refuse_trimmed(broker: Broker, manifest: Manifest, part: PartitionCut) -> N
 
 
 def _trimmed(broker: Broker, stream: str, cut: TopicCut) -> str | None:
-    """What of the entries after a saved position is gone (None: nothing, as far as the server says).
+    """What of the entries after a saved position is gone (None: nothing, as far as can be told).
 
-    The first entry after it then must still be there. With none then, the entries added since are
-    all after the stream's last id then: trimming removes from the head, so they are all there
-    unless the first entry now is after that id and fewer are left than were added (Redis 7+).
+    The first entry after it then must still be there. With none then, every entry added since is
+    after the stream's last id then; trimming removes from the head, so none is gone while the first
+    entry now is at or before that id, or while as many are left as were added (Redis 7+ and Valkey
+    count them). A server that does not count them cannot tell once every entry of the cut is gone.
     """
     entry = cut.next_entry
     if entry is not None:
         return None if broker.requests.dlq_range(stream, entry, entry, 1) else f"{entry} was trimmed"
-    length, added, first, _ = broker.topics.stream_tally(stream)
-    if added is None or cut.added is None or cut.last is None:
+    length, added, first, last = broker.topics.stream_tally(stream)
+    then = StreamId.parse(cut.last) if cut.last is not None else None
+    if then is not None and (last is None or StreamId.parse(last) <= then):
+        return None  # nothing added since
+    if then is not None and first is not None and StreamId.parse(first) <= then:
         return None
-    since = added - cut.added
-    if first is not None and StreamId.parse(first) <= StreamId.parse(cut.last):
-        return None
-    if length < since:
-        return f"{since - length} of the {since} entries added since were trimmed"
-    return None
+    if added is not None and cut.added is not None:
+        since = added - cut.added
+        return f"{since - length} of the {since} entries added since were trimmed" if length < since else None
+    if then is None:
+        return None  # nothing there at the cut, and no count of what was added: nothing to tell by
+    return (
+        "every entry there at the cut was trimmed; this server does not count the entries added "
+        "to a stream (Redis 7+ and Valkey do), so some added since may be gone too"
+    )
 
 
 def _stage_split(

@@ -247,17 +247,10 @@ def _stage_same(
     for part in manifest.parts:  # every check before anything is staged
         _refuse_trimmed(broker, manifest, part)
     for part in manifest.parts:
-        pending: dict[str, list[StreamId]] = {topic: [] for topic in manifest.topics}
         backup = keys.backup_keys(manifest.topics[0], part.partition, target)
         staged = _Staged(broker, backup.values + STAGED, write)
         for page in _pairs(directory, part, fork):
             staged.add(page)
-            for name, _ in page:
-                namespace, key = split_field(name)
-                if namespace in _PENDING_WORK:
-                    topic, _, entry_id = key.rpartition("/")
-                    if topic in pending:
-                        pending[topic].append(StreamId.parse(entry_id))
         staged.add([(keys.BACKUP_MARK, identity.encode())])
         meta = {
             keys.BACKUP_IDENTITY: identity,
@@ -267,7 +260,7 @@ def _stage_same(
         for topic, cut in part.topics.items():
             if cut.checkpoint is not None:
                 meta[f"cp:{topic}"] = cut.checkpoint
-            position = _position(cut.checkpoint, cut.start, pending[topic])
+            position = _position(cut)
             positions[topic].append(str(position))
             to_handle += broker.topics.count_after(keys.stream_key(topic, part.partition), str(position))
         if write:
@@ -288,10 +281,10 @@ def _stage_same(
     return Restoring(plan=plan, mode="same", keys=manifest.keys, values=values, to_handle=to_handle)
 
 
-def _position(checkpoint: str | None, start: str | None, pending: list[StreamId]) -> StreamId:
+def _position(cut: TopicCut) -> StreamId:
     """Where a group restarts: after the checkpoint, or before the first entry still to handle."""
-    at = StreamId.parse(checkpoint) if checkpoint else (StreamId.parse(start) if start else keys.ZERO_ID)
-    waiting = [entry for entry in pending if entry <= at]
+    at = StreamId.parse(cut.checkpoint or cut.start or str(keys.ZERO_ID))
+    waiting = [entry for entry in map(StreamId.parse, cut.waiting) if entry <= at]
     return min(waiting).previous() if waiting else at
 
 
@@ -332,6 +325,9 @@ def _trimmed(broker: Broker, stream: str, cut: TopicCut) -> str | None:
     entry now is at or before that id, or while as many are left as were added (Redis 7+ and Valkey
     count them). A server that does not count them cannot tell once every entry of the cut is gone.
     """
+    for waiting in cut.waiting:
+        if not broker.requests.dlq_range(stream, waiting, waiting, 1):
+            return f"{waiting}, which still needed a handler, was trimmed"
     entry = cut.next_entry
     if entry is not None:
         return None if broker.requests.dlq_range(stream, entry, entry, 1) else f"{entry} was trimmed"

@@ -37,6 +37,10 @@ _NOT_KEPT = frozenset({"restoring", "stop"})
 
 _entry_decoder = msgspec.json.Decoder(SavepointEntry)
 _STATE = field(keys.STATE_NAMESPACE, "")
+#: Bookkeeping of entries that still need a handler, by "topic/id".
+_WAITING = tuple(
+    field(ns, "") for ns in (keys.FAILURES_NAMESPACE, keys.DEAD_NAMESPACE, keys.FOREIGN_NAMESPACE)
+)
 _OUTBOX = field(keys.OUTBOX_NAMESPACE, "")
 
 
@@ -167,6 +171,7 @@ def _cut(
     pages = sum(1 for name in values if name.startswith(_OUTBOX))
     file = f"partition-{partition}.state"
     sha256, size = directory.write_pairs(file, values.items())
+    waiting = _waiting(values)
     cuts = {}
     for topic in topics:
         stream = keys.stream_key(topic, partition)
@@ -185,6 +190,7 @@ def _cut(
             next_entry=following[0][0].decode() if following else None,
             last=None if last is None else last.decode(),
             added=added,
+            waiting=sorted(waiting.get(topic, []), key=StreamId.parse),
         )
     return PartitionCut(
         partition=partition,
@@ -196,3 +202,13 @@ def _cut(
         sha256=sha256,
         size=size,
     )
+
+
+def _waiting(values: dict[bytes, bytes]) -> dict[str, list[str]]:
+    """The entries the cut's bookkeeping says still need a handler, by topic (their ids)."""
+    found: dict[str, list[str]] = {}
+    for name in values:
+        if name.startswith(_WAITING):
+            topic, _, entry_id = name.partition(b"\x00")[2].decode().rpartition("/")
+            found.setdefault(topic, []).append(entry_id)
+    return found

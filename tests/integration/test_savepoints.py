@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import redis
 
-from pspf import App, Context, Settings, Worker
+from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.broker import Broker
 from pspf.errors import ConfigError, NotFound, StateError, StateOutOfReach, UnderWay
 from pspf.keys import StreamId, app_key, partition_for, savepoints_key, stream_key
@@ -191,7 +191,7 @@ def test_a_restore_is_refused_when_the_entries_after_the_cut_were_trimmed(
     Worker(running_totals(app, topic, out), settings).run(until_idle=True)
     before = state_of(service, app)
     last = rclient.xrevrange(stream_key(topic, 1), count=1)[0][0]
-    rclient.xtrim(stream_key(topic, 1), minid=last.decode())  # retention went past the cut
+    rclient.xtrim(stream_key(topic, 1), minid=last.decode(), approximate=False)  # retention went past the cut
     with pytest.raises(StateOutOfReach, match=r"topic '.*' partition 1 no longer holds the entries"):
         service.savepoints.restore(app, taken.path)
     assert state_of(service, app) == before  # nothing was restored, nothing staged
@@ -478,3 +478,48 @@ def test_a_damaged_savepoint_file_is_refused_and_leaves_nothing_staged(
         service.savepoints.restore(app, taken.path)
     assert not list(rclient.scan_iter(match=f"*{app}:next"))
     assert state_of(service, app) == totals(range(300))
+
+
+def test_a_retry_parked_at_the_cut_is_tried_again_by_the_fork_and_refused_once_trimmed(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """An entry parked for a retry at the cut, below the checkpoint, is delivered to the fork again."""
+    topic = make_topic(2)
+    app, fork = names.app(), names.app()
+    failing = {7, 8}
+    policy = RetryPolicy(mode="deferred", max_retries=20, base_delay_ms=1000, factor=1.0, max_delay_ms=1000)
+
+    def summing(name: str) -> App:
+        made = App(name)
+
+        @made.handler(topic, retry=policy)
+        def add(value: dict[str, int], ctx: Context) -> None:
+            if value["n"] in failing:
+                raise RuntimeError("not yet")
+            ctx.state["total"] = ctx.state.get("total", 0) + value["n"]
+
+        return made
+
+    service = Service(make_settings())
+    produce(topic, [(f"k{n % KEYS}", {"n": n}) for n in range(100)])
+    with WorkerThread(summing(app), make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))):
+        wait_until(lambda: lag_of(service, app) <= 2, 30, "all but the failing entries handled")
+    taken = service.savepoints.take(app, str(tmp_path / "sp"), "parked")
+    waiting = {e for part in Location(taken.path).read_manifest().parts for e in part.topics[topic].waiting}
+    assert len(waiting) == 2  # both parked, at or below their checkpoints
+
+    failing.clear()
+    service.savepoints.restore(app, taken.path, as_app=fork)
+    forked = Worker(summing(fork), make_settings(PSPF_STATE_DIR=str(tmp_path / "f"))).run(until_idle=True)
+    assert forked.handled == 2 and state_of(service, fork) == totals(range(100))
+
+    for partition in range(2):  # retention removes everything but the last entry of each partition
+        last = rclient.xrevrange(stream_key(topic, partition), count=1)[0][0]
+        rclient.xtrim(stream_key(topic, partition), minid=last.decode(), approximate=False)
+    with pytest.raises(StateOutOfReach, match="which still needed a handler, was trimmed"):
+        service.savepoints.restore(app, taken.path, as_app=names.app())

@@ -117,7 +117,7 @@ def prepare(
         )
     fork = target != manifest.app
     count, mode = _layout(broker, manifest, expect)
-    _refuse_target(broker, manifest, target, fork, count)
+    _refuse_target(broker, manifest, directory.url, target, fork, count)
     try:
         if mode == "same":
             return _stage_same(broker, manifest, directory, target, fork, write, crash_at)
@@ -151,15 +151,20 @@ def switch(broker: Broker, plan: RestorePlan, crash_at: Callable[[str], None] = 
     broker.moving.delete_fields(record, [RESTORING])
 
 
-def _refuse_target(broker: Broker, manifest: Manifest, target: str, fork: bool, count: int) -> None:
+def _refuse_target(
+    broker: Broker, manifest: Manifest, source: str, target: str, fork: bool, count: int
+) -> None:
     keys.check_name("app", target)
     refuse_restoring(broker, target)
     refuse_running(broker, target, manifest.topics, count)
     if not fork:
         return
     if broker.apps.app_topic_list(target):
+        done = broker.moving.hash_fields(keys.app_key(target)).get("restored_from") == source
         raise ConfigError(
-            f"app {target!r} exists: a fork gets a new name (or delete it first: pspf app delete {target})"
+            f"app {target!r} exists"
+            + (": it was restored from this savepoint already" if done else "")
+            + f": a fork gets a new name (or delete it first: pspf app delete {target})"
         )
     managed = [t for t in manifest.record.get("managed", "").split(",") if t]
     if managed:
@@ -215,7 +220,7 @@ def _identity(started_ms: int) -> str:
     return f"restore{started_ms}-0"
 
 
-def _target_record(manifest: Manifest, fork: bool, count: int, split: bool) -> dict[str, str]:
+def _target_record(manifest: Manifest, source: str, fork: bool, count: int, split: bool) -> dict[str, str]:
     """The record fields a restore writes: the group starts (same layout), a fork's whole record."""
     kept = {
         name: value
@@ -226,6 +231,7 @@ def _target_record(manifest: Manifest, fork: bool, count: int, split: bool) -> d
         kept = {name: value for name, value in kept.items() if not name.startswith("start:")}
     kept.pop("views", None)
     kept.pop("stop", None)
+    kept["restored_from"] = source
     kept.update({"topics": ",".join(manifest.topics), "partitions": str(count)})
     return kept
 
@@ -274,7 +280,7 @@ def _stage_same(
         partitions=manifest.partitions,
         topics=manifest.topics,
         positions=positions,
-        record=_target_record(manifest, fork, manifest.partitions, split=False),
+        record=_target_record(manifest, directory.url, fork, manifest.partitions, split=False),
         started_ms=started,
     )
     values = sum(part.values for part in manifest.parts)
@@ -403,7 +409,7 @@ def _stage_split(
         partitions=count,
         topics=manifest.topics,
         positions=positions,
-        record=_target_record(manifest, fork, count, split=True),
+        record=_target_record(manifest, directory.url, fork, count, split=True),
         started_ms=started,
     )
     return Restoring(

@@ -33,7 +33,7 @@ from pspf.savepoint.manifest import (
 from pspf.state_stores.base import field
 
 #: App record fields a savepoint does not keep: a restore or a stop under way.
-_NOT_KEPT = frozenset({"restoring", "stop"})
+_NOT_KEPT = frozenset({"restoring", "stop", "restored_from"})
 
 _entry_decoder = msgspec.json.Decoder(SavepointEntry)
 _STATE = field(keys.STATE_NAMESPACE, "")

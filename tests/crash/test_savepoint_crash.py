@@ -10,6 +10,7 @@ back at an earlier cut, publishes nothing twice.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import redis
 
 from pspf import Settings, Worker
+from pspf.broker import Broker
 from pspf.errors import NotFound, UnderWay
 from pspf.keys import app_key, backup_keys, partition_for, stream_key
 from pspf.ownership.operation_lease import operation_key
@@ -319,3 +321,78 @@ def test_a_restore_into_another_partition_count_killed_at_any_step_is_finished_e
         assert full_state(rclient, topic, app, 3) == totals(range(1200))  # the original untouched
     listed = service.savepoints.listed(app)
     assert [(e.name, e.state) for e in listed] == [("before", "complete")]
+
+
+# -- Killed at a random moment ---------------------------------------------------------------------
+
+
+def killed_at_random(command: list[str], delay_s: float) -> int:
+    """Run ``command`` and SIGKILL it ``delay_s`` after it started (if it still runs); its exit code."""
+    process = subprocess.Popen(
+        command,
+        env=subprocess_env(PSPF_LEASE_TTL_MS=str(LEASE_TTL_MS)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        return process.wait(timeout=delay_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_savepoint_and_a_restore_killed_at_random_moments_end_exact(
+    seed: int,
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    service: Service,
+    rclient: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """SIGKILL at a moment drawn from the seed, after the command's start-up (measured first) and
+    within the time a savepoint or a restore of 100,000 keys takes: finished with --resume, or run
+    again when it had not begun its switch, the fork's state is the original's at the cut, exactly."""
+    import random
+
+    draw = random.Random(seed)
+    topic, out = make_topic(3), make_topic(1)
+    app, fork = names.app(), names.app()
+    produce(topic, [(f"u{n}", {"n": n}) for n in range(100_000)])
+    Worker(running_totals(app, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "a"))).run(
+        until_idle=True
+    )
+    expected = {f"u{n}": n for n in range(100_000)}
+    started = time.monotonic()
+    subprocess.run(
+        [*pspf_command("app", "savepoints", app), "--broker", redis_url], check=True, capture_output=True
+    )
+    start_up = time.monotonic() - started
+
+    taking = pspf_command("app", "savepoint", app, "--to", str(tmp_path / "sp"), "--name", "cut")
+    code = killed_at_random([*taking, "--broker", redis_url], start_up + draw.uniform(-0.1, 0.3))
+    lease_lapsed(rclient, app)
+    state = {e.name: e.state for e in service.savepoints.listed(app)}.get("cut")
+    if state != "complete":
+        how = ("--resume",) if state else ("--to", str(tmp_path / "sp"), "--name", "cut")
+        again = savepoint_cli(redis_url, app, *how)
+        assert again.returncode == 0, (code, state, again.stderr)
+    path = str(tmp_path / "sp" / "cut")
+
+    restoring_cli = pspf_command("app", "restore", app, "--from", path, "--as", fork, "--yes")
+    code = killed_at_random([*restoring_cli, "--broker", redis_url], start_up + draw.uniform(-0.1, 0.6))
+    lease_lapsed(rclient, fork)
+    under_way = restoring.recorded(Broker(make_settings().redis), fork) is not None
+    finished = not under_way and rclient.hexists(app_key(fork), "topics")  # killed once done
+    if not finished:
+        finish = ("--as", fork, "--resume") if under_way else ("--from", path, "--as", fork)
+        done = restore_cli(redis_url, app, *finish)
+        assert done.returncode == 0, (code, under_way, done.stderr)
+    handled = Worker(running_totals(fork, topic, out), make_settings(PSPF_STATE_DIR=str(tmp_path / "f"))).run(
+        until_idle=True
+    )
+    assert handled.handled == 0
+    assert full_state(rclient, topic, fork, 3) == expected

@@ -112,6 +112,8 @@ def test_a_savepoint_taken_under_load_forks_into_the_same_state_and_the_outputs_
     assert 1000 < len(cut) < 4000  # the cut fell inside the run
     restored = service.savepoints.restore(app, taken.path, as_app=fork)
     assert restored.fork and restored.mode == "same" and restored.entries_to_handle == len(cut)
+    with pytest.raises(ConfigError, match="exists: it was restored from this savepoint already"):
+        service.savepoints.restore(app, taken.path, as_app=fork)  # e.g. again after a kill at its end
     fork_settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "fork"))
     Worker(running_totals(fork, topic, fork_out), fork_settings).run(until_idle=True)
 

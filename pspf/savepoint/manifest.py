@@ -44,8 +44,8 @@ class TopicCut(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: that a restore needs, and whether retention trimmed any of them
     last: str | None = None
     added: int | None = None
-    #: entries at or below the checkpoint that still need a handler (a parked retry, a dead entry
-    #: on its way to the DLQ, one a foreign consumer took): delivered again after a restore
+    #: entries the cut's bookkeeping says still need a handler (a parked retry, a dead entry on its
+    #: way to the DLQ, one a foreign consumer took): delivered again after a restore
     waiting: list[str] = []
 
 

@@ -366,23 +366,7 @@ def _stage_split(
 ) -> Restoring:
     """Another count: the saved state split or merged by key, the moved entries it handled skipped."""
     started = int(time.time() * 1000)
-    app = AppState(target, manifest.topics[0], manifest.topics)
-    for part in manifest.parts:
-        pages = [pair for page in _pairs(directory, part, fork) for pair in page]
-        if any(name.startswith(keys.MOVED_NAMESPACE.encode() + b"\x00") for name, _ in pages):
-            raise ConfigError(
-                f"app {manifest.app!r} had not yet handled the entries a repartition moved when the "
-                f"savepoint was taken (partition {part.partition}): it cannot follow another one"
-            )
-        app.values.append(pages)
-        for topic, cut in part.topics.items():
-            upto = max((StreamId.parse(p) for p in (cut.checkpoint, cut.start) if p), default=None)
-            if upto is not None:
-                app.handled_to[(topic, part.partition)] = upto
-        for name, _ in pages:
-            namespace, key = split_field(name)
-            if namespace in _PENDING_WORK:
-                app.exceptions.add(key)
+    app = _saved_app(manifest, directory, target, fork)
     if not fork:
         app.values.append(_published_since(broker, manifest, target, count))
     wanted = {
@@ -419,6 +403,25 @@ def _stage_split(
         values=sum(part.values for part in manifest.parts),
         to_handle=sum(m.unhandled.get(target, 0) for m in moved.values()),
     )
+
+
+def _saved_app(manifest: Manifest, directory: Location, target: str, fork: bool) -> AppState:
+    """The savepoint as a repartition reads an app: its values and what it had handled, by old partition."""
+    app = AppState(target, manifest.topics[0], manifest.topics)
+    for part in manifest.parts:
+        pages = [pair for page in _pairs(directory, part, fork) for pair in page]
+        if any(name.startswith(keys.MOVED_NAMESPACE.encode() + b"\x00") for name, _ in pages):
+            raise ConfigError(
+                f"app {manifest.app!r} had not yet handled the entries a repartition moved when the "
+                f"savepoint was taken (partition {part.partition}): it cannot follow another one"
+            )
+        app.values.append(pages)
+        for topic, cut in part.topics.items():
+            upto = max((StreamId.parse(p) for p in (cut.checkpoint, cut.start) if p), default=None)
+            if upto is not None:
+                app.handled_to[(topic, part.partition)] = upto
+            app.exceptions.update(f"{topic}/{entry}" for entry in cut.waiting)
+    return app
 
 
 def _published_since(

@@ -9,13 +9,12 @@ import msgspec
 
 from pspf import codec, keys
 from pspf.errors import ConfigError
-from pspf.outbox.views import View
 from pspf.windows.timers import ScheduledCall, at_ms
 
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox.emit import Emitted, Emitter
-    from pspf.outbox.views import ViewKind, ViewWrite
+    from pspf.outbox.views import View, ViewWrite
     from pspf.windows.timers import PartitionTimers
 
 
@@ -36,9 +35,10 @@ class StateSource(Protocol):
     @property
     def timers(self) -> PartitionTimers | None: ...
 
-    @property
-    def view_kinds(self) -> dict[str, ViewKind]:
-        """The app's views by name (``App.view``)."""
+    #: the app's views by name (``App.view``), each appending to ``viewed``
+    views: dict[str, View]
+    #: the view writes of this source's attempts, in order
+    viewed: list[ViewWrite]
 
     def base(self, key: str) -> bytes | None: ...
 
@@ -88,8 +88,9 @@ class Attempt:
     #: window, None for a topic without windows (typed by name only, as ``StateSource.windows`` is)
     windowed: Any
     schedules: list[ScheduledCall] | None
-    #: what ``view`` wrote, in order (None: nothing)
-    viewed: list[ViewWrite] | None
+    #: where this attempt's view writes start in its source's ``viewed`` (None: it wrote none);
+    #: a runner cuts them off there when the attempt fails
+    viewed: int | None
     #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
     due_ms: int | None
 
@@ -207,13 +208,13 @@ class Context(Attempt):
         Raises:
             ConfigError: the app has no such view.
         """
-        viewed = self.viewed
-        if viewed is None:
-            viewed = self.viewed = []
-        kind = self.source.view_kinds.get(name)
-        if kind is None:
+        source = self.source
+        view = source.views.get(name)
+        if view is None:
             raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
-        return View(name, kind, viewed)
+        if self.viewed is None:
+            self.viewed = len(source.viewed)
+        return view
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

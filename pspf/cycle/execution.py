@@ -24,7 +24,7 @@ from pspf.errors import DecodeError, StateError, StateValueError, WrongPartition
 from pspf.failures import HandlerTimeout, PoisonEntry
 from pspf.observability.tracing import TracedContext, Tracing, sync_run
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.outbox.views import ViewKind, ViewWrite
+from pspf.outbox.views import ViewWrite, bind
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers, ScheduledCall
 
@@ -183,8 +183,11 @@ def run_sync(
     func, passed, make = sync_run(meta.tracing, handler.func, passed)  # per run, not per entry
     # The common entry (delivered once, not poison, a key checked before, no headers) gets its
     # context built here; ``_context`` checks every other.
-    known = meta.known if not (meta.counts or meta.poison) else None
+    # A sync handler with a deadline gets a source of its own: what it writes into its views after
+    # the deadline (it runs on) must not reach the batch.
+    known = meta.known if not (meta.counts or meta.poison or timeout_ms is not None) else None
     for index, (id_b, fields) in enumerate(todo):
+        ctx = None
         try:
             if (
                 known is not None
@@ -194,7 +197,7 @@ def run_sync(
             ):
                 ctx = make(topic, partition, id_b, key, 1, None, source)
             else:
-                ctx = _context(meta, id_b, fields, source)
+                ctx = _context(meta, id_b, fields, source if timeout_ms is None else _ChainSource(source))
             value = decode(fields)
             if timeout_ms is None:
                 func(value, ctx)
@@ -202,6 +205,8 @@ def run_sync(
                 _call_in_thread(func, value, ctx, timeout_ms)
             new = UNCHANGED if ctx.loaded is None else state_result(ctx)
         except Exception as exc:
+            if ctx is not None and ctx.viewed is not None:  # its view writes are cut off
+                del ctx.source.viewed[ctx.viewed :]
             errors[index] = exc
             if stop(index, exc):
                 return index + 1, errors
@@ -212,7 +217,7 @@ def run_sync(
             overlay[ctx.key] = new
         if ctx.emitted:
             emitted += ctx.emitted
-        if ctx.windowed is not None or ctx.schedules or ctx.viewed:
+        if ctx.windowed is not None or ctx.schedules or ctx.source is not source:
             _join_more(ctx, source, viewed)
         if passed is not None:
             passed(id_b)
@@ -220,9 +225,9 @@ def run_sync(
 
 
 def _join_more(ctx: Context, source: StateSource, viewed: list[ViewWrite]) -> None:
-    """What a returned attempt did besides state and emits: windows, schedules, views."""
-    if ctx.viewed:
-        viewed += ctx.viewed
+    """What a returned attempt did besides state and emits: windows, schedules, views of its own source."""
+    if ctx.source is not source:
+        viewed += ctx.source.viewed
     if ctx.windowed is not None:
         source.windows.apply(ctx.windowed)
     if ctx.schedules and (timers := source.timers) is not None:
@@ -250,13 +255,18 @@ def _call_in_thread(func: Callable[..., Any], value: Any, ctx: Context, timeout_
 
 
 class _ChainSource:
-    """The state one key's chain of async handlers sees: the batch's, then its own results."""
+    """The state one key's chain of async handlers sees: the batch's, then its own results.
 
-    __slots__ = ("results", "source")
+    Its view writes are its own, joined by the runner: also a sync handler's with a deadline.
+    """
+
+    __slots__ = ("results", "source", "viewed", "views")
 
     def __init__(self, source: StateSource) -> None:
         self.source = source
         self.results: dict[str, bytes | None] = {}
+        self.viewed: list[ViewWrite] = []
+        self.views = bind({name: view.kind for name, view in source.views.items()}, self.viewed)
 
     def base(self, key: str) -> bytes | None:
         if key in self.results:
@@ -279,10 +289,6 @@ class _ChainSource:
     @property
     def timers(self) -> PartitionTimers | None:
         return self.source.timers
-
-    @property
-    def view_kinds(self) -> dict[str, ViewKind]:
-        return self.source.view_kinds
 
     def table_row(
         self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
@@ -335,6 +341,7 @@ def run_async(
                     raise HandlerTimeout(f"the handler ran past its timeout of {timeout_ms} ms") from None
                 new = state_result(ctx)
             except Exception as exc:
+                chain_source.viewed.clear()
                 errors[index] = exc
                 if stop(index, exc):
                     cutoff = min(cutoff, index)
@@ -342,7 +349,9 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            states[index] = (key, new, ctx.emitted, ctx.schedules, ctx.viewed)
+            viewed = chain_source.viewed[:] if chain_source.viewed else None
+            chain_source.viewed.clear()
+            states[index] = (key, new, ctx.emitted, ctx.schedules, viewed)
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

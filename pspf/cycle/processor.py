@@ -232,6 +232,10 @@ class BatchProcessor:
         ]
         self._acknowledge(outcomes, result)
         self._publish(result)
+        if result.read == 0:  # nothing to overlap the views' replies with: read them now
+            for owned in self.owned.values():
+                if owned.views is not None:
+                    owned.views.settle()
         self.delivery.advance(
             [
                 (o.cursor, o.finished, o.retry_in_s)

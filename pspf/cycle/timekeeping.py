@@ -202,6 +202,8 @@ class TimeKeeping:
             except Exception as exc:
                 if batch.broken is not None:
                     raise batch.broken from exc
+                if ctx.viewed is not None:  # its view writes are cut off
+                    del batch.viewed[ctx.viewed :]
                 result.callbacks_failed += 1
                 log.error(
                     "scheduled callback %s for key %r failed, dropped: %r",
@@ -216,8 +218,6 @@ class TimeKeeping:
                 batch.overlay[call.key] = new
             if ctx.emitted:
                 batch.emitted += ctx.emitted
-            if ctx.viewed:
-                batch.viewed += ctx.viewed
             if ctx.schedules:
                 timers.schedule(ctx.schedules)
 

@@ -30,11 +30,14 @@ from pspf.errors import ConfigError
 
 ViewKind = Literal["hash", "zset"]
 KINDS: tuple[ViewKind, ...] = ("hash", "zset")
-#: One final value of a view, as a handler wrote it: (view, field or member, value or score); a
-#: value of None removes the field. A plain tuple: one is made per write, on the hot path.
-ViewWrite = tuple[str, "str | bytes", "str | bytes | float | None"]
-#: A commit's writes, the last per field: view -> field -> value (None: removed)
-Writes = dict[str, dict["str | bytes", "str | bytes | float | None"]]
+#: A view's field's final value: text, bytes, an int (a hash's, as its digits), a score (a sorted
+#: set's), or None: removed
+Value = str | bytes | int | float | None
+#: One final value of a view, as a handler wrote it: (view, field or member, value or score). A
+#: plain tuple: one is made per write, on the hot path.
+ViewWrite = tuple[str, "str | bytes", Value]
+#: A commit's writes, the last per field: view -> field -> value
+Writes = dict[str, dict["str | bytes", Value]]
 
 
 class Sent(Protocol):
@@ -119,12 +122,20 @@ def encode_value(value: Any) -> str | bytes:
     kind = type(value)
     if kind is str or kind is bytes:
         return value  # type: ignore[no-any-return]
-    if kind is int:
-        return str(value)
     try:
         return _json.encode(value)
     except (TypeError, msgspec.EncodeError) as exc:
         raise TypeError(f"a view's value must be text, bytes or JSON-encodable: {exc}") from None
+
+
+def bind(kinds: Mapping[str, ViewKind], writes: list[ViewWrite]) -> dict[str, View]:
+    """The views ``ctx.view`` hands out, each appending to ``writes``.
+
+    One ``View`` per view and source (a batch, an async chain), not per entry: a handler's writes
+    land in the source's list at once, and the runner cuts them off again when the attempt fails
+    (``Attempt.viewed`` is where they start).
+    """
+    return {name: View(name, kind, writes) for name, kind in kinds.items()}
 
 
 class View:
@@ -145,8 +156,8 @@ class View:
         if self.kind != "hash":
             raise TypeError(f"view {self._name!r} is a sorted set: view.add(member, score)")
         kind = type(value)
-        if kind is not str and kind is not bytes:
-            value = str(value) if kind is int else encode_value(value)
+        if kind is not str and kind is not bytes and kind is not int:  # an int: Redis keeps its digits
+            value = encode_value(value)
         if type(field) is not str:
             field = _field("a view's field", field)
         self._writes.append((self._name, field, value))

@@ -24,7 +24,7 @@ from pspf.errors import StateError
 from pspf.failures import Failure
 from pspf.keys import StreamId, entry_name
 from pspf.outbox.emit import Emitted, Emitter
-from pspf.outbox.views import ViewKind, ViewWrite
+from pspf.outbox.views import ViewWrite, bind
 from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.tables import versions
 from pspf.tables.lookups import Lookups, check_lookup_key
@@ -81,8 +81,8 @@ class PartitionBatch:
         "state_decoder",
         "table_writes",
         "ttl_ms",
-        "view_kinds",
         "viewed",
+        "views",
     )
 
     def __init__(
@@ -106,8 +106,8 @@ class PartitionBatch:
         self.emitted: list[Emitted] = []
         #: view writes of the attempts that returned, in the order they ran
         self.viewed: list[ViewWrite] = []
-        #: the app's views by name (``ctx.view``)
-        self.view_kinds: dict[str, ViewKind] = {} if owned.views is None else owned.views.kinds
+        #: the app's views by name (``ctx.view``), appending to ``viewed``
+        self.views = {} if owned.views is None else bind(owned.views.kinds, self.viewed)
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
         #: A store read that failed under a handler: it stops the worker, whatever the handler

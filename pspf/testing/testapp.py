@@ -366,8 +366,10 @@ class TestApp:
                     name = field.decode(errors="replace") if isinstance(field, bytes) else field
                     if written is None:
                         held.pop(name, None)
-                    else:
-                        held[name] = written.decode() if isinstance(written, bytes) else written
+                    elif isinstance(written, bytes):
+                        held[name] = written.decode()
+                    else:  # a hash's int is its digits in Redis; a score stays a float
+                        held[name] = str(written) if type(written) is int else written
             views.written(upto)
 
     def _publish(

@@ -257,8 +257,11 @@ def test_views_under_random_kill9_on_two_state_dirs_equal_the_exported_state(
 
 
 def _text(value: Any) -> Any:
-    """A field or value as the views hold it: text (a row keeps bytes that are UTF-8 as text too)."""
-    return value.decode() if isinstance(value, bytes) else value
+    """A field or value as the views hold it: text (a row keeps bytes that are UTF-8 as text too,
+    and a hash's int, which Redis keeps as its digits)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value) if type(value) is int else value
 
 
 def unwritten_rows(views: Views, state_dir: Path, partitions: int) -> dict[tuple[str, str], Any]:

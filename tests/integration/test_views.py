@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from pspf import App, Context, Settings, Worker
+from pspf import App, Context, RetryPolicy, Settings, Worker
 from pspf.cli import cli
 from pspf.errors import ConfigError
 from pspf.service import Service
@@ -153,3 +154,59 @@ def test_a_worker_stopped_mid_stream_writes_its_views_before_it_lets_its_partiti
     assert sum(state.values()) == done[0].handled
     held = {k.decode(): json.loads(v) for k, v in rclient.hgetall(totals).items()}
     assert held == state
+
+
+def test_a_batch_keeps_the_view_writes_of_the_entries_that_returned_async_and_past_a_deadline(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """In one batch: failing entries' writes are cut out between those of entries that returned.
+
+    An async handler's chains run at once; a sync handler past its deadline runs on and writes
+    after it: neither reaches the view.
+    """
+    async_topic, sync_topic, app_name = make_topic(1), make_topic(1), names.app()
+    view = f"{app_name}:seen"
+    late = threading.Event()
+    app = App(app_name)
+    app.view(view)
+
+    @app.handler(async_topic, non_retryable=(ValueError,))
+    async def seen_async(order: dict[str, Any], ctx: Context) -> None:
+        ctx.view(view)[f"a:{order['n']}"] = order["n"]
+        await asyncio.sleep(0)  # the other keys' chains run here
+        if order["n"] % 7 == 3:
+            raise ValueError("unlucky")
+        ctx.view(view)[f"a:{order['n']}:done"] = 1
+
+    deadline = RetryPolicy(timeout_ms=50, max_retries=1, base_delay_ms=1)
+
+    @app.handler(sync_topic, non_retryable=(ValueError,), retry=deadline)
+    def seen_sync(order: dict[str, Any], ctx: Context) -> None:
+        ctx.view(view)[f"s:{order['n']}"] = order["n"]
+        if order["n"] == 5:  # past its deadline: its attempt fails, the function runs on
+            time.sleep(0.1)
+            ctx.view(view)["s:late"] = 1
+            late.set()
+        elif order["n"] % 7 == 3:
+            raise ValueError("unlucky")
+        elif order["n"] > 5:
+            time.sleep(0.002)  # the batch is still running when the late write happens
+
+    produce(async_topic, [(f"k{n % 4}", {"n": n}) for n in range(60)])
+    produce(sync_topic, [(f"k{n % 4}", {"n": n}) for n in range(120)])
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "state"), PSPF_BATCH_SIZE=500)
+
+    Worker(app, settings).run(until_idle=True)
+
+    assert late.wait(5)
+    held = {k.decode() for k in rclient.hgetall(view)}
+    ok_async = [n for n in range(60) if n % 7 != 3]
+    ok_sync = [n for n in range(120) if n % 7 != 3 and n != 5]
+    assert held == {f"a:{n}" for n in ok_async} | {f"a:{n}:done" for n in ok_async} | {
+        f"s:{n}" for n in ok_sync
+    }

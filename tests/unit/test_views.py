@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -185,3 +186,26 @@ def test_the_other_kinds_writes_fail_the_entry() -> None:
         "view 'h' is a hash: view[field] = value",
         "view 'z' is a sorted set: view.add(member, score)",
     ]
+
+
+def test_a_scheduled_callback_that_fails_leaves_no_view_writes_and_one_that_returns_keeps_them() -> None:
+    app = App("reminders")
+    app.view("reminded")
+
+    @app.handler("carts")
+    def cart(value: dict[str, Any], ctx: Context) -> None:
+        ctx.view("reminded")[f"{ctx.key}:seen"] = 1
+        ctx.schedule(timedelta(minutes=30), "remind", {"fail": value.get("fail", False)})
+
+    @app.on_schedule("remind")
+    def remind(payload: dict[str, Any], ctx: Context) -> None:
+        ctx.view("reminded")[ctx.key] = "yes"
+        if payload["fail"]:
+            raise RuntimeError("the mailer is down")
+
+    with TestApp(app) as t:
+        t.send("carts", {}, key="u1")
+        t.send("carts", {"fail": True}, key="u2")
+        t.advance(timedelta(minutes=31))
+        t.send("carts", {}, key="u3")  # stream time passes both callbacks
+        assert t.view("reminded") == {"u1:seen": "1", "u2:seen": "1", "u3:seen": "1", "u1": "yes"}

@@ -209,9 +209,12 @@ class Context(Attempt):
             ConfigError: the app has no such view.
         """
         source = self.source
-        view = source.views.get(name)
-        if view is None:
-            raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
+        try:
+            view = source.views[name]
+        except KeyError:
+            raise ConfigError(
+                f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))"
+            ) from None
         if self.viewed is None:
             self.viewed = len(source.viewed)
         return view

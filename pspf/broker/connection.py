@@ -147,7 +147,8 @@ def _raw_stream_replies(client: redis.Redis) -> None:
         client.response_callbacks.pop(command, None)
 
 
-def _script(name: str) -> str:
+def script_source(name: str) -> str:
+    """The text of the Lua script ``pspf/lua/NAME.lua``."""
     return resources.files("pspf").joinpath(f"lua/{name}.lua").read_text()
 
 
@@ -195,7 +196,7 @@ class Connection:
 
     def register(self, name: str) -> Script:
         """The Lua script ``pspf/lua/NAME.lua``, registered with this client (no round trip)."""
-        return self.client.register_script(_script(name))  # type: ignore[no-any-return]
+        return self.client.register_script(script_source(name))  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.client.close()

@@ -13,13 +13,15 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
+import msgspec
 import redis
 from redis.exceptions import NoScriptError
 
 from pspf import keys
-from pspf.broker.connection import Connection
+from pspf.broker.connection import Connection, script_source
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text, packed
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
@@ -177,24 +179,14 @@ class Publishing:
         """Send views' final values in one write; the replies are read later (``ViewsSent.wait``).
 
         ``writes``: view -> field (or member) -> value (or score), None removing it; ``kinds``:
-        each view's "hash" or "zset". A view's fields go in one HSET (ZADD), its removals in one
-        HDEL (ZREM). On a cluster each view's key goes to its own node, at once.
+        each view's "hash" or "zset". Each view is one ``lua/view_write.lua`` call (EVAL, so no
+        script cache to miss). On a cluster each view's key goes to its own node, at once.
         """
-        commands: list[tuple[Any, ...]] = []
-        for view, fields in writes.items():
-            hash_ = kinds[view] == "hash"
-            removed = [field for field, value in fields.items() if value is None]
-            if removed:
-                commands.append(("HDEL" if hash_ else "ZREM", view, *removed))
-                fields = {field: value for field, value in fields.items() if value is not None}
-            if not fields:
-                continue
-            if hash_:
-                commands.append(("HSET", view, *[item for pair in fields.items() for item in pair]))
-            else:
-                commands.append(
-                    ("ZADD", view, *[item for field, score in fields.items() for item in (score, field)])
-                )
+        commands = [
+            command
+            for view, fields in writes.items()
+            for command in _view_commands(view, kinds[view], fields)
+        ]
         with self.conn.translate_errors():
             if self.conn.cluster:
                 pipe = self.conn.client.pipeline(transaction=False)
@@ -310,6 +302,31 @@ class Publishing:
                     raise reply
             added[partition] = int(reply)
         return added
+
+
+_VIEW_WRITE = script_source("view_write")
+_pack_view = msgspec.msgpack.Encoder().encode
+
+
+def _view_commands(view: str, kind: str, fields: Mapping[Any, Any]) -> list[tuple[Any, ...]]:
+    """A view's writes: one script call, or plain HSET/HDEL (ZADD/ZREM) commands.
+
+    The plain ones when a field or value is bytes that are not UTF-8: the script's msgpack reads
+    text, not bytes.
+    """
+    values = fields.values()
+    if bytes not in set(map(type, fields)) and bytes not in set(map(type, values)):
+        return [("EVAL", _VIEW_WRITE, 1, view, kind, _pack_view((list(fields), list(values))))]
+    hash_ = kind == "hash"
+    commands: list[tuple[Any, ...]] = []
+    removed = [field for field, value in fields.items() if value is None]
+    if removed:
+        commands.append(("HDEL" if hash_ else "ZREM", view, *removed))
+    kept = [(field, value) for field, value in fields.items() if value is not None]
+    if kept:
+        pairs = kept if hash_ else [(score, field) for field, score in kept]
+        commands.append(("HSET" if hash_ else "ZADD", view, *chain.from_iterable(pairs)))
+    return commands
 
 
 class ViewsSent:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -66,9 +67,7 @@ def latest(writes: Iterable[ViewWrite]) -> Writes:
 
 def encode_row(writes: Writes) -> bytes:
     """A commit's store row: per view, its name and its fields and values in turn."""
-    return _encode(
-        [(view, [item for pair in fields.items() for item in pair]) for view, fields in writes.items()]
-    )
+    return _encode([(view, list(chain.from_iterable(fields.items()))) for view, fields in writes.items()])
 
 
 def decode_row(raw: bytes) -> Writes:
@@ -117,13 +116,29 @@ def _field(what: str, field: Any) -> str | bytes:
     raise TypeError(f"{what} must be a str, bytes or int, got {kind.__name__}")
 
 
+#: The largest int a double holds exactly: a hash's ints up to it go to Redis as numbers
+#: (``lua/view_write.lua``), larger ones as their digits.
+EXACT_INT = 2**53
+
+
 def encode_value(value: Any) -> str | bytes:
-    """A hash field's value as Redis keeps it: text and bytes as they are, anything else as JSON."""
+    """A hash field's value as Redis keeps it.
+
+    Text as it is, bytes as text when they are UTF-8, an int as its digits, anything else as JSON
+    text.
+    """
     kind = type(value)
-    if kind is str or kind is bytes:
+    if kind is str:
         return value  # type: ignore[no-any-return]
+    if kind is int:
+        return str(value)
+    if kind is bytes:
+        try:
+            return value.decode()  # type: ignore[no-any-return]
+        except UnicodeDecodeError:
+            return value  # type: ignore[no-any-return]
     try:
-        return _json.encode(value)
+        return _json.encode(value).decode()
     except (TypeError, msgspec.EncodeError) as exc:
         raise TypeError(f"a view's value must be text, bytes or JSON-encodable: {exc}") from None
 
@@ -156,7 +171,7 @@ class View:
         if self.kind != "hash":
             raise TypeError(f"view {self._name!r} is a sorted set: view.add(member, score)")
         kind = type(value)
-        if kind is not str and kind is not bytes and kind is not int:  # an int: Redis keeps its digits
+        if kind is not str and (kind is not int or not -EXACT_INT <= value <= EXACT_INT):
             value = encode_value(value)
         if type(field) is not str:
             field = _field("a view's field", field)
@@ -171,10 +186,13 @@ class View:
         """Set ``member``'s score (added when missing)."""
         if self.kind != "zset":
             raise TypeError(f"view {self._name!r} is a hash: view[field] = value")
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
-            raise TypeError(f"a sorted set view's score must be a number, got {score!r}")
+        kind = type(score)
+        if kind is not float or score != score:  # NaN is not equal to itself
+            if kind is bool or not isinstance(score, (int, float)) or math.isnan(score):
+                raise TypeError(f"a sorted set view's score must be a number, got {score!r}")
+            score = float(score)
         named = member if type(member) is str else _field("a view's member", member)
-        self._writes.append((self._name, named, float(score)))
+        self._writes.append((self._name, named, score))
 
     def remove(self, member: str | bytes | int) -> None:
         """Remove ``member``."""

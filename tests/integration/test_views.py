@@ -210,3 +210,80 @@ def test_a_batch_keeps_the_view_writes_of_the_entries_that_returned_async_and_pa
     assert held == {f"a:{n}" for n in ok_async} | {f"a:{n}:done" for n in ok_async} | {
         f"s:{n}" for n in ok_sync
     }
+
+
+def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
+    make_topic: Callable[[int], str],
+    produce: Callable[..., int],
+    make_settings: Callable[..., Settings],
+    names: Names,
+    rclient: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Ints beyond a double's exact range, scores needing 17 digits, JSON, bytes that are not
+    UTF-8 (written by plain commands), and more fields in one batch than one command takes."""
+    topic, app_name = make_topic(1), names.app()
+    kept, board, raw = f"{app_name}:kept", f"{app_name}:board", f"{app_name}:raw"
+    values: dict[str, Any] = {
+        "small": 42,
+        "neg": -7,
+        "edge": 2**53,
+        "nedge": -(2**53),
+        "big": 2**53 + 1,
+        "huge": -(10**30),
+        "text": "héllo",
+        "utf8": b"ok",
+        "json": {"a": [1, 2.5]},
+        "float": 0.1,
+        "bool": True,
+        "gone": "x",
+    }
+    scores = {"third": 1 / 3, "large": 1e300, "neg": -0.5, "int": 2**53 + 1, "inf": float("inf"), "gone": 1}
+    app = App(app_name)
+    app.view(kept)
+    app.view(board, kind="zset")
+    app.view(raw)
+
+    @app.handler(topic)
+    def write(order: dict[str, Any], ctx: Context) -> None:
+        n = order["n"]
+        if n == 0:
+            for field, value in values.items():
+                ctx.view(kept)[field] = value
+            for member, score in scores.items():
+                ctx.view(board).add(member, score)
+            ctx.view(raw)[b"\xff-field"] = b"\x00\xfe"
+            ctx.view(raw)["text"] = "plain"
+        elif n == 1:
+            del ctx.view(kept)["gone"]
+            ctx.view(board).remove("gone")
+        else:
+            ctx.view(kept)[f"many:{n}"] = n
+
+    many = 8_000
+    produce(topic, [("k", {"n": n}) for n in range(many)])
+    settings = make_settings(PSPF_STATE_DIR=str(tmp_path / "state"), PSPF_BATCH_SIZE=10_000)
+
+    Worker(app, settings).run(until_idle=True)
+
+    held = {k.decode(): v.decode() for k, v in rclient.hgetall(kept).items()}
+    assert {k: v for k, v in held.items() if not k.startswith("many:")} == {
+        "small": "42",
+        "neg": "-7",
+        "edge": str(2**53),
+        "nedge": str(-(2**53)),
+        "big": str(2**53 + 1),
+        "huge": str(-(10**30)),
+        "text": "héllo",
+        "utf8": "ok",
+        "json": '{"a":[1,2.5]}',
+        "float": "0.1",
+        "bool": "true",
+    }
+    assert {k: int(v) for k, v in held.items() if k.startswith("many:")} == {
+        f"many:{n}": n for n in range(2, many)
+    }
+    assert {m.decode(): s for m, s in rclient.zrange(board, 0, -1, withscores=True)} == {
+        member: float(score) for member, score in scores.items() if member != "gone"
+    }
+    assert rclient.hgetall(raw) == {b"\xff-field": b"\x00\xfe", b"text": b"plain"}

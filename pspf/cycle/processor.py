@@ -232,10 +232,8 @@ class BatchProcessor:
         ]
         self._acknowledge(outcomes, result)
         self._publish(result)
-        if result.read == 0:  # nothing to overlap the views' replies with: read them now
-            for owned in self.owned.values():
-                if owned.views is not None:
-                    owned.views.settle()
+        if result.read == 0:
+            self._settle_sent(result)
         self.delivery.advance(
             [
                 (o.cursor, o.finished, o.retry_in_s)
@@ -338,6 +336,21 @@ class BatchProcessor:
                 owned.views.send(self.broker.publishing.send_views)
             if owned.outbox.waiting or owned.outbox.counts[RowState.PUBLISHED]:
                 published, failed = self.relay.step(owned.outbox)
+                result.published += published
+                result.publish_failed += failed
+                call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
+
+    def _settle_sent(self, result: CycleResult) -> None:
+        """Read the replies of what ``_publish`` sent at once.
+
+        A cycle that read nothing has nothing to overlap them with, and a run until idle then
+        sees them done in this cycle instead of polling again later.
+        """
+        for owned in self.owned.values():
+            if owned.views is not None:
+                owned.views.settle()
+            if owned.outbox.sending is not None:
+                published, failed = self.relay.settle(owned.outbox)
                 result.published += published
                 result.publish_failed += failed
                 call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)

@@ -504,7 +504,7 @@ class Worker:
             self._drop_lost(result.lost_partitions)
             if finished:
                 return
-            if until_idle and result.read == 0:
+            if until_idle and result.read == 0 and not result.published:  # else: look again at once
                 self._stopping.wait(_IDLE_POLL_S)
         with suppress(BrokerError):  # stopped: the last acknowledgement counts (shutdown tries again)
             self._settle(summary)

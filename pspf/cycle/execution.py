@@ -290,6 +290,11 @@ class _ChainSource:
     def timers(self) -> PartitionTimers | None:
         return self.source.timers
 
+    @property
+    def table_writes(self) -> Any:
+        """The batch's table updates: a table's topic runs sync, here when it has a deadline."""
+        return self.source.table_writes  # type: ignore[attr-defined]
+
     def table_row(
         self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None = None
     ) -> Any:

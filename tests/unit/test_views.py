@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pspf import App, Context
+from pspf import App, Context, RetryPolicy
 from pspf.errors import ConfigError
 from pspf.outbox.views import PartitionViews, ViewWrite
 from pspf.testing import TestApp
@@ -209,3 +209,21 @@ def test_a_scheduled_callback_that_fails_leaves_no_view_writes_and_one_that_retu
         t.advance(timedelta(minutes=31))
         t.send("carts", {}, key="u3")  # stream time passes both callbacks
         assert t.view("reminded") == {"u1:seen": "1", "u2:seen": "1", "u3:seen": "1", "u1": "yes"}
+
+
+def test_an_app_whose_handlers_have_a_deadline_keeps_its_tables_and_views() -> None:
+    """A deadline runs each entry on a source of its own: a table's updates still reach the batch."""
+    app = App("deadline", retry=RetryPolicy(timeout_ms=5_000))
+    app.table("customers")
+    app.view("tiers")
+
+    @app.handler("orders")
+    def add(order: dict[str, Any], ctx: Context) -> None:
+        ctx.view("tiers")[ctx.key] = ctx.table("customers")["tier"]
+
+    with TestApp(app) as t:
+        t.send("customers", {"tier": "gold"}, key="u1")
+        t.send("orders", {"amount": 1}, key="u1")
+        assert t.table("customers", "u1") == {"tier": "gold"}
+        assert t.view("tiers") == {"u1": "gold"}
+        assert t.dead_letters() == []

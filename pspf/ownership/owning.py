@@ -390,7 +390,8 @@ class Partitions:
         well (``backup_lost``), Redis lost the app's data: nothing can show the store is current.
         """
         info = self.broker.topics.stream_info(stream)
-        check_tail(stream, info.last_id, checkpoint)
+        # lost data first: a flushed server whose topic was created again also went back, but
+        # what it lost is the app, which the error should say
         if self.group not in info.groups and backup_lost:
             # A worker creates the groups of every partition before it takes any: the app ran here.
             held = (
@@ -404,6 +405,7 @@ class Partitions:
                 f"persistence, a flush, eviction) or they were deleted. {adopt_remedy(self.group)} "
                 "(see docs/concepts/guarantee.md, When Redis loses data)"
             )
+        check_tail(stream, info.last_id, checkpoint)
         if self.group not in info.groups:
             start = str(checkpoint or "0")
             log.error(

@@ -169,9 +169,7 @@ def run_sync(
     stop: StopRule,
     passed: Callable[[bytes], None] | None = None,
 ) -> tuple[int, dict[int, BaseException]]:
-    """Run entries in id order; successful writes go into ``overlay``, emits into ``emitted``.
-
-    Their view writes go into ``viewed``.
+    """Run entries in id order; what the successful ones do goes into ``overlay``, ``emitted``, ``viewed``.
 
     ``passed(id)`` is called after each entry that does not stop the run (scheduled callbacks
     run there, between entries, as stream time passes them). Returns how many entries ran (up
@@ -182,9 +180,8 @@ def run_sync(
     timeout_ms, topic, partition = meta.timeout_ms, meta.topic, meta.partition
     func, passed, make = sync_run(meta.tracing, handler.func, passed)  # per run, not per entry
     # The common entry (delivered once, not poison, a key checked before, no headers) gets its
-    # context built here; ``_context`` checks every other.
-    # A sync handler with a deadline gets a source of its own: what it writes into its views after
-    # the deadline (it runs on) must not reach the batch.
+    # context built here; ``_context`` checks every other, and gives a handler with a deadline a
+    # source of its own (what it writes into views after its deadline must not reach the batch).
     known = meta.known if not (meta.counts or meta.poison or timeout_ms is not None) else None
     for index, (id_b, fields) in enumerate(todo):
         ctx = None
@@ -205,8 +202,7 @@ def run_sync(
                 _call_in_thread(func, value, ctx, timeout_ms)
             new = UNCHANGED if ctx.loaded is None else state_result(ctx)
         except Exception as exc:
-            if ctx is not None and ctx.viewed is not None:  # its view writes are cut off
-                del ctx.source.viewed[ctx.viewed :]
+            _cut_views(ctx)
             errors[index] = exc
             if stop(index, exc):
                 return index + 1, errors
@@ -222,6 +218,12 @@ def run_sync(
         if passed is not None:
             passed(id_b)
     return len(todo), errors
+
+
+def _cut_views(ctx: Context | None) -> None:
+    """Drop the view writes of a failed attempt (None: it failed before its context was made)."""
+    if ctx is not None and ctx.viewed is not None:
+        del ctx.source.viewed[ctx.viewed :]
 
 
 def _join_more(ctx: Context, source: StateSource, viewed: list[ViewWrite]) -> None:
@@ -267,6 +269,14 @@ class _ChainSource:
         self.results: dict[str, bytes | None] = {}
         self.viewed: list[ViewWrite] = []
         self.views = bind({name: view.kind for name, view in source.views.items()}, self.viewed)
+
+    def taken(self) -> list[ViewWrite] | None:
+        """The view writes of the attempt that just returned (None: none), gone from here."""
+        if not self.viewed:
+            return None
+        found = self.viewed[:]
+        self.viewed.clear()
+        return found
 
     def base(self, key: str) -> bytes | None:
         if key in self.results:
@@ -354,9 +364,7 @@ def run_async(
                 continue
             if new is not UNCHANGED:
                 chain_source.results[key] = new
-            viewed = chain_source.viewed[:] if chain_source.viewed else None
-            chain_source.viewed.clear()
-            states[index] = (key, new, ctx.emitted, ctx.schedules, viewed)
+            states[index] = (key, new, ctx.emitted, ctx.schedules, chain_source.taken())
 
     async def run_all() -> None:
         await asyncio.gather(*(chain(indexes) for indexes in chains.values()))

@@ -26,7 +26,7 @@ from pspf.keys import BACKUP_NAMESPACE, BACKUP_PARTITIONS, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.partition.backup import PartitionBackup, Restored, delete_backup
 from pspf.partition.durability import flush
-from pspf.partition.owned import OwnedPartition, StreamCursor, check_tail
+from pspf.partition.owned import OwnedPartition, StreamCursor, check_tail, went_back
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
@@ -390,17 +390,22 @@ class Partitions:
         well (``backup_lost``), Redis lost the app's data: nothing can show the store is current.
         """
         info = self.broker.topics.stream_info(stream)
-        # lost data first: a flushed server whose topic was created again also went back, but
-        # what it lost is the app, which the error should say
-        if self.group not in info.groups and backup_lost:
+        # Lost data first: after a flush the topic may be back (empty, so it went back too) and
+        # its group too (another worker's takeover made it), but the backup says what was lost.
+        if backup_lost and (self.group not in info.groups or went_back(info.last_id, checkpoint)):
             # A worker creates the groups of every partition before it takes any: the app ran here.
             held = (
                 f"this store applied entries up to {checkpoint}"
                 if checkpoint
                 else "this machine has no store of it"
             )
+            gone = (
+                f"consumer group on {stream}"
+                if self.group not in info.groups
+                else f"entries of {stream} up to the store's checkpoint (the stream went back)"
+            )
             raise BrokerDataLost(
-                f"the server no longer has app {self.group!r}'s consumer group on {stream} nor the "
+                f"the server no longer has app {self.group!r}'s {gone} nor the "
                 f"partition's state backup ({held}): Redis lost its data (a restart without "
                 f"persistence, a flush, eviction) or they were deleted. {adopt_remedy(self.group)} "
                 "(see docs/concepts/guarantee.md, When Redis loses data)"

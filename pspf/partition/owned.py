@@ -301,6 +301,11 @@ def parked(failure: Failure | None) -> bool:
     return failure is not None and failure.due_ms > 0
 
 
+def went_back(last_id: bytes | None, checkpoint: StreamId | None) -> bool:
+    """Whether a stream's last generated id is below the checkpoint (``check_tail``)."""
+    return checkpoint is not None and last_id is not None and StreamId.parse(last_id) < checkpoint
+
+
 def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) -> None:
     """Refuse a stream whose last generated id is below the checkpoint, before anything more is acknowledged.
 
@@ -308,8 +313,9 @@ def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) 
     empties the stream): once that is below the checkpoint, new entries can land at or below it
     and would be skipped as done.
     """
-    if checkpoint is None or last_id is None or StreamId.parse(last_id) >= checkpoint:
+    if not went_back(last_id, checkpoint):
         return
+    assert last_id is not None
     raise BrokerError(
         f"stream {stream} went back: its last generated id {last_id.decode()} is below the app's "
         f"checkpoint {checkpoint} (the topic was recreated, or Redis lost writes: a restart without "

@@ -224,6 +224,7 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
     UTF-8 (written by plain commands), and more fields in one batch than one command takes."""
     topic, app_name = make_topic(1), names.app()
     kept, board, raw = f"{app_name}:kept", f"{app_name}:board", f"{app_name}:raw"
+    raw_board = f"{app_name}:raw-board"
     values: dict[str, Any] = {
         "small": 42,
         "neg": -7,
@@ -243,6 +244,7 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
     app.view(kept)
     app.view(board, kind="zset")
     app.view(raw)
+    app.view(raw_board, kind="zset")
 
     @app.handler(topic)
     def write(order: dict[str, Any], ctx: Context) -> None:
@@ -254,6 +256,8 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
                 ctx.view(board).add(member, score)
             ctx.view(raw)[b"\xff-field"] = b"\x00\xfe"
             ctx.view(raw)["text"] = "plain"
+            ctx.view(raw_board).add(b"\xfe-member", 1.5)
+            ctx.view(raw_board).add("text", 2)
         elif n == 1:
             del ctx.view(kept)["gone"]
             ctx.view(board).remove("gone")
@@ -287,3 +291,4 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
         member: float(score) for member, score in scores.items() if member != "gone"
     }
     assert rclient.hgetall(raw) == {b"\xff-field": b"\x00\xfe", b"text": b"plain"}
+    assert rclient.zrange(raw_board, 0, -1, withscores=True) == [(b"\xfe-member", 1.5), (b"text", 2.0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 from typing import Any
 
@@ -236,3 +237,36 @@ def test_global_tables_are_looked_at_every_cycle_while_updates_come_then_less_of
     tables.follow_between()
     assert len(looks) == 4
     assert tables.row("rates", "b") is not None
+
+
+def test_a_handler_that_changes_a_looked_up_row_changes_only_its_own_copy() -> None:
+    """Rows of plain values are decoded once and copied per lookup; a change must not leak."""
+    app = App("copies")
+    app.table("customers")
+    app.global_table("products")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        customer = ctx.table("customers")
+        product = ctx.table("products", key=value["product"])
+        ctx.state["seen"] = [*ctx.state.get("seen", []), copy.deepcopy([customer, product])]
+        customer["tier"] = "changed"  # a plain row
+        product["tags"].append("changed")  # a row holding a list
+        product["price"] = -1
+
+    with TestApp(app, partitions=1) as t:
+        t.send("customers", {"tier": "gold", "since": 2020}, key="c1")
+        t.send("products", {"price": 5, "tags": ["new"]}, key="p1")
+        for _ in range(3):
+            t.send("orders", {"product": "p1"}, key="c1")
+        t.send("customers", {"tier": "silver", "since": 2020}, key="c1")
+        t.send("orders", {"product": "p1"}, key="c1")
+        gold = {"tier": "gold", "since": 2020}
+        product = {"price": 5, "tags": ["new"]}
+        assert t.state("c1")["seen"] == [
+            [gold, product],
+            [gold, product],
+            [gold, product],
+            [{"tier": "silver", "since": 2020}, product],
+        ]
+        assert t.table("customers", "c1") == {"tier": "silver", "since": 2020}

@@ -41,7 +41,7 @@ from pspf.broker.counts import CountSource, TopicCount, partition_count
 from pspf.broker.leasing import Leasing
 from pspf.broker.moving import Moving
 from pspf.broker.publishing import PublishCall, Publishing, SentCalls, refused_layout
-from pspf.broker.reading import Reading
+from pspf.broker.reading import Reading, ReadSent
 from pspf.broker.records import (
     CLUSTER_POLL_MS,
     LAG_COUNT_LIMIT,
@@ -83,6 +83,7 @@ __all__ = [
     "Publishing",
     "RawEntry",
     "ReadAhead",
+    "ReadSent",
     "Reading",
     "Requests",
     "SentCalls",

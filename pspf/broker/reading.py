@@ -20,7 +20,7 @@ import redis
 from pspf import keys
 from pspf.broker.ahead import ReadAhead, Reader, fenced_reads
 from pspf.broker.connection import Connection
-from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text
+from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text, packed
 from pspf.keys import StreamId
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,29 @@ class Reading:
         with self.conn.translate_errors(", ".join(streams)):
             pipe = self.conn.client.pipeline(transaction=False)
             for stream in streams:
-                after = positions[stream]
-                pipe.xrange(stream, "-" if after is None else str(after.next()), "+", count)
+                pipe.xrange(stream, _after(positions[stream]), "+", count)
             replies = pipe.execute()
         return [(stream, list(entries)) for stream, entries in zip(streams, replies, strict=True) if entries]
+
+    def send_read_after(self, positions: Mapping[str, StreamId | None], count: int) -> ReadSent | None:
+        """``read_after`` sent now, its replies read later (``ReadSent.take``): the caller goes on meanwhile.
+
+        None on a cluster (the streams may be on several nodes): the caller reads with ``read_after``.
+        """
+        if self.conn.cluster:
+            return None
+        streams = list(positions)
+        commands = [("XRANGE", stream, _after(positions[stream]), "+", "COUNT", count) for stream in streams]
+        pool = self.conn.client.connection_pool
+        with self.conn.translate_errors(", ".join(streams)):
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command(packed(commands))
+            except BaseException:
+                connection.disconnect()
+                pool.release(connection)
+                raise
+        return ReadSent(self.conn, connection, streams)
 
     def read_tails(self, streams: Sequence[str], count: int) -> list[tuple[str, list[RawEntry]]]:
         """The last ``count`` entries of each stream, oldest first, no group (``pspf topic read``).
@@ -344,3 +363,39 @@ class Reading:
                 except redis.WatchError:
                     continue
         return [entry for entry in _entries([e for e in reply if e is not None]) if entry[1] is not None]
+
+
+def _after(position: StreamId | None) -> str:
+    """XRANGE's start for the entries past ``position`` (None: from the first)."""
+    return "-" if position is None else str(position.next())
+
+
+class ReadSent:
+    """A ``read_after`` sent (``Reading.send_read_after``); its connection is its own until read."""
+
+    def __init__(self, conn: Connection, connection: Any, streams: list[str]) -> None:
+        self.conn = conn
+        self._connection = connection
+        self._streams = streams
+
+    def take(self) -> list[tuple[str, list[RawEntry]]]:
+        """What ``read_after`` returns: per stream with entries past its position, those entries."""
+        connection, self._connection = self._connection, None
+        assert connection is not None, "a read sent is taken once"
+        pool = self.conn.client.connection_pool
+        try:
+            with self.conn.translate_errors(", ".join(self._streams)):
+                replies = [connection.read_response() for _ in self._streams]
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        return [(stream, _entries(raw)) for stream, raw in zip(self._streams, replies, strict=True) if raw]
+
+    def abandon(self) -> None:
+        """Close the connection unread: the read changed nothing on the server."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.disconnect()
+            self.conn.client.connection_pool.release(connection)

@@ -18,7 +18,7 @@ from pspf.errors import DecodeError
 from pspf.keys import StreamId
 
 if TYPE_CHECKING:
-    from pspf.broker import Broker, RawEntry
+    from pspf.broker import Broker, RawEntry, ReadSent
     from pspf.state_stores import StateStore
 
 from pspf.tables.table import GLOBAL_CACHE_LIMIT, GLOBAL_READ_COUNT, MISSING, Table, _encode_row
@@ -61,6 +61,8 @@ class GlobalTables:
         self.cache: dict[str, bytes | None] = {}
         #: when (monotonic) ``follow_between`` looks next
         self._look_at = 0.0
+        #: the look sent by the last ``follow_between``, its replies not read yet
+        self._look: ReadSent | None = None
 
     def row(self, name: str, key: str) -> bytes | None:
         """A row as stored (None: no row)."""
@@ -111,12 +113,24 @@ class GlobalTables:
         return self.apply(self.broker.reading.read_after(after, GLOBAL_READ_COUNT))
 
     def follow_between(self) -> int:
-        """``follow`` between batches: each cycle while updates come, else every QUIET_LOOK_S."""
+        """``follow`` between batches: each cycle while updates come, else every QUIET_LOOK_S.
+
+        A look's round trip is overlapped with the batch: it is sent in one cycle and what it
+        found applied in the next (on a cluster it is read at once). Returns the entries applied.
+        """
         now = time.monotonic()
-        if now < self._look_at:
-            return 0
-        got = self.follow()
-        self._look_at = now if got else now + QUIET_LOOK_S
+        look, self._look = self._look, None
+        got = 0
+        if look is not None:
+            got = self.apply(look.take())
+            self._look_at = now if got else now + QUIET_LOOK_S
+        if now < self._look_at or not self.streams or self.broker is None:
+            return got
+        self._look = self.broker.reading.send_read_after(self.positions, GLOBAL_READ_COUNT)
+        if self._look is None:  # a cluster: the look is read now
+            found = self.follow()
+            self._look_at = now if found else now + QUIET_LOOK_S
+            got += found
         return got
 
     def apply(self, read: list[tuple[str, list[RawEntry]]]) -> int:
@@ -168,4 +182,7 @@ class GlobalTables:
         return behind
 
     def close(self) -> None:
+        look, self._look = self._look, None
+        if look is not None:
+            look.abandon()
         self.store.close()

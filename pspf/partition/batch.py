@@ -69,6 +69,8 @@ class PartitionBatch:
     """The writes of one partition in one batch, on top of the committed state."""
 
     __slots__ = (
+        "_global_rows",
+        "_tables",
         "broken",
         "dead",
         "emitted",
@@ -97,6 +99,11 @@ class PartitionBatch:
         self.emitter = emitter
         #: the app's tables (None: it declares none)
         self.lookups = lookups
+        #: what a lookup reads first, bound once per batch (``table_row``): the tables by name, the
+        #: global tables' rows in memory
+        self._tables = {} if lookups is None else lookups.tables
+        global_tables = None if lookups is None else lookups.global_tables
+        self._global_rows = {} if global_tables is None else global_tables.cache
         #: the batch's table updates, each with its entry's id
         self.table_writes = TableWrites()
         self.overlay: dict[str, bytes | None] = {}
@@ -188,23 +195,16 @@ class PartitionBatch:
 
         A table's row comes from the batch's updates up to that entry, then the partition's
         committed rows, then its store; a global table's from the worker's global store. ``check``:
-        the key was given, so it must belong here. Runs per lookup: kept flat.
+        the key was given, so it must belong here. Runs per lookup: the two common lookups (a
+        table by the entry's key, a global table by a text key) take the short way; every other
+        one is checked first (``_table_row_checked``).
         """
-        lookups = self.lookups
-        table = None if lookups is None else lookups.tables.get(name)
-        if table is None or (check and (not table.is_global or type(key) is not str)):
-            table = self._checked_table(name, key, what, check)  # a global table takes any str key
+        table = self._tables.get(name)
+        if table is None or at is not None or check is not table.is_global or type(key) is not str:
+            return self._table_row_checked(name, key, before, what, check, at)
         stored = f"{name}/{key}"  # keys.table_key
-        if at is not None:
-            return self._row_at(table, stored, before, at, what)
-        if table.is_global:
-            if not check:
-                raise TableError(
-                    f"{what}({name!r}): {name!r} is a global table: give the row's key, "
-                    f"{what}({name!r}, key=...)"
-                )
-            assert lookups is not None and lookups.global_tables is not None
-            raw = lookups.global_tables.cache.get(stored, MISSING)
+        if check:  # a global table's row
+            raw = self._global_rows.get(stored, MISSING)
         else:
             raw = self.table_writes.find(stored, before) if self.table_writes.versions else MISSING
             if raw is MISSING and before is not None and self.owned.history is not False:
@@ -212,8 +212,25 @@ class PartitionBatch:
             if raw is MISSING:
                 raw = self.owned.table_cache.get(stored, MISSING)
         if raw is MISSING:
-            raw = self._stored_row(stored, table.is_global)
+            raw = self._stored_row(stored, check)
         return None if raw is None else table.decode(raw)
+
+    def _table_row_checked(
+        self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None
+    ) -> Any:
+        """``table_row`` off the short way, checked first.
+
+        An undeclared table, a table's key given (it must be of this partition), a global table
+        without a key or with one that is not text, a versioned lookup (``at``).
+        """
+        table = self._checked_table(name, key, what, check)
+        if table.is_global and not check:
+            raise TableError(
+                f"{what}({name!r}): {name!r} is a global table: give the row's key, {what}({name!r}, key=...)"
+            )
+        if at is not None:
+            return self._row_at(table, f"{name}/{key}", before, at, what)
+        return self.table_row(name, key, before, what, False)  # a table's key, checked: the short way
 
     def _row_at(self, table: Table, stored: str, before: bytes | None, at: int, what: str) -> Any:
         """A versioned table's row current at event time ``at``, as of the entry ``before``."""

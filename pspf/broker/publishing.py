@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError
 
 from pspf import keys
 from pspf.broker.connection import Connection, script_source
-from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text, packed
+from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text, send_packed
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
 log = logging.getLogger(__name__)
@@ -194,14 +194,7 @@ class Publishing:
                     pipe.execute_command(*command)
                 pipe.execute()
                 return ViewsSent(self.conn, None, 0)
-            pool = self.conn.client.connection_pool
-            connection = pool.get_connection()
-            try:
-                connection.send_packed_command(packed(commands))
-            except BaseException:
-                connection.disconnect()
-                pool.release(connection)
-                raise
+            connection = send_packed(self.conn.client.connection_pool, commands)
         return ViewsSent(self.conn, connection, len(commands))
 
     def key_types(self, names: Sequence[str]) -> list[str]:
@@ -249,18 +242,12 @@ class Publishing:
             except BrokerError as exc:
                 return SentCalls.failed(len(calls), exc)
             return SentCalls(self, None, scripted, [self.conn.reply_or_error(r) for r in replies])
-        pool = self.conn.client.connection_pool
         try:
             with self.conn.translate_errors():
-                connection = pool.get_connection()
-                try:
-                    connection.send_packed_command(
-                        packed([("EVALSHA", self._publish.sha, 3, *k, *a) for k, a in scripted])
-                    )
-                except BaseException:
-                    connection.disconnect()
-                    pool.release(connection)
-                    raise
+                connection = send_packed(
+                    self.conn.client.connection_pool,
+                    [("EVALSHA", self._publish.sha, 3, *k, *a) for k, a in scripted],
+                )
         except BrokerError as exc:
             return SentCalls.failed(len(calls), exc)
         return SentCalls(self, connection, scripted)

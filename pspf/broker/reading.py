@@ -20,7 +20,15 @@ import redis
 from pspf import keys
 from pspf.broker.ahead import ReadAhead, Reader, fenced_reads
 from pspf.broker.connection import Connection
-from pspf.broker.records import _CLAIM_COUNT, CLUSTER_POLL_MS, PendingEntry, RawEntry, _entries, _text, packed
+from pspf.broker.records import (
+    _CLAIM_COUNT,
+    CLUSTER_POLL_MS,
+    PendingEntry,
+    RawEntry,
+    _entries,
+    _text,
+    send_packed,
+)
 from pspf.keys import StreamId
 
 log = logging.getLogger(__name__)
@@ -86,15 +94,8 @@ class Reading:
             return None
         streams = list(positions)
         commands = [("XRANGE", stream, _after(positions[stream]), "+", "COUNT", count) for stream in streams]
-        pool = self.conn.client.connection_pool
         with self.conn.translate_errors(", ".join(streams)):
-            connection = pool.get_connection()
-            try:
-                connection.send_packed_command(packed(commands))
-            except BaseException:
-                connection.disconnect()
-                pool.release(connection)
-                raise
+            connection = send_packed(self.conn.client.connection_pool, commands)
         return ReadSent(self.conn, connection, streams)
 
     def read_tails(self, streams: Sequence[str], count: int) -> list[tuple[str, list[RawEntry]]]:

@@ -118,6 +118,22 @@ def packed(commands: Sequence[tuple[Any, ...]]) -> list[bytes]:
     return [b"".join([hiredis.pack_command(command) for command in commands])]
 
 
+def send_packed(pool: Any, commands: Sequence[tuple[Any, ...]]) -> Any:
+    """A connection of ``pool`` with ``commands`` sent on it in one write, their replies unread.
+
+    The connection is the caller's until it has read the replies and released it; a send that
+    fails holds nothing (the connection is closed and given back).
+    """
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(packed(commands))
+    except BaseException:
+        connection.disconnect()
+        pool.release(connection)
+        raise
+    return connection
+
+
 def usable(pool: Any, connection: Any) -> Any:
     """``connection`` (taken from ``pool`` when None), checked as the pool checks those it hands out.
 

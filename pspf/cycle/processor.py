@@ -335,10 +335,7 @@ class BatchProcessor:
             if owned.views is not None:
                 owned.views.send(self.broker.publishing.send_views)
             if owned.outbox.waiting or owned.outbox.counts[RowState.PUBLISHED]:
-                published, failed = self.relay.step(owned.outbox)
-                result.published += published
-                result.publish_failed += failed
-                call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
+                self._relayed(owned, self.relay.step(owned.outbox), result)
 
     def _settle_sent(self, result: CycleResult) -> None:
         """Read the replies of what ``_publish`` sent at once.
@@ -350,10 +347,13 @@ class BatchProcessor:
             if owned.views is not None:
                 owned.views.settle()
             if owned.outbox.sending is not None:
-                published, failed = self.relay.settle(owned.outbox)
-                result.published += published
-                result.publish_failed += failed
-                call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
+                self._relayed(owned, self.relay.settle(owned.outbox), result)
+
+    def _relayed(self, owned: OwnedPartition, counts: tuple[int, int], result: CycleResult) -> None:
+        """What a relay step (or settle) published and failed counted, the outbox's rows reported."""
+        result.published += counts[0]
+        result.publish_failed += counts[1]
+        call_hook(self.hooks.on_outbox_rows, owned.partition, owned.outbox.counts)
 
     # -- steps 2-4: skip, decode, handle ------------------------------------------------------
 

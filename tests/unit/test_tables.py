@@ -253,7 +253,7 @@ def test_global_tables_are_looked_at_every_cycle_while_updates_come_then_less_of
 
 
 def test_a_handler_that_changes_a_looked_up_row_changes_only_its_own_copy() -> None:
-    """Rows of plain values are decoded once and copied per lookup; a change must not leak."""
+    """A looked-up row is the handler's own: a change to it (a value, a list inside) reaches no later one."""
     app = App("copies")
     app.table("customers")
     app.global_table("products")

@@ -146,7 +146,17 @@ def run_point(
     try:
         loaded = preload(bench.url, topic, partitions, orders, keys)
         expected = loaded.expected
-        got = run_workers(bench.url, topic, names, workers, bench.args.batch_size, lease_ttl_ms, sizes, store)
+        got = run_workers(
+            bench.url,
+            topic,
+            names,
+            workers,
+            bench.args.batch_size,
+            lease_ttl_ms,
+            sizes,
+            store,
+            bench.args.backup_buckets,
+        )
         if got["failed"]:
             raise SystemExit(f"{curve} {x}: {got['failed']} failed attempts")
         for app in names:
@@ -368,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="lease TTL of the 2-worker runs (2000; else the default)",
     )
     parser.add_argument("--batch-size", type=int, default=1_000, help="PSPF_BATCH_SIZE (1000)")
+    parser.add_argument(
+        "--backup-buckets", type=int, default=1, help="PSPF_STATE_BACKUP_BUCKETS of every worker (1)"
+    )
     parser.add_argument("--servers", choices=("valkey", "redis"), default="valkey", help="server to start")
     parser.add_argument("--plot-dir", help="write scale-<curve>.png here")
     parser.add_argument("--json", help="write every point to this file")
@@ -390,7 +403,8 @@ def benchmark(args: argparse.Namespace, url: str, where: str) -> list[Point]:
     print(
         f"python {sys.version.split()[0]}, redis-py {redis.__version__}, msgspec {msgspec.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start; store sqlite, "
-        f"durability normal, state backup on, batch size {args.batch_size}, --entries {args.entries:,}"
+        f"durability normal, state backup on ({args.backup_buckets} bucket(s) per partition), batch size "
+        f"{args.batch_size}, --entries {args.entries:,}"
     )
     points: list[Point] = []
     for curve in args.chosen:

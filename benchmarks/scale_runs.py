@@ -117,6 +117,7 @@ def worker_child(args: argparse.Namespace) -> dict[str, Any]:
         "PSPF_BLOCK_MS": 100,
         "PSPF_BATCH_SIZE": args.batch_size,
         "PSPF_STORE": args.store,
+        "PSPF_STATE_BACKUP_BUCKETS": args.backup_buckets,
     }
     if args.lease_ttl_ms:
         env["PSPF_LEASE_TTL_MS"] = args.lease_ttl_ms
@@ -185,6 +186,7 @@ def run_workers(
     lease_ttl_ms: int | None = None,
     sizes: bool = False,
     store: str = "sqlite",
+    buckets: int = 1,
 ) -> dict[str, Any]:
     """``workers`` children per app, all at once, each with a state dir of its own; their figures together.
 
@@ -197,7 +199,7 @@ def run_workers(
         base = [sys.executable, str(Path(__file__).resolve()), "--broker", url, "--topic", topic]
         base += ["--batch-size", str(batch_size), "--lease-ttl-ms", str(lease_ttl_ms or 0)]
         base += ["--sizes"] if sizes else []
-        base += ["--store", store]
+        base += ["--store", store, "--backup-buckets", str(buckets)]
         children = []
         server_cpu = server_cpu_seconds(url)
         for app in apps:
@@ -303,12 +305,13 @@ def redis_memory(url: str, topic: str, apps: list[str]) -> dict[str, list[int]]:
     finally:
         client.close()
     tag = re.compile(r"\{" + re.escape(topic) + r":\d+\}")
+    bucket = re.compile(r"(:backup:APP):\d+$")  # a backup's buckets are one kind with it
     kinds: dict[str, list[int]] = {}
     for name, size in zip(names, sizes, strict=True):
         kind = name
         for app in sorted(apps, key=len, reverse=True):
             kind = kind.replace(app, "APP")
-        kind = tag.sub("{T:P}", kind).replace(topic, "T")
+        kind = bucket.sub(r"\1", tag.sub("{T:P}", kind).replace(topic, "T"))
         found = kinds.setdefault(kind, [0, 0])
         found[0] += 1
         found[1] += int(size or 0)
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lease-ttl-ms", type=int, default=0, help="0: PSPF's default")
     parser.add_argument("--sizes", action="store_true", help="also report what the stores hold")
     parser.add_argument("--store", default="sqlite", help="PSPF_STORE (sqlite)")
+    parser.add_argument("--backup-buckets", type=int, default=1, help="PSPF_STATE_BACKUP_BUCKETS (1)")
     print(json.dumps(worker_child(parser.parse_args(argv))))
 
 

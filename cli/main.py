@@ -316,6 +316,12 @@ RUN_OPTIONS: list[tuple[str, Any, str]] = [
         "off: one machine with a lasting disk, and a missing or stale store is refused  [default: on]",
     ),
     (
+        "--state-backup-buckets",
+        int,
+        "Hashes each partition's backup spreads its values over: about (keys per partition) / 100 "
+        "keeps many small values compact in Redis; a change re-uploads each backup once  [default: 1]",
+    ),
+    (
         "--standby/--no-standby",
         bool,
         "Keep the stores of partitions other workers own following their backups, so a "

@@ -42,6 +42,14 @@ BACKUP_IDENTITY = "identity"
 BACKUP_MARK = f"{BACKUP_NAMESPACE}\x00{BACKUP_IDENTITY}".encode()
 #: Meta field: the values hash carries ``BACKUP_MARK`` (a backup from before it does not).
 BACKUP_MARKED = "marked"
+#: Meta field: how many hashes a backup's values are spread over (``state.backup_buckets``; absent:
+#: one). Written in the same call as an upload's first values, with ``BACKUP_LAYOUT``.
+BACKUP_BUCKETS = "buckets"
+#: Meta field: the identity of the upload that laid the buckets out. Every bucket but the first
+#: holds it under ``BACKUP_LAYOUT_MARK`` from that upload on, so one deleted or evicted alone (or
+#: made anew by a later write) is told from one that is merely empty.
+BACKUP_LAYOUT = "layout"
+BACKUP_LAYOUT_MARK = f"{BACKUP_NAMESPACE}\x00{BACKUP_LAYOUT}".encode()
 #: Meta field, and store key under ``BACKUP_NAMESPACE``: the partition count the state was built
 #: for (a key's partition depends on it).
 BACKUP_PARTITIONS = "partitions"
@@ -273,6 +281,41 @@ def backup_key(topic: str, partition: int, group: str) -> str:
     It lives on the hash tag of the app's first topic, beside that stream and lease.
     """
     return f"{PREFIX}:{{{topic}:{partition}}}:backup:{group}"
+
+
+#: The backup fields ``bucket_of`` spreads over the buckets: values per key (state, windows,
+#: timers, tables).
+SPREAD_FIELDS = tuple(
+    f"{namespace}\x00".encode()
+    for namespace in (
+        STATE_NAMESPACE,
+        WINDOWS_NAMESPACE,
+        EXPIRY_NAMESPACE,
+        SCHEDULES_NAMESPACE,
+        TABLES_NAMESPACE,
+        TABLE_HISTORY_NAMESPACE,
+        TABLE_VERSIONS_NAMESPACE,
+        GLOBAL_TABLES_NAMESPACE,
+    )
+)
+
+
+def bucket_keys(values: str, buckets: int) -> list[str]:
+    """The hashes a backup's values are spread over: the values key, then ``values:1`` ...
+
+    App names hold no ":", so none of them is another app's key.
+    """
+    return [values, *(f"{values}:{i}" for i in range(1, buckets))]
+
+
+def bucket_of(name: bytes, buckets: int) -> int:
+    """The bucket of a backup field (CRC-32: the same on every machine and version).
+
+    Only the namespaces that grow with the keys are spread (``SPREAD_FIELDS``); the bookkeeping
+    stays in the first bucket: its values (a failure's record, an outbox page) are often larger
+    than Redis keeps in a compact hash, and one such value, even deleted, leaves its hash large.
+    """
+    return zlib.crc32(name) % buckets if buckets > 1 and name.startswith(SPREAD_FIELDS) else 0
 
 
 def backup_meta_key(topic: str, partition: int, group: str) -> str:

@@ -133,6 +133,11 @@ class StateSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: Keep each partition's state in Redis too, so that it follows the partition to any
     #: machine; "off" for one machine whose disk lasts (then a missing or stale store is refused).
     backup: Literal["on", "off"] = "on"
+    #: How many hashes each partition's backup spreads its values over. One hash of many small
+    #: values takes 2-3x their size in Redis; hashes of up to 512 small values are kept compact
+    #: (listpack): set it near (keys per partition) / 100. A change re-uploads each partition's
+    #: backup once, at its next takeover.
+    backup_buckets: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1
     #: Keep the stores of the partitions this worker does not own following their backups, so
     #: that taking one over needs no full restore (each worker then holds a copy of all state).
     standby: bool = False
@@ -246,6 +251,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PSPF_STORE": ("state", "engine"),
     "PSPF_DURABILITY": ("state", "durability"),
     "PSPF_STATE_BACKUP": ("state", "backup"),
+    "PSPF_STATE_BACKUP_BUCKETS": ("state", "backup_buckets"),
     "PSPF_STANDBY": ("state", "standby"),
     "PSPF_OUTBOX_MAX_ATTEMPTS": ("outbox", "max_attempts"),
     "PSPF_OUTBOX_RETRY_BASE_MS": ("outbox", "base_delay_ms"),

@@ -205,6 +205,8 @@ def make_settings(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
             "PSPF_LEASE_TTL_MS": 2000,
             "PSPF_RETRY_BASE_MS": 20,
         }
+        if BACKUP_BUCKETS:
+            values["PSPF_STATE_BACKUP_BUCKETS"] = BACKUP_BUCKETS
         values.update(overrides)
         return Settings.load(values, environ={})
 
@@ -257,9 +259,16 @@ def pspf_command(*args: str) -> list[str]:
     return [sys.executable, "-c", "from pspf.cli import cli; cli(prog_name='pspf')", *args]
 
 
+#: Run every test's workers with their state backups in this many buckets (a whole suite, e.g.
+#: the crash tests, against that layout); unset: the default, one hash.
+BACKUP_BUCKETS = os.environ.get("PSPF_TEST_BACKUP_BUCKETS", "")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSPF_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if BACKUP_BUCKETS:
+        env["PSPF_STATE_BACKUP_BUCKETS"] = BACKUP_BUCKETS
     env.update(extra)
     return env
 

@@ -19,6 +19,7 @@ the batch in the backup and its entries acknowledged.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -62,6 +63,40 @@ class BackupUpdate(NamedTuple):
     #: an update's fence: the identities the backup may hold now (empty: not checked); any other
     #: means the backup went back (a fail-over lost writes) and nothing is done
     follows: Collection[str] = ()
+    #: how many hashes the values are spread over (``keys.bucket_of``)
+    buckets: int = 1
+    #: with "replace": the layout's identity, marked in every bucket but the first and, with the
+    #: bucket count, in the meta ("" for one bucket); and the other buckets of the layout it
+    #: replaces, deleted with the rest
+    layout: str = ""
+    stale: Sequence[str] = ()
+
+
+def bucketed(b: BackupUpdate) -> tuple[list[tuple[str, list[bytes]]], list[tuple[str, list[bytes]]]]:
+    """An update's values to set (flat pairs) and fields to delete, by the key of their bucket."""
+    if b.buckets <= 1:
+        return ([(b.keys.values, list(b.sets))] if b.sets else []), (
+            [(b.keys.values, list(b.deletes))] if b.deletes else []
+        )
+    sets: dict[int, list[bytes]] = {}
+    if b.layout:
+        sets = {i: [keys.BACKUP_LAYOUT_MARK, b.layout.encode()] for i in range(1, b.buckets)}
+    crc, count, spread = zlib.crc32, b.buckets, keys.SPREAD_FIELDS  # ``keys.bucket_of``, inlined
+    for k in range(0, len(b.sets), 2):
+        name = b.sets[k]
+        sets.setdefault(crc(name) % count if name.startswith(spread) else 0, []).extend((name, b.sets[k + 1]))
+    deletes: dict[int, list[bytes]] = {}
+    for name in b.deletes:
+        deletes.setdefault(crc(name) % count if name.startswith(spread) else 0, []).append(name)
+    names = keys.bucket_keys(b.keys.values, count)
+    return [(names[i], v) for i, v in sets.items()], [(names[i], v) for i, v in deletes.items()]
+
+
+def layout_meta(b: BackupUpdate) -> list[str]:
+    """The meta fields a "replace" writes for its layout (none for one bucket)."""
+    if b.buckets <= 1 or not b.layout:
+        return []
+    return [keys.BACKUP_BUCKETS, str(b.buckets), keys.BACKUP_LAYOUT, b.layout]
 
 
 class AckRequest(NamedTuple):
@@ -288,18 +323,18 @@ def _backup_commands(b: BackupUpdate, prev: str, fields: int) -> list[tuple[Any,
     ``fields``: how many the backup held before (its log's length follows it, ``log_length``).
     """
     commands: list[tuple[Any, ...]] = []
-    if b.deletes:
-        commands.append(("HDEL", b.keys.values, *b.deletes))
-    sets = [*b.sets, keys.BACKUP_MARK, b.identity] if b.identity else b.sets
-    if sets:
-        commands.append(("HSET", b.keys.values, *sets))
+    sets, deletes = bucketed(b)
+    commands += [("HDEL", key, *names) for key, names in deletes]
+    commands += [("HSET", key, *pairs) for key, pairs in sets]
+    if b.identity:
+        commands.append(("HSET", b.keys.values, keys.BACKUP_MARK, b.identity))
     meta: list[Any] = [x for topic, checkpoint in b.checkpoints.items() for x in ("cp:" + topic, checkpoint)]
     if b.identity:
         meta += ["identity", b.identity, keys.BACKUP_MARKED, "1"]
     if meta:
         commands.append(("HSET", b.keys.meta, *meta))
     if BACKUP_LOG_LENGTH > 0:
-        keep = log_length(fields, len(b.sets) // 2 + len(b.deletes))
+        keep = log_length(fields * b.buckets, len(b.sets) // 2 + len(b.deletes))
         head = ("XADD", b.keys.log, "MAXLEN", "~", keep, "*", "prev", prev)
         commands.append((*head, "id", b.identity or prev, "data", log_data(b)))
     return commands

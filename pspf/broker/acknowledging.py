@@ -24,6 +24,9 @@ from pspf.broker.acking import (
     Acker,
     AckInFlight,
     AckRequest,
+    BackupUpdate,
+    bucketed,
+    layout_meta,
     log_data,
     transaction_sent,
 )
@@ -137,49 +140,89 @@ class Acknowledging:
             )
         return [(bytes(entry_id), fields) for entry_id, fields in entries]
 
+    def backup_layout(self, backup: keys.BackupKeys) -> tuple[list[str], str]:
+        """The hashes a backup's values are in (``keys.bucket_keys``), and its layout's identity."""
+        with self.conn.translate_errors(backup.meta):
+            buckets, layout = self.conn.client.hmget(backup.meta, [keys.BACKUP_BUCKETS, keys.BACKUP_LAYOUT])
+        return keys.bucket_keys(backup.values, int(buckets or 1)), _text(layout or b"")
+
+    def backup_keys(self, backup: keys.BackupKeys) -> list[str]:
+        """Every key a backup takes: its buckets, meta and log."""
+        return [*self.backup_layout(backup)[0], backup.meta, backup.log]
+
+    def lost_buckets(self, backup: keys.BackupKeys) -> list[str]:
+        """The buckets (but the first) that lack their layout's mark: deleted or evicted alone."""
+        buckets, layout = self.backup_layout(backup)
+        if len(buckets) == 1:
+            return []
+        with self.conn.translate_errors(backup.values):
+            pipe = self.conn.on(backup.values).pipeline(transaction=False)
+            for key in buckets[1:]:
+                pipe.hget(key, keys.BACKUP_LAYOUT_MARK)
+            marks = pipe.execute()
+        return [key for key, mark in zip(buckets[1:], marks, strict=True) if _text(mark or b"") != layout]
+
     def backup_values(
-        self, key: str, count: int = 10_000, match: bytes | None = None
+        self, backup: keys.BackupKeys, count: int = 10_000, match: bytes | None = None
     ) -> Generator[list[tuple[bytes, bytes]], None, None]:
         """A backup's fields and values (those ``match`` selects), in pages of about ``count`` (HSCAN).
 
-        The next page is asked for before a page is handed over, so the server finds it while
-        the caller stores this one; a scan closed early drops its connection (a reply is due).
+        Bucket after bucket; the next page is asked for before a page is handed over, so the
+        server finds it while the caller stores this one; a scan closed early drops its
+        connection (a reply is due). A whole read (no ``match``) refuses a bucket that lost its
+        layout's mark (BackupDamaged): its values are not all there.
         """
-        node = self.conn.on(key)
+        buckets, layout = self.backup_layout(backup)
+        node = self.conn.on(backup.values)
         tail = (b"COUNT", count) if match is None else (b"MATCH", match, b"COUNT", count)
-        with self.conn.translate_errors(key):
+        own = (keys.BACKUP_MARK, keys.BACKUP_LAYOUT_MARK)
+        with self.conn.translate_errors(backup.values):
             connection = node.connection_pool.get_connection()
 
-        def ask(cursor: bytes) -> None:
+        def ask(key: str, cursor: bytes) -> None:
             command = hiredis.pack_command((b"HSCAN", key, cursor, *tail))
             connection.send_packed_command([command])  # type: ignore[no-untyped-call]
 
         try:
-            with self.conn.translate_errors(key):
-                ask(b"0")
-            while True:
-                with self.conn.translate_errors(key):
-                    cursor, flat = connection.read_response()
-                    if cursor != b"0":
-                        ask(cursor)
-                names = flat[::2]
-                if keys.BACKUP_MARK in names:
-                    at = 2 * names.index(keys.BACKUP_MARK)
-                    del flat[at : at + 2]
-                if flat:
-                    pairs = iter(flat)
-                    yield list(zip(pairs, pairs, strict=False))
-                if cursor == b"0":
-                    return
+            with self.conn.translate_errors(backup.values):
+                ask(buckets[0], b"0")
+            for at, key in enumerate(buckets):
+                marked = at == 0 or match is not None
+                while True:
+                    with self.conn.translate_errors(key):
+                        cursor, flat = connection.read_response()
+                        if cursor != b"0":
+                            ask(key, cursor)
+                        elif at + 1 < len(buckets):
+                            ask(buckets[at + 1], b"0")
+                    names = flat[::2]
+                    for name in own:
+                        if name in names:
+                            where = names.index(name)
+                            marked = marked or (name == own[1] and flat[2 * where + 1] == layout.encode())
+                            del flat[2 * where : 2 * where + 2], names[where]
+                    if flat:
+                        pairs = iter(flat)
+                        yield list(zip(pairs, pairs, strict=False))
+                    if cursor == b"0":
+                        break
+                if not marked:
+                    raise BackupDamaged(
+                        f"the state backup bucket {key} lacks its layout's mark: it was deleted or "
+                        "evicted on its own, and the values it held are not all there"
+                    )
         except BaseException:
             connection.disconnect()  # type: ignore[no-untyped-call]
             raise
         finally:
             node.connection_pool.release(connection)
 
-    def backup_value(self, key: str, field: bytes) -> bytes | None:
+    def backup_value(self, backup: keys.BackupKeys, name: bytes) -> bytes | None:
+        """One field of a backup, from its bucket."""
+        buckets, _ = self.backup_layout(backup) if name != keys.BACKUP_MARK else ([backup.values], "")
+        key = buckets[keys.bucket_of(name, len(buckets))]
         with self.conn.translate_errors(key):
-            value = cast(bytes | None, self.conn.client.hget(key, field))
+            value = cast(bytes | None, self.conn.client.hget(key, name))
         return value
 
     def rewind_backup(
@@ -198,12 +241,18 @@ class Acknowledging:
         if not self.backup_meta(backup.meta).get(keys.BACKUP_IDENTITY):
             return False
         prefixes = tuple(namespace.encode() + b"\x00" for namespace in clear)
-        gone = [f for page in self.backup_values(backup.values) for f, _ in page if f.startswith(prefixes)]
+        gone = [f for page in self.backup_values(backup) for f, _ in page if f.startswith(prefixes)]
+        flat = [x for pair in values.items() for x in pair]
+        count = len(self.backup_layout(backup)[0])
+        sets, deletes = bucketed(BackupUpdate(backup, identity, {}, flat, gone, buckets=count))
         with self.conn.translate_errors(backup.values):
             pipe = self.conn.on(backup.values).pipeline(transaction=True)
-            for start in range(0, len(gone), _CLAIM_COUNT):
-                pipe.hdel(backup.values, *gone[start : start + _CLAIM_COUNT])
-            pipe.hset(backup.values, mapping={**values, keys.BACKUP_MARK: identity.encode()})  # type: ignore[dict-item]
+            for key, names in deletes:
+                for start in range(0, len(names), _CLAIM_COUNT):
+                    pipe.hdel(key, *names[start : start + _CLAIM_COUNT])
+            for key, pairs in sets:
+                pipe.hset(key, items=pairs)
+            pipe.hset(backup.values, keys.BACKUP_MARK, identity)
             dropped = [f"cp:{topic}" for topic, cid in checkpoints.items() if cid is None]
             if dropped:
                 pipe.hdel(backup.meta, *dropped)
@@ -215,8 +264,9 @@ class Acknowledging:
         return True
 
     def delete_backup(self, backup: keys.BackupKeys) -> None:
+        names = self.backup_keys(backup)
         with self.conn.translate_errors(backup.values):
-            self.conn.client.delete(*backup)
+            self.conn.client.delete(*names)
 
 
 def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
@@ -231,16 +281,31 @@ def _ack_call(r: AckRequest) -> tuple[list[Any], list[Any]]:
         mode,
         f"{BACKUP_LOG_LENGTH}:{BACKUP_LOG_MIN}",
         "" if b is None else ",".join(b.follows),
+        1 if b is None else b.buckets,
         *r.ids,
     ]
     for entry_id, fields in r.dead:
         args += [entry_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
-    if b is not None:
-        args += [b.identity, len(b.checkpoints), len(b.sets) // 2, len(b.deletes)]
-        for topic, checkpoint in b.checkpoints.items():
-            args += [topic, checkpoint]
-        args += b.sets
-        args += b.deletes
-        args.append(log_data(b) if b.mode == "update" else b"")
-    backup_keys = [r.stream, r.stream, r.stream] if b is None else list(b.keys)
-    return [r.stream, r.lease_key, r.dlq or r.stream, *backup_keys], args
+    if b is None:
+        return [r.stream, r.lease_key, r.dlq or r.stream, r.stream, r.stream, r.stream], args
+    sets, deletes = bucketed(b)
+    meta = layout_meta(b)
+    args += [b.identity, len(b.checkpoints), len(meta) // 2, len(sets), len(deletes)]
+    for topic, checkpoint in b.checkpoints.items():
+        args += [topic, checkpoint]
+    args += meta
+    call_keys = [r.stream, r.lease_key, r.dlq or r.stream, *b.keys]
+    if b.mode == "replace":
+        others = {*keys.bucket_keys(b.keys.values, b.buckets)[1:], *b.stale} - {b.keys.values}
+        call_keys += sorted(others)
+    index = {key: at for at, key in enumerate(call_keys, 1) if at >= 4}
+    for key, _ in [*sets, *deletes]:
+        if key not in index:
+            index[key] = len(call_keys) + 1
+            call_keys.append(key)
+    for key, pairs in sets:
+        args += [index[key], len(pairs) // 2, *pairs]
+    for key, names in deletes:
+        args += [index[key], len(names), *names]
+    args.append(log_data(b) if b.mode == "update" else b"")
+    return call_keys, args

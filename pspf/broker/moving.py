@@ -98,6 +98,10 @@ class Moving:
         with self.conn.translate_errors(key):
             self.conn.client.set(key, value)
 
+    def exists(self, key: str) -> bool:
+        with self.conn.translate_errors(key):
+            return bool(self.conn.client.exists(key))
+
     def delete_keys(self, names: Sequence[str]) -> None:
         """DEL each of ``names`` (one command a key: they may be in any slot)."""
         with self.conn.translate_errors():

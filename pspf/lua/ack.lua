@@ -1,7 +1,9 @@
 -- ack: update the partition's state backup, acknowledge a batch and move its dead entries to the
 -- DLQ, all only under the caller's lease.
 -- KEYS[1] stream   KEYS[2] lease   KEYS[3] DLQ stream
--- KEYS[4] backup hash   KEYS[5] backup meta   KEYS[6] backup log   (all on one {topic:partition} tag)
+-- KEYS[4] backup hash (its first bucket)   KEYS[5] backup meta   KEYS[6] backup log
+-- KEYS[7...] the backup's other buckets the call writes; with "replace", every other bucket of the
+--            old and the new layout (all deleted first). All on one {topic:partition} tag.
 -- ARGV[1] group    ARGV[2] lease value held by the caller
 -- ARGV[3] n, the number of ids to ack   ARGV[4] d, the number of dead entries
 -- ARGV[5] the backup update: "" for none; "update" (also added to the log); "replace" (the first
@@ -10,12 +12,15 @@
 --         them, as many updates as hold about as many values as the backup (``acking.log_length``)
 -- ARGV[7] with an "update": the identities the backup may hold now, comma-separated ("" not to
 --         check); a backup with another one went back (a fail-over lost writes): nothing is done
+-- ARGV[8] the number of buckets the values are spread over (the log's length follows their count)
 -- then the n entry ids to acknowledge;
 -- then, per dead entry: its id, the number m of DLQ fields and values, and those m arguments;
--- then, with a backup update: the batch identity ("" to leave it), the numbers c of checkpoints, s
--- of values to set and r of fields to delete, then c pairs (topic, checkpoint), s pairs (field,
--- value), r fields (fields hold "namespace\0key"), and last the log entry's data: the update
--- packed by the caller (its one field, see ``broker.log_data``), "" for an upload.
+-- then, with a backup update: the batch identity ("" to leave it), the numbers c of checkpoints,
+-- e of other meta fields, g of groups of values to set and h of groups of fields to delete; then c
+-- pairs (topic, checkpoint), e pairs (meta field, value); per group to set: the index of its
+-- bucket in KEYS, the number s of values, s pairs (field, value); per group to delete: the index,
+-- the number r of fields, r fields (fields hold "namespace\0key"); and last the log entry's data:
+-- the update packed by the caller (its one field, see ``broker.log_data``), "" for an upload.
 -- An update's log entry holds "prev" (the identity it follows), "id" and "data".
 -- The values hash holds the identity too (field "__backup\0identity", meta "marked" says so): an
 -- update finding another there (the hash deleted or evicted alone) is refused as BACKUP_DAMAGED.
@@ -43,7 +48,7 @@ if backup == 'update' then
                              '(deleted or evicted) while its meta is at "' .. held .. '"')
   end
 end
-local first_id = 8
+local first_id = 9
 local i = first_id + n
 local dead_at = i
 for _ = 1, d do
@@ -58,26 +63,37 @@ if backup ~= '' then
     prev = redis.call('HGET', KEYS[5], 'identity') or ''
   end
   if backup == 'replace' then
-    redis.call('DEL', KEYS[4], KEYS[5], KEYS[6])
+    redis.call('DEL', unpack(KEYS, 4))
   end
   local identity = ARGV[i]
-  local c, s, r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  local sets = i + 4 + 2 * c
-  local deletes = sets + 2 * s
-  local data = deletes + r
-  if c > 0 then
-    local checkpoints = {}
-    for k = i + 4, sets - 1, 2 do
-      checkpoints[#checkpoints + 1] = 'cp:' .. ARGV[k]
-      checkpoints[#checkpoints + 1] = ARGV[k + 1]
+  local c, e, g, h = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  local at = i + 5
+  if c + e > 0 then
+    local meta = {}
+    for k = at, at + 2 * c - 1, 2 do
+      meta[#meta + 1] = 'cp:' .. ARGV[k]
+      meta[#meta + 1] = ARGV[k + 1]
     end
-    redis.call('HSET', KEYS[5], unpack(checkpoints))
+    for k = at + 2 * c, at + 2 * (c + e) - 1 do
+      meta[#meta + 1] = ARGV[k]
+    end
+    redis.call('HSET', KEYS[5], unpack(meta))
   end
-  for first = sets, deletes - 1, 2 * chunk do
-    redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 2 * chunk - 1, deletes - 1)))
+  at = at + 2 * (c + e)
+  local changed = 0
+  for _ = 1, g do
+    local key, s = KEYS[tonumber(ARGV[at])], tonumber(ARGV[at + 1])
+    for first = at + 2, at + 1 + 2 * s, 2 * chunk do
+      redis.call('HSET', key, unpack(ARGV, first, math.min(first + 2 * chunk - 1, at + 1 + 2 * s)))
+    end
+    at, changed = at + 2 + 2 * s, changed + s
   end
-  for first = deletes, data - 1, chunk do
-    redis.call('HDEL', KEYS[4], unpack(ARGV, first, math.min(first + chunk - 1, data - 1)))
+  for _ = 1, h do
+    local key, r = KEYS[tonumber(ARGV[at])], tonumber(ARGV[at + 1])
+    for first = at + 2, at + 1 + r, chunk do
+      redis.call('HDEL', key, unpack(ARGV, first, math.min(first + chunk - 1, at + 1 + r)))
+    end
+    at, changed = at + 2 + r, changed + r
   end
   if identity ~= '' then
     redis.call('HSET', KEYS[5], 'identity', identity, 'marked', '1')
@@ -85,11 +101,12 @@ if backup ~= '' then
   end
   if logged then
     local keep = most
-    if s + r > 0 then
-      keep = math.max(fewest, math.min(most, math.floor(redis.call('HLEN', KEYS[4]) / (s + r))))
+    if changed > 0 then
+      local held = redis.call('HLEN', KEYS[4]) * tonumber(ARGV[8])
+      keep = math.max(fewest, math.min(most, math.floor(held / changed)))
     end
     redis.call('XADD', KEYS[6], 'MAXLEN', '~', keep, '*', 'prev', prev,
-               'id', identity ~= '' and identity or prev, 'data', ARGV[data])
+               'id', identity ~= '' and identity or prev, 'data', ARGV[at])
   end
 end
 local acked = 0

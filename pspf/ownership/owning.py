@@ -169,6 +169,7 @@ class Partitions:
         open_store: StoreFactory,
         topics: list[str],
         backup: bool = True,
+        buckets: int = 1,
     ) -> None:
         self.broker = broker
         self.group = group
@@ -177,6 +178,8 @@ class Partitions:
         #: the app's topics; the first one's partitions carry the state backup
         self.topics = topics
         self.backup = backup
+        #: the hashes each backup spreads its values over (``StateSettings.backup_buckets``)
+        self.buckets = buckets
         #: partition -> when (monotonic) its idle consumers are looked at next
         self._forget_at: dict[int, float] = {}
 
@@ -311,6 +314,7 @@ class Partitions:
             keys.lease_key(topic, partition, self.group),
             leases[topic],
             count,
+            self.buckets,
         )
         done = backup.reconcile(store, self.topics, keep_alive)
         store.journal = backup.journal
@@ -339,6 +343,15 @@ class Partitions:
             self._check_count(meta.get(BACKUP_PARTITIONS), count, "its state backup")
             if BACKUP_PARTITIONS not in meta:
                 self.broker.acks.set_backup_field(backup.keys.meta, BACKUP_PARTITIONS, str(count))
+            if backup.buckets != self.buckets:  # the store equals it: laid out anew from the store
+                log.info(
+                    "state backup app=%s partition=%s: from %s to %s buckets, uploading the store",
+                    self.group,
+                    backup.partition,
+                    backup.buckets,
+                    self.buckets,
+                )
+                backup.upload(store, keep_alive)
         detail = {
             "in sync": "(the store matches it: nothing to restore)",
             "caught up": f"updates={done.amount} (from its log: no full restore)",

@@ -52,6 +52,7 @@ from pspf.broker import Acknowledging, AckRequest, BackupUpdate, Fields
 from pspf.errors import BackupDamaged, BrokerError, LeaseLost, StateError
 from pspf.keys import (
     BACKUP_ADOPTED,
+    BACKUP_BUCKETS,
     BACKUP_IDENTITY,
     BACKUP_MARK,
     BACKUP_MARKED,
@@ -248,7 +249,7 @@ def restore(
 
     def pages() -> Iterator[list[tuple[bytes, bytes]]]:
         nonlocal values, stopped
-        with closing(acks.backup_values(backup.values, CHUNK)) as scan:
+        with closing(acks.backup_values(backup, CHUNK)) as scan:
             for page in scan:
                 if not go_on():
                     stopped = True
@@ -280,6 +281,7 @@ class PartitionBackup:
         lease_key: str,
         lease_value: str,
         partitions: int | None = None,
+        buckets: int = 1,
     ) -> None:
         self.acks = acks
         self.group = group
@@ -291,6 +293,10 @@ class PartitionBackup:
         self.keys = keys.backup_keys(topic, partition, group)
         self.lease_key = lease_key
         self.lease_value = lease_value
+        #: the hashes the backup's values are spread over now (its meta says, at takeover), and
+        #: how many an upload spreads them over
+        self.buckets = 1
+        self.wanted_buckets = buckets
         self.journal = Journal(lease_value.rpartition("|")[2])
         self._last: tuple[Updates, dict[str, StreamId]] = ({}, {})
         #: the identities the backup may hold now, as far as this owner knows: the last one sent,
@@ -327,6 +333,7 @@ class PartitionBackup:
             sets,
             deletes,
             follows=frozenset(self.held),
+            buckets=self.buckets,
         )
 
     def sent(self) -> None:
@@ -427,10 +434,11 @@ class PartitionBackup:
         # Identities stay unique even when the fencing token was reset by hand.
         order = _order(backup_identity)
         self.journal.seq = order[1] if order is not None else 0
+        self.buckets = int(meta.get(BACKUP_BUCKETS) or 1)
         if (
             meta.get(BACKUP_MARKED)
-            and self.acks.backup_value(self.keys.values, BACKUP_MARK) != backup_identity.encode()
-        ):
+            and self.acks.backup_value(self.keys, BACKUP_MARK) != backup_identity.encode()
+        ) or self.acks.lost_buckets(self.keys):
             if not _current(local_identity, backup_identity):
                 raise StateError(self._damaged(local_identity, backup_identity))
             return Restored("damaged", 0, time.perf_counter() - started)
@@ -458,11 +466,12 @@ class PartitionBackup:
     def _damaged(self, local_identity: str, backup_identity: str) -> str:
         return (
             f"the state backup of app {self.group!r} partition {self.keys.values} is damaged: its values "
-            f"hash is missing or not at the identity its meta holds ({backup_identity}), deleted by hand "
-            f"or evicted. This state dir's store is at {local_identity or 'no identity'}, so it cannot "
-            "stand in for it. Nothing was processed. Run the worker with the state dir that last owned "
-            "the partition (its store is at that identity or after it): it uploads its store again; "
-            "or replay the app (pspf replay) to rebuild its state from the stream"
+            f"hash (or one of its buckets) is missing or not at the identity its meta holds "
+            f"({backup_identity}), deleted by hand or evicted. This state dir's store is at "
+            f"{local_identity or 'no identity'}, so it cannot stand in for it. Nothing was processed. "
+            "Run the worker with the state dir that last owned the partition (its store is at that "
+            "identity or after it): it uploads its store again; or replay the app (pspf replay) to "
+            "rebuild its state from the stream"
         )
 
     def upload(self, store: StateStore, keep_alive: Callable[[], None] = lambda: None) -> Restored:
@@ -497,6 +506,8 @@ class PartitionBackup:
         The backup's adoption record (``pspf.partition.adoption``) stays: the owner's store follows it.
         """
         adopted = self.acks.backup_meta(self.keys.meta).get(BACKUP_ADOPTED)
+        stale = self.acks.backup_layout(self.keys)[0][1:]
+        buckets = self.wanted_buckets
         stamped: Updates = {}
         self.journal.stamp(stamped)
         identity = stamped[(BACKUP_NAMESPACE, BACKUP_IDENTITY)]
@@ -519,11 +530,15 @@ class PartitionBackup:
                 page,
                 [],
                 mode="replace" if index == 0 else "upload",
+                buckets=buckets,
+                layout=identity.decode() if index == 0 and buckets > 1 else "",
+                stale=stale if index == 0 else (),
             )
             self._send(
                 AckRequest(self.stream, self.group, self.lease_key, self.lease_value, [], "", (), update)
             )
         self.held = {identity.decode()}
+        self.buckets = buckets
         if self.partitions is not None:  # the first page emptied the meta
             self.acks.set_backup_field(self.keys.meta, BACKUP_PARTITIONS, str(self.partitions))
         if adopted is not None:

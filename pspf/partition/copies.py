@@ -48,7 +48,7 @@ def _consistent(
             return None
         checkpoints = meta_checkpoints(meta)
         values: dict[_Name, bytes | None] = {
-            from_hash(raw): value for page in acks.backup_values(backup.values, CHUNK) for raw, value in page
+            from_hash(raw): value for page in acks.backup_values(backup, CHUNK) for raw, value in page
         }
         reader = LogReader(acks, backup.log, last or str(ZERO_ID).encode(), identity)
         try:

@@ -124,14 +124,14 @@ def _refuse_unmovable(broker: Broker, app: str, old: int) -> None:
                 f"app {app!r} has no state backup of partition {partition}: a repartition moves the "
                 "state in the backups (run the app with the state backup on once)"
             )
-        if _keyless_state(broker, backup.values):
+        if _keyless_state(broker, backup):
             raise ConfigError(
                 f"app {app!r} keeps state for keyless entries (partition {partition}): that state "
                 "belongs to a partition, not to a key, so it cannot be split or merged; give the "
                 "entries keys (or delete the app's state: pspf app reset) before repartitioning"
             )
         moving = next(
-            broker.acks.backup_values(backup.values, count=100, match=keys.MOVED_NAMESPACE.encode() + b"*"),
+            broker.acks.backup_values(backup, count=100, match=keys.MOVED_NAMESPACE.encode() + b"*"),
             [],
         )
         if moving:
@@ -150,10 +150,10 @@ _KEYLESS = [
 ]
 
 
-def _keyless_state(broker: Broker, values: str) -> bool:
+def _keyless_state(broker: Broker, backup: keys.BackupKeys) -> bool:
     """Whether a backup holds state, a window or a schedule of the empty key (keyless entries)."""
     for pattern, namespace in _KEYLESS:
-        for page in broker.acks.backup_values(values, count=1000, match=pattern):
+        for page in broker.acks.backup_values(backup, count=1000, match=pattern):
             if any(key_of(namespace, split_field(name)[1]) == "" for name, _ in page):
                 return True
     return False
@@ -191,7 +191,7 @@ def read_app(broker: Broker, app: str, topics: list[str], old: int) -> AppState:
         backup = keys.backup_keys(read[0], partition, app)
         meta = broker.acks.backup_meta(backup.meta)
         checkpoints = checkpoints_of(meta)
-        pages = [pair for page in broker.acks.backup_values(backup.values) for pair in page]
+        pages = [pair for page in broker.acks.backup_values(backup) for pair in page]
         state.values.append(pages)
         for topic in read:
             start = broker.apps.group_start(app, topic, partition)
@@ -456,6 +456,8 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
         read = broker.apps.app_topic_list(app)
         for q in range(plan.new):
             backup = keys.backup_keys(read[0], q, app)
+            if broker.moving.exists(backup.values + STAGED):  # the staged backup is one hash
+                broker.moving.delete_keys(broker.acks.backup_layout(backup)[0][1:])
             broker.moving.rename_over(backup.values + STAGED, backup.values)
             broker.moving.rename_over(backup.meta + STAGED, backup.meta)
             broker.moving.delete_keys([backup.log])
@@ -463,7 +465,7 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
             name
             for p in range(plan.new, plan.old)
             for name in (
-                *keys.backup_keys(read[0], p, app),
+                *broker.acks.backup_keys(keys.backup_keys(read[0], p, app)),
                 *(keys.lease_key(t, p, app) for t in read),
                 *(keys.fence_key(t, p, app) for t in read),
             )

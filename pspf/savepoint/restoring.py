@@ -137,6 +137,8 @@ def switch(broker: Broker, plan: RestorePlan, crash_at: Callable[[str], None] = 
     crash_at("switch")
     for partition in range(plan.partitions):
         backup = keys.backup_keys(plan.topics[0], partition, plan.target)
+        if broker.moving.exists(backup.values + STAGED):  # the staged backup is one hash
+            broker.moving.delete_keys(broker.acks.backup_layout(backup)[0][1:])
         broker.moving.rename_over(backup.values + STAGED, backup.values)
         broker.moving.rename_over(backup.meta + STAGED, backup.meta)
         broker.moving.delete_keys([backup.log])
@@ -433,7 +435,7 @@ def _published_since(
     are not those numbers' rows, so they are numbered above them (published again, never dropped).
     """
     reached = [
-        broker.acks.backup_value(keys.backup_keys(manifest.topics[0], q, target).values, _COUNTERS)
+        broker.acks.backup_value(keys.backup_keys(manifest.topics[0], q, target), _COUNTERS)
         for q in range(count)
     ]
     found = [tuple(int(n) for n in raw.decode().split("/")) for raw in reached if raw]

@@ -69,7 +69,7 @@ class ServiceBase:
         partition = keys.partition_for(codec.encode_text("key", key), self.broker.apps.app_partitions(app))
         backup = None if self.local_state else self.backup_keys(app, partition)
         if backup is not None:
-            return self.broker.acks.backup_value(backup.values, field(namespace, name))
+            return self.broker.acks.backup_value(backup, field(namespace, name))
         state = self.settings.state
         with open_store(state.engine, state.dir, app, partition, readonly=True) as store:
             return store.get(namespace, name)

@@ -36,7 +36,7 @@ class OutboxRows(Family):
         for p in partitions:
             if p in backups:
                 pages = self.broker.acks.backup_values(
-                    backups[p].values, match=keys.OUTBOX_NAMESPACE.encode() + b"*"
+                    backups[p], match=keys.OUTBOX_NAMESPACE.encode() + b"*"
                 )
                 yield from (
                     (p, row) for row in rows_in_backup((pair for page in pages for pair in page), app, p)

@@ -47,7 +47,7 @@ class Retiring(Family):
             for name in (
                 keys.lease_key(topic, partition, app),
                 keys.fence_key(topic, partition, app),
-                *keys.backup_keys(topic, partition, app),
+                *self.broker.acks.backup_keys(keys.backup_keys(topic, partition, app)),
             )
         ]
         per_app = [

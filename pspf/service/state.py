@@ -60,7 +60,7 @@ class State(Family):
         found: list[tuple[str, bytes]] = []
         if backup is not None:
             pattern = field(keys.WINDOWS_NAMESPACE, "*/" + _glob_escape(key))
-            for page in self.broker.acks.backup_values(backup.values, match=pattern):
+            for page in self.broker.acks.backup_values(backup, match=pattern):
                 found += ((split_field(name)[1], raw) for name, raw in page)
         else:
             with open_store(
@@ -102,7 +102,7 @@ class State(Family):
             if partition in backups:
                 found.extend(
                     name.decode()[len(STATE_NAMESPACE) + 1 :]
-                    for page in self.broker.acks.backup_values(backups[partition].values)
+                    for page in self.broker.acks.backup_values(backups[partition])
                     for name, _ in page
                     if name.startswith(head)
                 )

@@ -19,13 +19,15 @@ import redis
 from pspf import codec
 from pspf.errors import NotFound, StateError
 from pspf.keys import (
+    BACKUP_BUCKETS,
     BACKUP_IDENTITY,
+    BACKUP_LAYOUT_MARK,
     BACKUP_NAMESPACE,
     STATE_NAMESPACE,
     StreamId,
-    backup_key,
     backup_keys,
     backup_meta_key,
+    bucket_keys,
     lease_key,
     stream_key,
 )
@@ -271,12 +273,23 @@ def all_state(
     return {p: read_store(state_dir, app, p, engine)[1] for p in range(partitions)}
 
 
+def backup_hash(client: redis.Redis, topic: str, partition: int, app: str) -> dict[bytes, bytes]:
+    """Every field of a partition's backup, from all its buckets (its meta says how many)."""
+    names = backup_keys(topic, partition, app)
+    buckets = int(client.hget(names.meta, BACKUP_BUCKETS) or 1)
+    found: dict[bytes, bytes] = {}
+    for key in bucket_keys(names.values, buckets):
+        found.update(client.hgetall(key))
+    found.pop(BACKUP_LAYOUT_MARK, None)
+    return found
+
+
 def backup_state(client: redis.Redis, topic: str, app: str, partition: int) -> dict[str, dict[str, Any]]:
     """One partition's state as its backup in Redis holds it (what a new owner restores)."""
     head = STATE_NAMESPACE.encode() + b"\x00"
     return {
         name[len(head) :].decode(): codec.state_decoder.decode(value)
-        for name, value in client.hgetall(backup_key(topic, partition, app)).items()
+        for name, value in backup_hash(client, topic, partition, app).items()
         if name.startswith(head)
     }
 
@@ -359,7 +372,7 @@ def backup_raw(client: redis.Redis, topic: str, app: str, partitions: int) -> di
     found: dict[int, tuple[Any, Any, Any]] = {}
     for p in range(partitions):
         names = backup_keys(topic, p, app)
-        found[p] = (client.hgetall(names.values), client.hgetall(names.meta), client.xrange(names.log))
+        found[p] = (backup_hash(client, topic, p, app), client.hgetall(names.meta), client.xrange(names.log))
     return found
 
 

@@ -8,6 +8,7 @@ and the backup stays where it was; the scripts then say what refused it.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -41,7 +42,7 @@ def setup(redis_url: str, rclient: redis.Redis, names: Names) -> Iterator[Setup]
         yield broker, stream, lease, value, backup
     finally:
         broker.close()
-        rclient.delete(stream, lease, fence, *backup)
+        rclient.delete(stream, lease, fence, *backup, *keys.bucket_keys(backup.values, 4))
 
 
 def delivered(rclient: redis.Redis, stream: str, count: int) -> list[bytes]:
@@ -157,3 +158,47 @@ def test_a_small_backup_updated_often_keeps_a_log_of_about_its_own_size(
     assert rclient.xlen(backup.log) <= BACKUP_LOG_MIN + 100
     (last,) = rclient.xrevrange(backup.log, count=1)
     assert last[1][b"id"] == b"1-300"  # every update is still logged
+
+
+@pytest.mark.parametrize("path", ["sent", "scripted"])
+def test_a_backup_in_buckets_gets_the_same_values_by_the_transaction_and_by_the_script(
+    setup: Setup, rclient: redis.Redis, path: str
+) -> None:
+    """An upload laying out 4 buckets, then updates that set and delete: each key's state lands
+    in the bucket its CRC-32 names, the bookkeeping in the first, whichever way the call goes."""
+    broker, stream, lease, value, backup = setup
+    call = broker.acks.ack if path == "sent" else broker.acks.ack_scripted
+    names = [f"state\0k{i}".encode() for i in range(40)]
+    upload = BackupUpdate(
+        backup,
+        "1-1",
+        {"t": "0-1"},
+        [x for n in names for x in (n, b"0")],
+        [],
+        "replace",
+        buckets=4,
+        layout="1-1",
+    )
+    assert broker.acks.ack([AckRequest(stream, GROUP, lease, value, [], backup=upload)]) == [(0, 0)]
+    expected = {n: b"0" for n in names}
+    for step in range(2, 6):
+        sets = [x for n in names[step::3] for x in (n, str(step).encode())]
+        sets += [f"__failures\0t/{step}".encode(), b"x" * 100]
+        gone = [n for n in names[step + 1 :: 5] if n not in sets]  # a journal sets or deletes a key
+        update = BackupUpdate(
+            backup, f"1-{step}", {"t": f"0-{step}"}, sets, gone, follows=(f"1-{step - 1}",), buckets=4
+        )
+        assert call([AckRequest(stream, GROUP, lease, value, [], backup=update)]) == [(0, 0)]
+        for name in gone:
+            expected.pop(name, None)
+        expected.update(zip(sets[::2], sets[1::2], strict=True))
+    buckets = keys.bucket_keys(backup.values, 4)
+    held = {key: rclient.hgetall(key) for key in buckets}
+    assert held[buckets[0]].pop(keys.BACKUP_MARK) == b"1-5"
+    for key in buckets[1:]:
+        assert held[key].pop(keys.BACKUP_LAYOUT_MARK) == b"1-1"
+    for at, key in enumerate(buckets):
+        assert held[key] == {
+            n: v for n, v in expected.items() if (zlib.crc32(n) % 4 if n.startswith(b"state\0") else 0) == at
+        }
+    assert rclient.hmget(backup.meta, "buckets", "layout") == [b"4", b"1-1"]

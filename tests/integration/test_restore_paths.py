@@ -48,15 +48,13 @@ def test_backup_values_gives_every_value_in_pages_and_skips_the_mark(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
     backup = _backup(rclient, names, 2_500)
-    pages = list(broker.acks.backup_values(backup.values, 500))
+    pages = list(broker.acks.backup_values(backup, 500))
     assert len(pages) > 2
     seen = [pair for page in pages for pair in page]
     assert dict(seen) == {field(STATE_NAMESPACE, f"k{i:05}"): b"%d" % i for i in range(2_500)}
     assert len(seen) == 2_500
     matched = [
-        pair
-        for page in broker.acks.backup_values(backup.values, 100, match=b"state\x00k0001*")
-        for pair in page
+        pair for page in broker.acks.backup_values(backup, 100, match=b"state\x00k0001*") for pair in page
     ]
     assert sorted(matched) == [(field(STATE_NAMESPACE, f"k{i:05}"), b"%d" % i) for i in range(10, 20)]
 
@@ -78,25 +76,25 @@ def test_a_scan_closed_early_leaves_no_reply_for_the_next_command(
             return bytes(hiredis.pack_command(command))
 
     monkeypatch.setattr(acknowledging, "hiredis", Pausing)
-    scan = broker.acks.backup_values(backup.values, 500)
+    scan = broker.acks.backup_values(backup, 500)
     assert len(next(scan)) > 0  # the next page is asked for already
     scan.close()
     # The pool hands out its last connection first: the scan's, were it given back as it was.
-    assert broker.acks.backup_value(backup.values, field(STATE_NAMESPACE, "k00007")) == b"7"
+    assert broker.acks.backup_value(backup, field(STATE_NAMESPACE, "k00007")) == b"7"
     assert broker.acks.backup_meta(backup.meta)[BACKUP_IDENTITY] == "4-2"
     monkeypatch.undo()
-    assert sum(len(page) for page in broker.acks.backup_values(backup.values, 500)) == 3_000
+    assert sum(len(page) for page in broker.acks.backup_values(backup, 500)) == 3_000
 
 
 def test_a_scan_of_a_key_of_the_wrong_type_fails_clearly_and_the_broker_goes_on(
     broker: Broker, rclient: redis.Redis, names: Names
 ) -> None:
     backup = _backup(rclient, names, 10)
-    wrong = keys.backup_keys(names.topic(), 0, names.app()).values
-    rclient.set(wrong, b"a string")
+    wrong = keys.backup_keys(names.topic(), 0, names.app())
+    rclient.set(wrong.values, b"a string")
     with pytest.raises(BrokerError, match="WRONGTYPE"):
         list(broker.acks.backup_values(wrong))
-    assert broker.acks.backup_value(backup.values, field(STATE_NAMESPACE, "k00003")) == b"3"
+    assert broker.acks.backup_value(backup, field(STATE_NAMESPACE, "k00003")) == b"3"
 
 
 def test_a_restore_told_to_stop_leaves_no_identity_and_the_next_one_restores_whole(
@@ -120,7 +118,7 @@ def test_a_restore_told_to_stop_leaves_no_identity_and_the_next_one_restores_who
     assert calls == 2
     assert store.get(BACKUP_NAMESPACE, BACKUP_IDENTITY) is None
     assert 0 < len(list(store.items(STATE_NAMESPACE))) < 12_000
-    assert broker.acks.backup_value(backup.values, field(STATE_NAMESPACE, "k00001")) == b"1"
+    assert broker.acks.backup_value(backup, field(STATE_NAMESPACE, "k00001")) == b"1"
 
     restored = restore(broker.acks, backup, store, [topic])
     assert restored is not None and restored[0] == 12_000

@@ -70,15 +70,21 @@ class FakeBroker:
             newest_first = [e for e in newest_first if StreamId.parse(e[0]) < top]
         return newest_first[:count]
 
+    def backup_layout(self, backup: keys.BackupKeys) -> tuple[list[str], str]:
+        return [backup.values], ""  # one bucket: the layouts are the broker's (integration tests)
+
+    def lost_buckets(self, backup: keys.BackupKeys) -> list[str]:
+        return []
+
     def backup_values(
-        self, key: str, count: int = 10_000, match: bytes | None = None
+        self, backup: keys.BackupKeys, count: int = 10_000, match: bytes | None = None
     ) -> Iterator[list[tuple[bytes, bytes]]]:
-        rows = [(f, v) for f, v in self.hashes.get(key, {}).items() if f != BACKUP_MARK]
+        rows = [(f, v) for f, v in self.hashes.get(backup.values, {}).items() if f != BACKUP_MARK]
         for start in range(0, len(rows), count):
             yield rows[start : start + count]
 
-    def backup_value(self, key: str, field: bytes) -> bytes | None:
-        return self.hashes.get(key, {}).get(field)
+    def backup_value(self, backup: keys.BackupKeys, field: bytes) -> bytes | None:
+        return self.hashes.get(backup.values, {}).get(field)
 
     def ack(self, requests: Sequence[AckRequest]) -> list[tuple[int, int] | LeaseLost]:
         self.requests += requests
@@ -94,9 +100,7 @@ class FakeBroker:
             if b.mode == "update":
                 if b.follows and held not in b.follows:
                     return BackupWentBack(f"BACKUP_WENT_BACK the state backup is at {held!r}")
-                if meta.get(keys.BACKUP_MARKED) and self.backup_value(b.keys.values, BACKUP_MARK) != (
-                    held.encode()
-                ):
+                if meta.get(keys.BACKUP_MARKED) and self.backup_value(b.keys, BACKUP_MARK) != (held.encode()):
                     return BackupDamaged("BACKUP_DAMAGED the state backup has lost its values")
             self._apply(b, held)
         return (len(r.ids), len(r.dead))

@@ -63,7 +63,9 @@ if backup ~= '' then
     prev = redis.call('HGET', KEYS[5], 'identity') or ''
   end
   if backup == 'replace' then
-    redis.call('DEL', unpack(KEYS, 4))
+    for first = 4, #KEYS, chunk do
+      redis.call('DEL', unpack(KEYS, first, math.min(first + chunk - 1, #KEYS)))
+    end
   end
   local identity = ARGV[i]
   local c, e, g, h = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])

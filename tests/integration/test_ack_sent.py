@@ -202,3 +202,23 @@ def test_a_backup_in_buckets_gets_the_same_values_by_the_transaction_and_by_the_
             n: v for n, v in expected.items() if (zlib.crc32(n) % 4 if n.startswith(b"state\0") else 0) == at
         }
     assert rclient.hmget(backup.meta, "buckets", "layout") == [b"4", b"1-1"]
+
+
+def test_an_upload_lays_out_and_drops_more_buckets_than_a_script_unpacks_at_once(
+    setup: Setup, rclient: redis.Redis
+) -> None:
+    """9,000 buckets (Lua unpacks at most about 8,000 values at once): the upload's script lays
+    them all out, and the next upload, into 2, deletes the other 8,998."""
+    broker, stream, lease, value, backup = setup
+    many = keys.bucket_keys(backup.values, 9_000)
+    upload = BackupUpdate(backup, "1-1", {}, [b"state\0k", b"1"], [], "replace", buckets=9_000, layout="1-1")
+    try:
+        assert broker.acks.ack([AckRequest(stream, GROUP, lease, value, [], backup=upload)]) == [(0, 0)]
+        assert rclient.exists(*many) == 9_000
+        smaller = upload._replace(buckets=2, layout="1-2", stale=many[1:])
+        assert broker.acks.ack([AckRequest(stream, GROUP, lease, value, [], backup=smaller)]) == [(0, 0)]
+        assert rclient.exists(*many) == 2
+        assert rclient.hget(many[1], keys.BACKUP_LAYOUT_MARK) == b"1-2"
+    finally:
+        for start in range(0, len(many), 1_000):
+            rclient.delete(*many[start : start + 1_000])

@@ -114,6 +114,13 @@ class BrokerDataLost(BrokerError):
     """
 
 
+class StreamWentBack(BrokerError):
+    """A stream's last generated id is below the app's checkpoint: nothing more is acknowledged.
+
+    The topic was made anew, or Redis lost writes.
+    """
+
+
 class LeaseLost(BrokerError):
     """The partition lease is no longer ours: another worker may own the partition now."""
 

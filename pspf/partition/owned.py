@@ -16,7 +16,7 @@ import msgspec
 
 from pspf import keys
 from pspf.broker import Fields, RawEntry
-from pspf.errors import BrokerError
+from pspf.errors import StreamWentBack
 from pspf.failures import Failure
 from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
@@ -316,7 +316,7 @@ def check_tail(stream: str, last_id: bytes | None, checkpoint: StreamId | None) 
     if not went_back(last_id, checkpoint):
         return
     assert last_id is not None
-    raise BrokerError(
+    raise StreamWentBack(
         f"stream {stream} went back: its last generated id {last_id.decode()} is below the app's "
         f"checkpoint {checkpoint} (the topic was recreated, or Redis lost writes: a restart without "
         "its data, a fail-over, a restore). Entries added now could get ids at or below the "

@@ -42,6 +42,7 @@ from pspf.errors import (
     GroupMissing,
     NotFound,
     StateError,
+    StreamWentBack,
 )
 from pspf.failures import policy_from
 from pspf.hooks import Counts, HookChain, ProcessorHooks
@@ -496,6 +497,9 @@ class Worker:
                 self._wait_for_broker(exc, failures)
                 next_lease_round = 0.0
                 continue
+            except StreamWentBack:  # after a flush, say so when the app's record went too
+                self._check_app_record()
+                raise
             summary.cycles += 1
             summary.add(result)
             self._drop_lost(result.lost_partitions)

@@ -19,7 +19,7 @@ import redis
 
 from pspf import App, Producer, Settings, Worker
 from pspf.errors import BrokerDataLost, StateError
-from pspf.keys import backup_keys, stream_key, topic_key
+from pspf.keys import app_key, backup_keys, stream_key, topic_key
 from pspf.partition.batch import iter_state
 from pspf.service import Service
 from pspf.state_stores import open_store, stored_partitions
@@ -282,3 +282,29 @@ def test_a_slow_cleanup_deleting_the_meta_then_the_values_under_a_running_owner_
     run(summing_app(name, topic), b)
     assert applied(b, name) == sent == 1500
     assert len(read_state(b.state.dir, name, 1)) == APP_KEYS
+
+
+def test_a_running_worker_whose_stream_went_back_with_the_app_lost_reports_lost_data(
+    make_settings: Callable[..., Settings],
+    tmp_path: Path,
+    make_topic: Callable[[int], str],
+    rclient: redis.Redis,
+    names: Names,
+) -> None:
+    """What a flush under a running worker can leave when another host made the group again:
+    the stream empty (its last id below the checkpoint) with the group, and the app's record
+    and backup gone. The worker sees the stream first; it must still say that Redis lost the
+    app's data (exit code and remedy of BrokerDataLost), not only that the stream went back."""
+    topic, name = make_topic(1), names.app()
+    a = host_settings(make_settings, tmp_path, "a")
+    send(a, topic, 50)
+    with WorkerThread(summing_app(name, topic), a) as runner:
+        wait_until(lambda: acknowledged(rclient, topic, name, 0) == 50, 30, "all applied")
+        stream = stream_key(topic, 0)
+        pipe = rclient.pipeline(transaction=True)
+        pipe.delete(stream, app_key(name), *backup_keys(topic, 0, name))
+        pipe.xgroup_create(stream, name, id="0", mkstream=True)
+        pipe.execute()
+        wait_until(lambda: not runner.alive(), 30, "the worker to stop")
+    assert isinstance(runner.error, BrokerDataLost), runner.error
+    assert applied(a, name) == 50

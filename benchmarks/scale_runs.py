@@ -44,7 +44,16 @@ from benchmarks.baseline import (  # noqa: E402
     server_cpu_seconds,
 )
 from pspf import Producer, Settings, Worker  # noqa: E402
-from pspf.keys import APPS_KEY, STATE_NAMESPACE, STORE_NAMESPACES, TOPICS_KEY, backup_keys, stream_key  # noqa: E402
+from pspf.keys import (  # noqa: E402
+    APPS_KEY,
+    BACKUP_BUCKETS,
+    STATE_NAMESPACE,
+    STORE_NAMESPACES,
+    TOPICS_KEY,
+    backup_keys,
+    bucket_keys,
+    stream_key,
+)
 from pspf.service import Service  # noqa: E402
 
 #: (keys, sum of amounts, entries) an app's state must add up to.
@@ -260,11 +269,13 @@ def check_app(url: str, topic: str, app: str, partitions: int, expected: Expecte
     keys = total = count = 0
     try:
         for partition in range(partitions):
-            values = backup_keys(topic, partition, app).values
-            for name, raw in client.hscan_iter(values, count=10_000):
-                if name.startswith(prefix):
-                    state = decode(raw)
-                    keys, total, count = keys + 1, total + state["total"], count + state["count"]
+            backup = backup_keys(topic, partition, app)
+            buckets = int(client.hget(backup.meta, BACKUP_BUCKETS) or 1)
+            for bucket in bucket_keys(backup.values, buckets):
+                for name, raw in client.hscan_iter(bucket, count=10_000):
+                    if name.startswith(prefix):
+                        state = decode(raw)
+                        keys, total, count = keys + 1, total + state["total"], count + state["count"]
         pipe = client.pipeline(transaction=False)
         for partition in range(partitions):
             pipe.xlen(stream_key(topic, partition))

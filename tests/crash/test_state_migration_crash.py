@@ -21,18 +21,17 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import pytest
 import redis
 
 from pspf import keys
-from pspf.keys import backup_key
 from tests.conftest import Names, pspf_command, subprocess_env
 from tests.crash.apps_migration import TotalsV1, TotalsV2, v2
 from tests.crash.conftest import Spawner
-from tests.crash.support import Records, WorkerProcess, backup_state, leases, no_leases
+from tests.crash.support import Records, WorkerProcess, backup_hash, backup_state, leases, no_leases
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
@@ -98,7 +97,7 @@ class Versions:
         """The stored bytes of ``key``'s state in whichever partition's backup holds it."""
         name = f"{keys.STATE_NAMESPACE}\x00{key}".encode()
         for p in range(partitions):
-            raw = cast(bytes | None, self.rclient.hget(backup_key(self.topic, p, self.app), name))
+            raw = backup_hash(self.rclient, self.topic, p, self.app).get(name)
             if raw is not None:
                 return raw
         raise AssertionError(f"no backup holds the state of key {key}")

@@ -24,7 +24,6 @@ import pytest
 import redis
 
 from pspf import keys
-from pspf.keys import backup_key
 from pspf.outbox.views import PartitionViews, ViewKind
 from pspf.state_stores import open_store
 from tests.conftest import Names, pspf_command, subprocess_env
@@ -34,6 +33,7 @@ from tests.crash.support import (
     WorkerProcess,
     assert_backup_exact,
     backup_applied,
+    backup_hash,
     backup_state,
     expected_state,
     no_leases,
@@ -273,7 +273,7 @@ def unwritten_rows(views: Views, state_dir: Path, partitions: int) -> dict[tuple
     for p in range(partitions):
         with open_store("sqlite", state_dir, views.app, p, readonly=True) as store:
             rows = dict(store.items(keys.VIEWS_NAMESPACE))
-        backup = cast(dict[bytes, bytes], views.rclient.hgetall(backup_key(views.topic, p, views.app)))
+        backup = backup_hash(views.rclient, views.topic, p, views.app)
         backed = {name[len(head) :].decode(): raw for name, raw in backup.items() if name.startswith(head)}
         assert backed == rows, f"partition {p}: the backup's view rows differ from the store's"
         for view, fields in PartitionViews.load(kinds, rows.items()).take()[1].items():

@@ -49,7 +49,7 @@ from typing import Any
 import pytest
 import redis
 
-from pspf.keys import WINDOWS_NAMESPACE, StreamId, backup_key, partition_for, stream_key
+from pspf.keys import WINDOWS_NAMESPACE, StreamId, partition_for, stream_key
 from pspf.outbox.rows import RowState
 from pspf.state_stores import open_store
 from tests.conftest import Names
@@ -58,6 +58,7 @@ from tests.crash.support import (
     ENGINES,
     WorkerProcess,
     backup_checkpoint,
+    backup_hash,
     backup_identity,
     leases,
     no_leases,
@@ -156,7 +157,7 @@ class Windowed:
         return sum(
             1
             for p in range(PARTITIONS)
-            for name in self.client.hkeys(backup_key(self.source, p, self.app))
+            for name in backup_hash(self.client, self.source, p, self.app)
             if name.startswith(head)
         )
 

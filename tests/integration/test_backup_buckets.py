@@ -84,8 +84,8 @@ def test_a_backup_in_buckets_holds_every_value_compactly_and_follows_the_partiti
     names: Names,
 ) -> None:
     """Four buckets: every key's state is in the bucket its name hashes to and the bookkeeping
-    in the first, the others are kept as compact listpacks, the export reads them all, and a new
-    host restores every total."""
+    in the first, the others are kept as compact listpacks, the export and a key's lookup read
+    them, a new host restores every total, and deleting the app deletes every bucket."""
     topic, name = make_topic(1), names.app()
     a, b = host(make_settings, tmp_path, "a", 4), host(make_settings, tmp_path, "b", 4)
     send(a, topic, 600)
@@ -107,9 +107,14 @@ def test_a_backup_in_buckets_holds_every_value_compactly_and_follows_the_partiti
     exported = {line["key"]: line["state"]["total"] for line in lines if line.get("namespace") == "state"}
     assert exported == expected(600)
 
+    assert Service(a).state_get(name, "k7") == {"total": expected(600)["k7"]}
+
     send(a, topic, 300, start=600)
     run(name, topic, b)  # a new host: restores the whole backup, then applies 300 more
     assert totals(b, name) == expected(900)
+
+    Service(a).retire.delete_app(name, force=True)  # pspf app delete: every bucket goes
+    assert rclient.exists(*bucket_keys(backup.values, 4), backup.meta) == 0
 
 
 def test_changing_the_bucket_count_lays_the_backup_out_anew_and_leaves_no_stale_bucket(

@@ -85,6 +85,7 @@ class PartitionBatch:
         "ttl_ms",
         "viewed",
         "views",
+        "windows",
     )
 
     def __init__(
@@ -115,6 +116,9 @@ class PartitionBatch:
         self.viewed: list[ViewWrite] = []
         #: the app's views by name (``ctx.view``), appending to ``viewed``
         self.views = {} if owned.views is None else bind(owned.views.kinds, self.viewed)
+        #: the partition's open windows (None: the app has none), read by each windowed entry twice:
+        #: an attribute, not a property
+        self.windows: PartitionWindows | None = owned.windows
         self.failures: dict[str, Failure | None] = {}
         self.dead: dict[str, Fields | None] = {}
         #: A store read that failed under a handler: it stops the worker, whatever the handler
@@ -323,12 +327,6 @@ class PartitionBatch:
             raise self.broken from exc
         self.owned.adopt_rows({stored: raw})
         return raw
-
-    @property
-    def windows(self) -> PartitionWindows:
-        windows = self.owned.windows
-        assert windows is not None, "a window aggregation runs only where the app declares windows"
-        return windows
 
     @property
     def timers(self) -> PartitionTimers | None:

@@ -76,6 +76,8 @@ class Aggregation:
         self._acc_decode = self._acc_decoder.decode
         self._value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(value_type)
         self._timestamp = timestamp_reader(where, timestamp)
+        #: the field holding the event time (None: the entry id's time, or a function)
+        self._field = timestamp if isinstance(timestamp, str) else None
         #: a dataflow's window (``pspf.dataflow``): its values come from its chain, not from the
         #: topic's entries, and it keeps a stream time of its own (they may come through a
         #: re-keying topic, after the partition's other entries); else the partition's
@@ -125,8 +127,22 @@ class Aggregation:
         writes do): with those of the topic's other windows and its handler, or not at all.
         """
         windows: PartitionWindows = ctx.source.windows
-        ts = self._timestamp(value, ctx)
-        self.attempted(windows, windows.change(self, ctx.key, ts, value, ctx.entry_id), ctx)
+        # what the timestamp reader, windows.change and attempted do, inline: this runs for every entry
+        field = self._field
+        ts = value.get(field) if field is not None and type(value) is dict else None
+        if type(ts) is not int:
+            ts = self._timestamp(value, ctx)
+        stream_ms = windows.time_of(self.clock) if self.chained else windows.stream_ms
+        now = ts if stream_ms is None or ts > stream_ms else stream_ms
+        change = windows.open[self.name].change(ctx.key, ts, value, ctx.entry_id, now)
+        if change.late:
+            self.attempted(windows, change, ctx)
+            return
+        windowed = ctx.windowed
+        if windowed is None:
+            ctx.windowed = [change]
+        else:
+            windowed.append(change)
 
     def attempted(self, windows: PartitionWindows, change: Change, ctx: Context) -> None:
         """Join an entry's change to its attempt; a late one fails the entry when ``late="dlq"``."""

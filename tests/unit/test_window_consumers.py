@@ -181,6 +181,34 @@ def test_one_entry_is_one_attempt_for_the_handler_and_every_window() -> None:
         assert (t.counts.handled, t.counts.dead_lettered, t.counts.late) == (3, 2, 0)
 
 
+def test_a_windows_timestamp_field_may_hold_epoch_ms_a_float_or_rfc_3339_text_in_a_dict_or_a_struct() -> None:
+    """Each form of event time lands in the window it names; an entry without one is dead-lettered."""
+    app = App("event-times")
+    app.window("clicks", windows.tumbling(10 * SECOND), timestamp="ts", emit_to="out", name="d")(count)
+
+    @app.window("taps", windows.tumbling(10 * SECOND), timestamp="ts", emit_to="out", name="s")
+    def per_struct(total: int | None, click: Click) -> int:
+        return (total or 0) + 1
+
+    with TestApp(app) as t:
+        t.send("clicks", {"ts": 1000}, key="a")
+        t.send("clicks", {"ts": 12_000.5}, key="a")
+        t.send("clicks", {"ts": "1970-01-01T00:00:13Z"}, key="a")
+        t.send("clicks", {"n": 1}, key="a")  # no event time: the entry fails
+        t.send("taps", {"ts": 14_000}, key="a")
+        t.send("clicks", {"ts": 60_000}, key="b")
+        t.send("taps", {"ts": 60_000}, key="b")
+        assert sorted((v["start"], v["value"]) for v in t.emitted("out") if v["key"] == "a") == [
+            (0, 1),
+            (10_000, 1),
+            (10_000, 2),
+        ]
+        dead = t.dead_letters("clicks")
+        assert [(d.error_type, d.message) for d in dead] == [
+            ("ConfigError", "the entry has no timestamp field 'ts'")
+        ]
+
+
 def late_app(strict: bool) -> App:
     """A handler and windows of 10 s and 60 s on one topic; ``strict``: one more, late="dlq"."""
     app = App("late-for-one")

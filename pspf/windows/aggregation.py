@@ -268,7 +268,7 @@ class PartitionWindows:
                 self.late[name] = self.late.get(name, 0) + 1
                 continue
             ts = change.ts
-            clock = self._clock_of.get(name)
+            clock = self._clock_of.get(name) if self._clock_of else None
             if clock is not None:
                 own = self.own.get(clock)
                 if own is None or ts > own[0]:

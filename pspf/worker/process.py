@@ -187,10 +187,8 @@ class Worker:
         self.processor = _processor(app, settings, self.broker, self.consumer, hooks)
         self._store_factory = store_factory or self._open_store
         state = settings.state
-        self.partitions = Partitions(
-            self.broker, app.name, self.consumer, self._store_factory, app.topics, state.backup == "on"
-        )
-        self.partitions.buckets = state.backup_buckets
+        self.partitions = Partitions(self.broker, app.name, self.consumer, self._store_factory, app.topics)
+        self.partitions.backup, self.partitions.buckets = state.backup == "on", state.backup_buckets
         #: Follows the partitions this worker does not own (``--standby``).
         self.standby = self._standby(socket_timeout_s)
         #: Takes, keeps and gives up partitions, every third of the lease TTL (``step``).

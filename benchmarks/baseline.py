@@ -11,17 +11,19 @@ The plain loops are the baselines of the ratios the benchmarks print:
   entry, a decode into a dict, and an XACK that waits for its reply before the next read.
 
 ``cpu_seconds`` and ``server_cpu_seconds`` give the CPU a process and a server used, so a report
-can say where the time went besides the ratio.
+can say where the time went besides the ratio (``Costs`` in a worker child, ``cpu_per_million``
+in its report).
 """
 
 from __future__ import annotations
 
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,25 @@ def server_cpu_seconds(url: str) -> float:
     finally:
         client.close()
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class Costs:
+    """The CPU seconds a worker child and the server use from its creation to ``spent``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.server, self.cpu = server_cpu_seconds(url), cpu_seconds()
+
+    def spent(self) -> dict[str, float]:
+        """{"cpu": this process's CPU seconds, "server_cpu": the server's}, as the children report."""
+        return {"cpu": cpu_seconds() - self.cpu, "server_cpu": server_cpu_seconds(self.url) - self.server}
+
+
+def cpu_per_million(results: Sequence[Mapping[str, Any]], entries: int) -> str:
+    """The medians of the children's ``Costs`` per million entries: "worker X s, server Y s"."""
+    worker = statistics.median(r["cpu"] for r in results) * 1e6 / entries
+    server = statistics.median(r["server_cpu"] for r in results) * 1e6 / entries
+    return f"worker {worker:.2f} s, server {server:.2f} s"
 
 
 def max_rss_mb() -> float:

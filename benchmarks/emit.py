@@ -10,7 +10,8 @@ Usage::
 Throughput: each run pre-loads the same entries into ONE partition of two fresh topics (and a
 plain stream). A worker (in a child process, ``run(until_idle=True)``, which returns once every
 emitted entry is published) runs the order-totals app over the first topic, and the same app
-with ``ctx.emit(out, {"user", "total"}, key=user)`` per entry over the second; the plain loop of
+with ``ctx.emit(out, {"user", "total"}, key=user)`` per entry over the second, alternating which
+goes first (each reports its CPU seconds and the server's); the plain loop of
 ``benchmarks/throughput.py`` (XREADGROUP, decode, dict update, XACK) runs in this process over
 the copy. Every run checks that the output topic holds exactly one entry per input.
 
@@ -44,7 +45,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 
 import redis  # noqa: E402
 
-from benchmarks.baseline import make_orders, own_redis_server, preload, run_plain  # noqa: E402
+from benchmarks.baseline import Costs, cpu_per_million, make_orders, own_redis_server, preload, run_plain  # noqa: E402
 from pspf import App, Context, Settings, Worker  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.outbox.emit import SOURCE_ID_HEADER  # noqa: E402
@@ -85,9 +86,10 @@ def worker_child(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, lambda *_: worker.stop())
         worker.run()
         return
-    start = time.perf_counter()
+    costs, start = Costs(args.broker), time.perf_counter()
     summary = worker.run(until_idle=True)
-    print(json.dumps({"seconds": time.perf_counter() - start, "published": summary.published}))
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "published": summary.published, **costs.spent()}))
 
 
 def child_command(
@@ -121,7 +123,9 @@ def run_child(command: list[str]) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+def throughput_run(
+    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], order: int
+) -> dict[str, Any]:
     run = uuid.uuid4().hex[:8]
     plain_topic, emit_topic, out = f"bench-{run}-a", f"bench-{run}-b", f"bench-{run}-out"
     copy = f"bench-{run}-copy"
@@ -130,9 +134,12 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
     service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
     service.create_topic(out, 1)
     service.close()
+    found = {}
     with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
-        without = run_child(child_command(args, url, f"app-{run}-a", plain_topic, "", state_dir))
-        with_emit = run_child(child_command(args, url, f"app-{run}-b", emit_topic, out, state_dir))
+        for name in ("without", "with") if order % 2 == 0 else ("with", "without"):
+            topic, output = (plain_topic, "") if name == "without" else (emit_topic, out)
+            found[name] = run_child(child_command(args, url, f"app-{run}-{name}", topic, output, state_dir))
+    without, with_emit = found["without"], found["with"]
     plain = run_plain(url, copy, f"plain-{run}", args.batch_size, raw=True)
     client = redis.Redis.from_url(url)
     emitted = client.xlen(stream_key(out, 0))
@@ -144,6 +151,7 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
         "without": n / without["seconds"],
         "with": n / with_emit["seconds"],
         "plain": n / plain["seconds"],
+        "children": found,
     }
 
 
@@ -222,16 +230,23 @@ def main() -> None:
 
 def report(url: str, description: str, args: argparse.Namespace) -> None:
     orders = make_orders(args.entries, args.keys)
-    runs = [throughput_run(url, args, orders) for _ in range(args.runs)]
-    med = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    runs = [throughput_run(url, args, orders, i) for i in range(args.runs)]
+    med = {name: statistics.median(r[name] for r in runs) for name in ("without", "with", "plain")}
+    cpu = {
+        name: cpu_per_million([r["children"][name] for r in runs], args.entries)
+        for name in ("without", "with")
+    }
     ratios = [r["with"] / r["without"] for r in runs]
     print(
         f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, "
         f"{os.cpu_count()} cores"
     )
-    print(f"Throughput, entries/s, median of {args.runs} run(s)")
-    print(f"  order totals, no emit                {med['without']:>10,.0f}")
-    print(f"  order totals, one ctx.emit per entry {med['with']:>10,.0f}   until every output is published")
+    print(f"Throughput, entries/s, median of {args.runs} run(s); CPU seconds per million entries")
+    print(f"  order totals, no emit                {med['without']:>10,.0f}   {cpu['without']}")
+    print(
+        f"  order totals, one ctx.emit per entry {med['with']:>10,.0f}   {cpu['with']}; "
+        "until every output is published"
+    )
     print(f"  plain redis-py loop                  {med['plain']:>10,.0f}")
     print(
         f"  ratio emit / no emit                 {statistics.median(ratios):>10.2f}   "

@@ -9,9 +9,10 @@ Usage::
 Throughput: each run pre-loads the same orders (~100-byte JSON, 1,000 keys) into ONE partition
 of two fresh topics, a ``customers`` table topic (a row per key) and a ``products`` global table
 topic (1,000 rows). A worker (a child process, ``run(until_idle=True)``) runs the order-totals
-app over the first topic, then the same app with one ``ctx.table("customers")`` and one
-``ctx.table("products", key=...)`` per entry over the second; the ratio is lookups / none (the
-target: >= 0.75). Every run checks the totals.
+app over the first topic, and the same app with one ``ctx.table("customers")`` and one
+``ctx.table("products", key=...)`` per entry over the second, alternating which goes first; the
+ratio is lookups / none (the target: >= 0.75). Each reports its CPU seconds and the server's.
+Every run checks the totals.
 
 Bootstrap: ``--global-rows N`` rows (~100-byte JSON) in a 4-partition topic; a worker of an app
 with that global table starts on an empty state dir: the time from ``Worker.run`` to its first
@@ -42,7 +43,8 @@ import msgspec  # noqa: E402
 import redis  # noqa: E402
 
 from benchmarks.baseline import (  # noqa: E402
-    cpu_seconds,
+    Costs,
+    cpu_per_million,
     expected_totals,
     make_orders,
     max_rss_mb,
@@ -83,7 +85,7 @@ def lookup_app(name: str, topic: str, customers: str | None, products: str | Non
 
 
 def worker_child(args: argparse.Namespace) -> None:
-    """Run one worker until idle; print {"seconds", "first_entry_s", "rss", "cpu_seconds", "total", ...}."""
+    """Run one worker until idle; print {"seconds", "first_entry_s", "rss", "cpu", "server_cpu", ...}."""
     import logging
 
     logging.getLogger("pspf").setLevel(logging.ERROR)
@@ -99,8 +101,7 @@ def worker_child(args: argparse.Namespace) -> None:
     )
     app = lookup_app(args.app, args.topic, args.customers or None, args.products or None)
     first: list[float] = []
-    cpu = cpu_seconds()
-    start = time.perf_counter()
+    costs, start = Costs(args.broker), time.perf_counter()
 
     class FirstEntry:
         def on_batch_committed(self, topic: str, partition: int, handled: int, skipped: int) -> None:
@@ -126,7 +127,7 @@ def worker_child(args: argparse.Namespace) -> None:
                 "seconds": seconds,
                 "first_entry_s": first[0] if first else None,
                 "rss": max_rss_mb(),
-                "cpu_seconds": cpu_seconds() - cpu,
+                **costs.spent(),
                 "handled": summary.handled,
                 **totals,
             }
@@ -184,7 +185,9 @@ def add_rows(url: str, topic: str, partitions: int, rows: int, size: int = 100) 
     client.close()
 
 
-def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+def throughput_run(
+    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], order: int
+) -> dict[str, Any]:
     run = uuid.uuid4().hex[:8]
     plain_topic, lookup_topic = f"bench-{run}-a", f"bench-{run}-b"
     customers, products = f"bench-{run}-customers", f"bench-{run}-products"
@@ -200,8 +203,13 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
     add_rows(url, products, 1, 1000)
     preload(url, plain_topic, None, orders)
     preload(url, lookup_topic, None, orders)
-    without = run_child(args, url, f"app-{run}-a", plain_topic, None)
-    with_lookups = run_child(args, url, f"app-{run}-b", lookup_topic, (customers, products))
+    found = {}
+    for name in ("without", "with") if order % 2 == 0 else ("with", "without"):
+        if name == "without":
+            found[name] = run_child(args, url, f"app-{run}-a", plain_topic, None)
+        else:
+            found[name] = run_child(args, url, f"app-{run}-b", lookup_topic, (customers, products))
+    without, with_lookups = found["without"], found["with"]
     _, total, count = expected_totals(orders)
     for result in (without, with_lookups):
         if (result["total"], result["count"], result["missing"]) != (total, count, 0):
@@ -211,6 +219,7 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
         "without": n / without["seconds"],
         "with": n / with_lookups["seconds"],
         "rss": with_lookups["rss"],
+        "children": found,
     }
 
 
@@ -230,19 +239,24 @@ def bootstrap_run(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(url: str, description: str, args: argparse.Namespace) -> None:
     orders = make_orders(args.entries, args.keys)
-    runs = [throughput_run(url, args, orders) for _ in range(args.runs)]
+    runs = [throughput_run(url, args, orders, i) for i in range(args.runs)]
+    cpu = {
+        name: cpu_per_million([r["children"][name] for r in runs], args.entries)
+        for name in ("without", "with")
+    }
     ratios = [r["with"] / r["without"] for r in runs]
     print(
         f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, "
         f"{os.cpu_count()} cores"
     )
-    print(f"Throughput, entries/s, median of {args.runs} run(s)")
+    print(f"Throughput, entries/s, median of {args.runs} run(s); CPU seconds per million entries")
     print(
         f"  order totals                               "
-        f"{statistics.median(r['without'] for r in runs):>10,.0f}"
+        f"{statistics.median(r['without'] for r in runs):>10,.0f}   {cpu['without']}"
     )
     print(
-        f"  + ctx.table lookup and global lookup/entry {statistics.median(r['with'] for r in runs):>10,.0f}"
+        f"  + ctx.table lookup and global lookup/entry "
+        f"{statistics.median(r['with'] for r in runs):>10,.0f}   {cpu['with']}"
     )
     print(
         f"  ratio lookups / none                       {statistics.median(ratios):>10.2f}   "

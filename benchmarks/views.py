@@ -38,13 +38,7 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 
 import redis  # noqa: E402
 
-from benchmarks.baseline import (  # noqa: E402
-    cpu_seconds,
-    make_orders,
-    own_redis_server,
-    preload,
-    server_cpu_seconds,
-)
+from benchmarks.baseline import Costs, cpu_per_million, make_orders, own_redis_server, preload  # noqa: E402
 from pspf import App, Context, Settings, Worker  # noqa: E402
 
 
@@ -97,18 +91,10 @@ def worker_child(args: argparse.Namespace) -> None:
         environ={},
     )
     worker = Worker(totals_app(args.app, args.topic, args.view or None, args.kind), settings)
-    server_before, cpu_before, start = server_cpu_seconds(args.broker), cpu_seconds(), time.perf_counter()
+    costs, start = Costs(args.broker), time.perf_counter()
     worker.run(until_idle=True)
     seconds = time.perf_counter() - start
-    print(
-        json.dumps(
-            {
-                "seconds": seconds,
-                "cpu": cpu_seconds() - cpu_before,
-                "server_cpu": server_cpu_seconds(args.broker) - server_before,
-            }
-        )
-    )
+    print(json.dumps({"seconds": seconds, **costs.spent()}))
 
 
 def run_child(args: argparse.Namespace, url: str, topic: str, view: str, state_dir: str) -> dict[str, Any]:
@@ -165,11 +151,8 @@ def report(url: str, description: str, args: argparse.Namespace) -> None:
     print(f"Median of {args.runs} run(s): entries/s, then CPU seconds per million entries (worker, server)")
     for name in ("without", "with"):
         rate = statistics.median(n / r[name]["seconds"] for r in runs)
-        cpu = statistics.median(r[name]["cpu"] for r in runs) * 1e6 / n
-        server = statistics.median(r[name]["server_cpu"] for r in runs) * 1e6 / n
-        print(
-            f"  order totals, {name + ' view':<13} {rate:>10,.0f}   worker {cpu:.2f} s, server {server:.2f} s"
-        )
+        cpu = cpu_per_million([r[name] for r in runs], n)
+        print(f"  order totals, {name + ' view':<13} {rate:>10,.0f}   {cpu}")
     print(
         f"  ratio with / without       {statistics.median(ratios):>10.2f}   "
         f"(per run: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 0.85)"

@@ -10,7 +10,8 @@ Throughput: each run pre-loads the same entries (order values with an event time
 in order over 60 minutes, each up to 5 s early or late) into ONE partition of two fresh topics
 and a plain stream. A worker (a child process, ``run(until_idle=True)``) runs the order-totals
 app of ``benchmarks/throughput.py`` over the first topic, and the windowed count (tumbling one
-minute, grace 10 s, results emitted to a topic) over the second; the plain redis-py loop of
+minute, grace 10 s, results emitted to a topic) over the second, alternating which goes first;
+each reports its CPU seconds and the server's. The plain redis-py loop of
 ``benchmarks/throughput.py`` runs in this process over the copy. Every run checks the results:
 the count of every window closed is the count of its entries.
 
@@ -45,7 +46,15 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from benchmarks.baseline import max_rss_mb, order_totals_app, own_redis_server, preload, run_plain  # noqa: E402
+from benchmarks.baseline import (  # noqa: E402
+    Costs,
+    cpu_per_million,
+    max_rss_mb,
+    order_totals_app,
+    own_redis_server,
+    preload,
+    run_plain,
+)
 from pspf import App, Settings, Worker, windows  # noqa: E402
 from pspf.keys import stream_key  # noqa: E402
 from pspf.service import Service  # noqa: E402
@@ -85,7 +94,7 @@ def make_timed_orders(entries: int, keys: int, span_ms: int, seed: int = 23) -> 
 
 
 def worker_child(args: argparse.Namespace) -> None:
-    """Run one worker until idle; print {"seconds", "rss_mb"}."""
+    """Run one worker until idle; print {"seconds", "rss_mb", "cpu", "server_cpu"}."""
     import logging
 
     logging.getLogger("pspf").setLevel(logging.ERROR)
@@ -100,9 +109,10 @@ def worker_child(args: argparse.Namespace) -> None:
         environ={},
     )
     app = window_app(args.app, args.topic, args.out) if args.out else order_totals_app(args.app, args.topic)
-    start = time.perf_counter()
+    costs, start = Costs(args.broker), time.perf_counter()
     Worker(app, settings).run(until_idle=True)
-    print(json.dumps({"seconds": time.perf_counter() - start, "rss_mb": max_rss_mb()}))
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "rss_mb": max_rss_mb(), **costs.spent()}))
 
 
 def run_child(
@@ -136,10 +146,11 @@ def closed_counts(orders: list[tuple[str, bytes]]) -> Counter[tuple[str, int]]:
 
 
 def run_both(
-    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], copy: str | None
+    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], copy: str | None, order: int = 0
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """The order-totals and the windowed worker over the same entries; their reports, and the
-    windowed app's output topic (``copy``: a plain stream that gets the entries too)."""
+    """The order-totals and the windowed worker over the same entries (the windowed one first when
+    ``order`` is odd); their reports, and the windowed app's output topic (``copy``: a plain
+    stream that gets the entries too)."""
     run = uuid.uuid4().hex[:8]
     totals_topic, window_topic, out = f"bench-{run}-a", f"bench-{run}-b", f"bench-{run}-out"
     preload(url, totals_topic, copy, orders)
@@ -147,15 +158,19 @@ def run_both(
     service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
     service.create_topic(out, 1)
     service.close()
+    found = {}
     with tempfile.TemporaryDirectory(prefix="pspf-bench-state-") as state_dir:
-        totals = run_child(args, url, f"app-{run}-a", totals_topic, "", state_dir)
-        windowed = run_child(args, url, f"app-{run}-b", window_topic, out, state_dir)
-    return totals, windowed, out
+        for name in ("totals", "windowed") if order % 2 == 0 else ("windowed", "totals"):
+            topic, output = (totals_topic, "") if name == "totals" else (window_topic, out)
+            found[name] = run_child(args, url, f"app-{run}-{name}", topic, output, state_dir)
+    return found["totals"], found["windowed"], out
 
 
-def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]]) -> dict[str, float]:
+def throughput_run(
+    url: str, args: argparse.Namespace, orders: list[tuple[str, bytes]], order: int
+) -> dict[str, Any]:
     copy = f"bench-{uuid.uuid4().hex[:8]}-copy"
-    totals, windowed, out = run_both(url, args, orders, copy)
+    totals, windowed, out = run_both(url, args, orders, copy, order)
     plain = run_plain(url, copy, f"plain-{copy}", args.batch_size, raw=True)
     client = redis.Redis.from_url(url)
     results = Counter(
@@ -172,6 +187,7 @@ def throughput_run(url: str, args: argparse.Namespace, orders: list[tuple[str, b
         "totals": n / totals["seconds"],
         "windows": n / windowed["seconds"],
         "plain": n / plain["seconds"],
+        "children": {"totals": totals, "windows": windowed},
     }
 
 
@@ -184,16 +200,21 @@ def open_windows_rss(url: str, args: argparse.Namespace) -> tuple[float, float]:
 
 def report(url: str, description: str, args: argparse.Namespace) -> None:
     orders = make_timed_orders(args.entries, args.keys, span_ms=60 * MINUTE_MS)
-    runs = [throughput_run(url, args, orders) for _ in range(args.runs)]
-    med = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    runs = [throughput_run(url, args, orders, i) for i in range(args.runs)]
+    med = {name: statistics.median(r[name] for r in runs) for name in ("totals", "windows", "plain")}
+    apps = ("totals", "windows")
+    cpu = {name: cpu_per_million([r["children"][name] for r in runs], args.entries) for name in apps}
     ratios = [r["windows"] / r["totals"] for r in runs]
     print(
         f"{description}; store {args.store}; {args.entries:,} entries, {args.keys:,} keys, "
         f"{os.cpu_count()} cores"
     )
-    print(f"Throughput, entries/s, median of {args.runs} run(s)")
-    print(f"  order totals                         {med['totals']:>10,.0f}")
-    print(f"  tumbling 1-minute count per key      {med['windows']:>10,.0f}   results emitted and published")
+    print(f"Throughput, entries/s, median of {args.runs} run(s); CPU seconds per million entries")
+    print(f"  order totals                         {med['totals']:>10,.0f}   {cpu['totals']}")
+    print(
+        f"  tumbling 1-minute count per key      {med['windows']:>10,.0f}   {cpu['windows']}; "
+        "results emitted and published"
+    )
     print(f"  plain redis-py loop                  {med['plain']:>10,.0f}")
     print(
         f"  ratio windows / order totals         {statistics.median(ratios):>10.2f}   "

@@ -27,6 +27,7 @@ from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.partition.backup import PartitionBackup, Restored, delete_backup
 from pspf.partition.durability import flush
 from pspf.partition.owned import OwnedPartition, StreamCursor, check_tail, went_back
+from pspf.settings import StateSettings
 
 if TYPE_CHECKING:
     from pspf.state_stores import StateStore
@@ -168,8 +169,7 @@ class Partitions:
         consumer: str,
         open_store: StoreFactory,
         topics: list[str],
-        backup: bool = True,
-        buckets: int = 1,
+        state: StateSettings | None = None,
     ) -> None:
         self.broker = broker
         self.group = group
@@ -177,9 +177,10 @@ class Partitions:
         self.open_store = open_store
         #: the app's topics; the first one's partitions carry the state backup
         self.topics = topics
-        self.backup = backup
+        state = state or StateSettings()
+        self.backup = state.backup == "on"
         #: the hashes each backup spreads its values over (``StateSettings.backup_buckets``)
-        self.buckets = buckets
+        self.buckets = state.backup_buckets
         #: partition -> when (monotonic) its idle consumers are looked at next
         self._forget_at: dict[int, float] = {}
 

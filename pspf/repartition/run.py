@@ -427,6 +427,19 @@ def unseal(broker: Broker, plan: Plan) -> None:
     broker.moving.delete_keys([plan_key(topic) for topic in plan.topics])
 
 
+def swap_in_staged(broker: Broker, backup: keys.BackupKeys) -> None:
+    """Put a backup staged as one hash (``STAGED``) in the live one's place; its log goes.
+
+    The live layout's other buckets go first, while the staged hash still exists: once it is
+    renamed in, the meta names the new layout. Each step may run again after a crash.
+    """
+    if broker.moving.exists(backup.values + STAGED):
+        broker.moving.delete_keys(broker.acks.backup_layout(backup)[0][1:])
+    broker.moving.rename_over(backup.values + STAGED, backup.values)
+    broker.moving.rename_over(backup.meta + STAGED, backup.meta)
+    broker.moving.delete_keys([backup.log])
+
+
 def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda step: None) -> None:
     """Swap the staged keys in (idempotent: a resumed switch renames what is left)."""
     for topic in plan.topics:
@@ -455,12 +468,7 @@ def switch(broker: Broker, plan: Plan, crash_at: Callable[[str], None] = lambda 
     for app in plan.apps:
         read = broker.apps.app_topic_list(app)
         for q in range(plan.new):
-            backup = keys.backup_keys(read[0], q, app)
-            if broker.moving.exists(backup.values + STAGED):  # the staged backup is one hash
-                broker.moving.delete_keys(broker.acks.backup_layout(backup)[0][1:])
-            broker.moving.rename_over(backup.values + STAGED, backup.values)
-            broker.moving.rename_over(backup.meta + STAGED, backup.meta)
-            broker.moving.delete_keys([backup.log])
+            swap_in_staged(broker, keys.backup_keys(read[0], q, app))
         old_only = [
             name
             for p in range(plan.new, plan.old)

@@ -33,7 +33,7 @@ from pspf import codec, keys
 from pspf.broker import Broker
 from pspf.errors import BrokerError, ConfigError, StateOutOfReach, UnderWay
 from pspf.keys import StreamId
-from pspf.repartition.run import STAGED, AppState, Moved, Plan, refuse_running, stage_state
+from pspf.repartition.run import STAGED, AppState, Moved, Plan, refuse_running, stage_state, swap_in_staged
 from pspf.savepoint.manifest import Location, Manifest, PartitionCut, TopicCut
 from pspf.state_stores.base import field, split_field
 
@@ -136,12 +136,7 @@ def switch(broker: Broker, plan: RestorePlan, crash_at: Callable[[str], None] = 
     broker.moving.set_fields(record, {RESTORING: msgspec.json.encode(plan).decode()})
     crash_at("switch")
     for partition in range(plan.partitions):
-        backup = keys.backup_keys(plan.topics[0], partition, plan.target)
-        if broker.moving.exists(backup.values + STAGED):  # the staged backup is one hash
-            broker.moving.delete_keys(broker.acks.backup_layout(backup)[0][1:])
-        broker.moving.rename_over(backup.values + STAGED, backup.values)
-        broker.moving.rename_over(backup.meta + STAGED, backup.meta)
-        broker.moving.delete_keys([backup.log])
+        swap_in_staged(broker, keys.backup_keys(plan.topics[0], partition, plan.target))
         for topic in plan.topics:
             position = plan.positions[topic][partition]
             broker.apps.reset_group(keys.stream_key(topic, partition), plan.target, position)

@@ -186,9 +186,9 @@ class Worker:
             hooks = self.metrics if hooks is None else HookChain(self.metrics, hooks)
         self.processor = _processor(app, settings, self.broker, self.consumer, hooks)
         self._store_factory = store_factory or self._open_store
-        state = settings.state
-        self.partitions = Partitions(self.broker, app.name, self.consumer, self._store_factory, app.topics)
-        self.partitions.backup, self.partitions.buckets = state.backup == "on", state.backup_buckets
+        self.partitions = Partitions(
+            self.broker, app.name, self.consumer, self._store_factory, app.topics, settings.state
+        )
         #: Follows the partitions this worker does not own (``--standby``).
         self.standby = self._standby(socket_timeout_s)
         #: Takes, keeps and gives up partitions, every third of the lease TTL (``step``).

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import hiredis
 import msgspec
 import redis
 
@@ -184,7 +185,9 @@ def max_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def run_strong(url: str, stream: str, group: str, batch_size: int) -> dict[str, Any]:
+def run_strong(
+    url: str, stream: str, group: str, batch_size: int, emit_to: str | None = None
+) -> dict[str, Any]:
     """The strongest plain consumer loop we can write for the same work: the ratio's baseline.
 
     One connection used directly (no pool, no pipeline object), hiredis and RESP2 with the reply
@@ -192,11 +195,20 @@ def run_strong(url: str, stream: str, group: str, batch_size: int) -> dict[str, 
     other shape scanned, a msgspec Struct decoder, state in a dict, and the XACK of one batch sent
     with the XREADGROUP of the next (one round trip per batch). No durability: this is what a loop
     that may lose or repeat work costs.
+
+    ``emit_to``: a stream each entry also emits ``{"user", "total"}`` to, with its key and a
+    headers field naming its source, as ``ctx.emit`` publishes it: ONE script call per batch
+    appends the batch's outputs, sent in the same write as the XACK and the next read. Nothing
+    makes them exactly once: what emitting costs a loop that does nothing else.
     """
     client = redis.Redis.from_url(url, protocol=2)
     client.xgroup_create(stream, group, id="0")
     decode = msgspec.json.Decoder(Order).decode
+    encode = msgspec.json.Encoder().encode
     read = ("XREADGROUP", "GROUP", group, "plain", "COUNT", batch_size, "STREAMS", stream, ">")
+    append = None if emit_to is None else client.script_load(_APPEND_LUA)
+    head = b'{"source-stream":"' + stream.encode() + b'","source-id":"'
+    outputs: list[bytes] = []
     connection = client.connection_pool.get_connection()
     state: dict[bytes, list[int]] = {}
     handled = 0
@@ -223,13 +235,32 @@ def run_strong(url: str, stream: str, group: str, batch_size: int) -> dict[str, 
             st[0] += order.amount
             st[1] += 1
             ids.append(entry_id)
+            if append is not None:
+                outputs += (key, encode({"user": key.decode(), "total": st[0]}), entry_id)
         handled += len(entries)
-        connection.send_packed_command(connection.pack_commands([("XACK", stream, group, *ids), read]))
+        commands: list[tuple[Any, ...]] = [("XACK", stream, group, *ids), read]
+        if outputs:
+            commands.insert(0, ("EVALSHA", append, 1, emit_to, head, *outputs))
+            outputs = []
+        connection.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)])
+        if len(commands) == 3:
+            connection.read_response()
         connection.read_response()
         reply = connection.read_response()
     client.connection_pool.release(connection)
     totals = [(s[0], s[1]) for s in state.values()]
     return _loop_result(client, stream, group, time.perf_counter() - start, handled, totals)
+
+
+#: The strong loop's emitting script: the batch's outputs (key, value, source id) appended.
+_APPEND_LUA = """
+local head = ARGV[1]
+for i = 2, #ARGV, 3 do
+  local headers = head .. ARGV[i + 2] .. '"}'
+  redis.call('XADD', KEYS[1], '*', 'key', ARGV[i], 'value', ARGV[i + 1], 'headers', headers)
+end
+return (#ARGV - 1) / 3
+"""
 
 
 def run_plain(url: str, stream: str, group: str, batch_size: int, raw: bool = True) -> dict[str, Any]:

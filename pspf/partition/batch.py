@@ -28,7 +28,7 @@ from pspf.outbox.views import ViewWrite, bind
 from pspf.partition.owned import OwnedPartition, StreamCursor
 from pspf.tables import versions
 from pspf.tables.lookups import Lookups, check_lookup_key
-from pspf.tables.table import MISSING, Table, TableError, TableWrites, add_history, row_then
+from pspf.tables.table import MISSING, RowCache, Table, TableError, TableWrites, add_history, row_then
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers
 
@@ -70,6 +70,8 @@ class PartitionBatch:
 
     __slots__ = (
         "_global_rows",
+        "_global_table_rows",
+        "_table_rows",
         "_tables",
         "broken",
         "dead",
@@ -104,7 +106,11 @@ class PartitionBatch:
         #: global tables' rows in memory
         self._tables = {} if lookups is None else lookups.tables
         global_tables = None if lookups is None else lookups.global_tables
-        self._global_rows = {} if global_tables is None else global_tables.cache
+        self._global_rows = RowCache() if global_tables is None else global_tables.cache
+        #: the rows ``table_row`` may copy at once, by table: the global tables', and the
+        #: partition's tables' unless rows are kept for parked entries (its history)
+        self._global_table_rows = self._global_rows.rows
+        self._table_rows = owned.table_cache.rows if lookups is not None and owned.history is False else {}
         #: the batch's table updates, each with its entry's id
         self.table_writes = TableWrites()
         self.overlay: dict[str, bytes | None] = {}
@@ -199,25 +205,47 @@ class PartitionBatch:
 
         A table's row comes from the batch's updates up to that entry, then the partition's
         committed rows, then its store; a global table's from the worker's global store. ``check``:
-        the key was given, so it must belong here. Runs per lookup: the two common lookups (a
-        table by the entry's key, a global table by a text key) take the short way; every other
-        one is checked first (``_table_row_checked``).
+        the key was given, so it must belong here. Runs per lookup: a row kept decoded in memory
+        is copied at once when nothing else can hold a newer one (the common lookups: a table by
+        the entry's key, a global table by a text key); every other lookup takes ``_table_row``.
         """
+        rows = (self._global_table_rows if check else self._table_rows).get(name)
+        if rows is not None and at is None and type(key) is str and not self.table_writes.versions:
+            found = rows.get(key)
+            if type(found) is tuple:  # kept decoded: a copy of its own for the handler
+                return found[1].copy()
+        return self._table_row(name, key, before, what, check, at)
+
+    def _table_row(
+        self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None
+    ) -> Any:
+        """``table_row`` the longer way: checked first unless it is one of the two common lookups."""
         table = self._tables.get(name)
         if table is None or at is not None or check is not table.is_global or type(key) is not str:
             return self._table_row_checked(name, key, before, what, check, at)
-        stored = f"{name}/{key}"  # keys.table_key
         if check:  # a global table's row
-            raw = self._global_rows.get(stored, MISSING)
+            cache = self._global_rows
         else:
-            raw = self.table_writes.find(stored, before) if self.table_writes.versions else MISSING
-            if raw is MISSING and before is not None and self.owned.history is not False:
-                raw = self._row_then(name, stored, before)
-            if raw is MISSING:
-                raw = self.owned.table_cache.get(stored, MISSING)
-        if raw is MISSING:
-            raw = self._stored_row(stored, check)
-        return None if raw is None else table.decode(raw)
+            if self.table_writes.versions or (before is not None and self.owned.history is not False):
+                raw = self._row_before(name, key, before)
+                if raw is not MISSING:
+                    return None if raw is None else table.decode(raw)
+            cache = self.owned.table_cache
+        rows = cache.rows.get(name)
+        found = MISSING if rows is None else rows.get(key, MISSING)
+        if type(found) is tuple:
+            return found[1].copy()
+        if found is MISSING:
+            found = self._stored_row(keys.table_key(name, key), check)
+        return cache.decode(table, key, found)
+
+    def _row_before(self, name: str, key: str, before: bytes | None) -> Any:
+        """A table's row as the batch's updates before the entry, or the kept history, say; else MISSING."""
+        stored = keys.table_key(name, key)
+        raw = self.table_writes.find(stored, before) if self.table_writes.versions else MISSING
+        if raw is MISSING and before is not None and self.owned.history is not False:
+            raw = self._row_then(name, stored, before)
+        return raw
 
     def _table_row_checked(
         self, name: str, key: str, before: bytes | None, what: str, check: bool, at: int | None
@@ -298,7 +326,7 @@ class PartitionBatch:
         for stored in rows:
             if self.table_writes.versions[stored][-1][0] <= floor:
                 continue  # every update comes before the parked entries: none looks it up
-            committed = owned.table_cache.get(stored, MISSING)
+            committed = owned.table_cache.get(stored)
             if committed is MISSING:
                 committed = owned.store.get(keys.TABLES_NAMESPACE, stored)
             replaced = self.table_writes.replaced(stored, committed)

@@ -22,6 +22,7 @@ from pspf.keys import ZERO_ID, StreamId
 from pspf.outbox.partition_outbox import PartitionOutbox
 from pspf.outbox.views import PartitionViews
 from pspf.partition.backup import PartitionBackup
+from pspf.tables.table import RowCache
 from pspf.windows.aggregation import PartitionWindows
 from pspf.windows.timers import PartitionTimers
 
@@ -150,8 +151,8 @@ class OwnedPartition:
     cache_limit: int = CACHE_LIMIT
     #: keys the last batch read ahead or read one by one: while any, the next reads ahead (the first does)
     misses: int = 1
-    #: committed rows of the app's tables, by ``keys.table_key``
-    table_cache: dict[str, bytes | None] = field(default_factory=dict)
+    #: committed rows of the app's tables
+    table_cache: RowCache = field(default_factory=RowCache)
     failures: dict[str, Failure] = field(default_factory=dict)
     dead: dict[str, Fields] = field(default_factory=dict)
     consumers: set[str] = field(default_factory=set)
@@ -241,11 +242,8 @@ class OwnedPartition:
         """
         if history is not None:
             self.history = history
-        if not rows:
-            return
-        if len(self.table_cache) + len(rows) > self.cache_limit:
-            self.table_cache.clear()
-        self.table_cache.update(rows)
+        if rows:
+            self.table_cache.put(rows, self.cache_limit)
 
     def forget_consumers(self, names: set[str]) -> None:
         """Drop consumers from the store's list (they have nothing pending: takeover needs them not)."""

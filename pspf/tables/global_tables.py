@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pspf.broker import Broker, RawEntry, ReadSent
     from pspf.state_stores import StateStore
 
-from pspf.tables.table import GLOBAL_CACHE_LIMIT, GLOBAL_READ_COUNT, MISSING, Table, _encode_row
+from pspf.tables.table import GLOBAL_CACHE_LIMIT, GLOBAL_READ_COUNT, MISSING, RowCache, Table, _encode_row
 
 log = logging.getLogger("pspf.tables")
 
@@ -58,7 +58,7 @@ class GlobalTables:
         self.positions: dict[str, StreamId | None] = {
             stream: saved.get(name) for stream, (_, name) in self.streams.items()
         }
-        self.cache: dict[str, bytes | None] = {}
+        self.cache = RowCache()
         #: when (monotonic) ``follow_between`` looks next
         self._look_at = 0.0
         #: the look sent by the last ``follow_between``, its replies not read yet
@@ -67,15 +67,13 @@ class GlobalTables:
     def row(self, name: str, key: str) -> bytes | None:
         """A row as stored (None: no row)."""
         stored = keys.table_key(name, key)
-        raw = self.cache.get(stored, MISSING)
+        raw = self.cache.get(stored)
         return self.load(stored) if raw is MISSING else raw
 
     def load(self, stored: str) -> bytes | None:
         """A row from the store, remembered."""
         raw = self.store.get(keys.GLOBAL_TABLES_NAMESPACE, stored)
-        if len(self.cache) >= GLOBAL_CACHE_LIMIT:
-            self.cache.clear()
-        self.cache[stored] = raw
+        self.cache.put({stored: raw}, GLOBAL_CACHE_LIMIT)
         return raw
 
     def bootstrap(self) -> int:
@@ -152,11 +150,7 @@ class GlobalTables:
             tx.put(keys.GLOBAL_TABLES_NAMESPACE, rows)
         for stream, entries in read:
             self.positions[stream] = StreamId.parse(entries[-1][0])
-        cache = self.cache
-        if cache:  # rows looked up before are refreshed; others are read when looked up
-            for stored, row in rows.items():
-                if stored in cache:
-                    cache[stored] = row
+        self.cache.refresh(rows)  # rows looked up before; others are read when looked up
         return count
 
     def _apply(self, table: Table, entry_id: bytes, fields: Any, rows: dict[str, bytes | None]) -> None:

@@ -126,6 +126,71 @@ class Table:
         return f"<{kind} {self.name!r}>"
 
 
+#: The types of a decoded row's values that let the row be kept decoded (its copy is a new row).
+_FLAT = frozenset({str, int, float, bool, type(None)})
+
+
+class RowCache:
+    """Committed table rows in memory, by table and key: what a lookup reads before the store.
+
+    A lookup reads it with two dict gets, without building the row's store key. A row that
+    decodes into a flat dict (values str, int, float, bool or None) is kept decoded in its place,
+    as (the stored row, the decoded row), and later lookups get a copy instead of decoding it
+    again: each handler has a row of its own to change. A newer stored row replaces it. Past
+    the limit ``put`` is given, it starts again empty.
+    """
+
+    __slots__ = ("rows", "size")
+
+    def __init__(self) -> None:
+        #: table name -> key -> the row as stored (None: no row), or (as stored, decoded)
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.size = 0
+
+    def get(self, stored: str) -> bytes | None:
+        """A row as stored, by its ``keys.table_key``; MISSING when not in memory."""
+        name, _, key = stored.partition("/")
+        rows = self.rows.get(name)
+        found = MISSING if rows is None else rows.get(key, MISSING)
+        return found[0] if type(found) is tuple else found  # type: ignore[no-any-return]
+
+    def put(self, rows: dict[str, bytes | None], limit: int) -> None:
+        """Rows by ``keys.table_key``, after dropping all when they would pass ``limit``."""
+        if self.size + len(rows) > limit:  # emptied in place: a batch reads ``rows`` as bound
+            self.rows.clear()
+            self.size = 0
+        for stored, raw in rows.items():
+            name, _, key = stored.partition("/")
+            kept = self.rows.get(name)
+            if kept is None:
+                kept = self.rows[name] = {}
+            if key not in kept:
+                self.size += 1
+            kept[key] = raw
+
+    def refresh(self, rows: dict[str, bytes | None]) -> None:
+        """Newer values of the rows among ``rows`` that are in memory (others are read when looked up)."""
+        for stored, raw in rows.items():
+            name, _, key = stored.partition("/")
+            kept = self.rows.get(name)
+            if kept is not None and key in kept:
+                kept[key] = raw
+
+    def decode(self, table: Table, key: str, raw: bytes | None) -> Any:
+        """Row ``raw`` of ``key`` decoded, and kept decoded when it is flat and still the cached one."""
+        if raw is None:
+            return None
+        row = table.decode(raw)
+        if type(row) is dict and all(type(v) in _FLAT for v in row.values()):
+            rows = self.rows.get(table.name)
+            if rows is not None and rows.get(key) is raw:
+                rows[key] = (raw, row.copy())
+        return row
+
+    def __len__(self) -> int:
+        return self.size
+
+
 class TableWrites:
     """One batch's table updates, each kept with its entry's id (a lookup sees the earlier ones)."""
 

@@ -283,3 +283,28 @@ def test_a_handler_that_changes_a_looked_up_row_changes_only_its_own_copy() -> N
             [{"tier": "silver", "since": 2020}, product],
         ]
         assert t.table("customers", "c1") == {"tier": "silver", "since": 2020}
+
+
+def test_rows_looked_up_often_show_each_update_of_their_table_and_global_table() -> None:
+    """A row looked up again and again is kept decoded in memory: an update of it still shows at once."""
+    app = App("updates")
+    app.table("customers")
+    app.global_table("products")
+
+    @app.handler("orders")
+    def order(value: dict[str, Any], ctx: Context) -> None:
+        customer, product = ctx.table("customers"), ctx.table("products", key="p1")
+        seen = [None if customer is None else customer["tier"], None if product is None else product["price"]]
+        ctx.state["seen"] = [*ctx.state.get("seen", []), seen]
+
+    with TestApp(app, partitions=1) as t:
+        t.send("customers", {"tier": "gold"}, key="c1")
+        t.send("products", {"price": 5}, key="p1")
+        for _ in range(3):
+            t.send("orders", {}, key="c1")
+        t.send("products", {"price": 7}, key="p1")
+        t.send("orders", {}, key="c1")
+        t.send("customers", {"tier": "silver"}, key="c1")
+        t.send("products", None, key="p1")
+        t.send("orders", {}, key="c1")
+        assert t.state("c1")["seen"] == [["gold", 5], ["gold", 5], ["gold", 5], ["gold", 7], ["silver", None]]

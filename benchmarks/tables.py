@@ -46,6 +46,7 @@ from benchmarks.baseline import (  # noqa: E402
     Costs,
     cpu_per_million,
     expected_totals,
+    forget_run,
     make_orders,
     max_rss_mb,
     own_redis_server,
@@ -214,6 +215,7 @@ def throughput_run(
     for result in (without, with_lookups):
         if (result["total"], result["count"], result["missing"]) != (total, count, 0):
             raise RuntimeError(f"wrong totals: {result} (expected {total}, {count}, 0 missing)")
+    forget_run(url, run)
     n = len(orders)
     return {
         "without": n / without["seconds"],

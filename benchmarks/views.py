@@ -38,7 +38,14 @@ if str(ROOT) not in sys.path:  # run the checkout's code even when it is not ins
 
 import redis  # noqa: E402
 
-from benchmarks.baseline import Costs, cpu_per_million, make_orders, own_redis_server, preload  # noqa: E402
+from benchmarks.baseline import (  # noqa: E402
+    Costs,
+    cpu_per_million,
+    forget_run,
+    make_orders,
+    own_redis_server,
+    preload,
+)
 from pspf import App, Context, Settings, Worker  # noqa: E402
 
 
@@ -102,7 +109,7 @@ def run_child(args: argparse.Namespace, url: str, topic: str, view: str, state_d
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
-        *("--broker", url, "--app", f"app-{uuid.uuid4().hex[:8]}", "--topic", topic, "--view", view),
+        *("--broker", url, "--app", f"app-{topic}", "--topic", topic, "--view", view),
         *("--kind", args.kind, "--state-dir", state_dir, "--batch-size", str(args.batch_size)),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -124,6 +131,7 @@ def one_run(
         for name in ["without", "with"] if order % 2 == 0 else ["with", "without"]:
             found[name] = run_child(args, url, topics[name], view if name == "with" else "", state_dir)
     check_view(url, view, args.kind, orders)
+    forget_run(url, run)
     return found
 
 

@@ -144,7 +144,7 @@ def throughput_run(
 ) -> dict[str, Any]:
     run = uuid.uuid4().hex[:8]
     plain_topic, emit_topic, out = f"bench-{run}-a", f"bench-{run}-b", f"bench-{run}-out"
-    copy, emitting_copy = f"bench-{run}-copy", f"bench-{run}-copy-b"
+    copy, emitting_copy, loop_out = f"bench-{run}-copy", f"bench-{run}-copy-b", f"bench-{run}-loop-out"
     preload(url, plain_topic, copy, orders)
     preload(url, emit_topic, emitting_copy, orders)
     service = Service(Settings.load({"PSPF_BROKER": url}, environ={}))
@@ -162,11 +162,11 @@ def throughput_run(
         if name == "strong":
             loops[name] = run_strong(url, copy, f"strong-{run}", args.batch_size)
         else:
-            loops[name] = run_strong(url, emitting_copy, f"strong-{run}", args.batch_size, f"{copy}-out")
+            loops[name] = run_strong(url, emitting_copy, f"strong-{run}", args.batch_size, loop_out)
         loops[name].update(costs.spent())
     client = redis.Redis.from_url(url)
     emitted = client.xlen(stream_key(out, 0))
-    emitted_by_loop = client.xlen(f"{copy}-out")
+    emitted_by_loop = client.xlen(loop_out)
     client.close()
     if emitted != len(orders) or with_emit["published"] != len(orders):
         raise RuntimeError(f"{emitted} entries in the output topic for {len(orders)} inputs")

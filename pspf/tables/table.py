@@ -187,9 +187,6 @@ class RowCache:
                 rows[key] = (raw, row.copy())
         return row
 
-    def __len__(self) -> int:
-        return self.size
-
 
 class TableWrites:
     """One batch's table updates, each kept with its entry's id (a lookup sees the earlier ones)."""

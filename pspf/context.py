@@ -14,7 +14,7 @@ from pspf.windows.timers import ScheduledCall, at_ms
 if TYPE_CHECKING:
     from pspf.codec import StateDecoder
     from pspf.outbox.emit import Emitted, Emitter
-    from pspf.outbox.views import View, ViewWrite
+    from pspf.outbox.views import View, Views, ViewWrite
     from pspf.windows.timers import PartitionTimers
 
 
@@ -36,7 +36,7 @@ class StateSource(Protocol):
     def timers(self) -> PartitionTimers | None: ...
 
     #: the app's views by name (``App.view``), each appending to ``viewed``
-    views: dict[str, View]
+    views: Views
     #: the view writes of this source's attempts, in order
     viewed: list[ViewWrite]
 
@@ -70,7 +70,6 @@ class Attempt:
         "loaded",
         "schedules",
         "source",
-        "viewed",
         "windowed",
     )
 
@@ -88,9 +87,6 @@ class Attempt:
     #: window, None for a topic without windows (typed by name only, as ``StateSource.windows`` is)
     windowed: Any
     schedules: list[ScheduledCall] | None
-    #: where this attempt's view writes start in its source's ``viewed`` (None: it wrote none);
-    #: a runner cuts them off there when the attempt fails
-    viewed: int | None
     #: the time a scheduled callback was due; None: the entry's (the time Redis appended it)
     due_ms: int | None
 
@@ -100,7 +96,6 @@ class Attempt:
         self.emitted = None
         self.windowed = None
         self.schedules = None
-        self.viewed = None
 
 
 class Context(Attempt):
@@ -136,7 +131,6 @@ class Context(Attempt):
         self.emitted = None
         self.windowed = None
         self.schedules = None
-        self.viewed = None
         self.due_ms = None
 
     @property
@@ -208,16 +202,7 @@ class Context(Attempt):
         Raises:
             ConfigError: the app has no such view.
         """
-        source = self.source
-        try:
-            view = source.views[name]
-        except KeyError:
-            raise ConfigError(
-                f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))"
-            ) from None
-        if self.viewed is None:
-            self.viewed = len(source.viewed)
-        return view
+        return self.source.views[name]  # a miss: ``Views.__missing__``
 
     def schedule(self, at: datetime | int | timedelta, name: str, payload: Any = None) -> None:
         """Run ``@app.on_schedule(name)`` for this key once the partition's stream time reaches ``at``.

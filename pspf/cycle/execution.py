@@ -183,8 +183,12 @@ def run_sync(
     # context built here; ``_context`` checks every other, and gives a handler with a deadline a
     # source of its own (what it writes into views after its deadline must not reach the batch).
     known = meta.known if not (meta.counts or meta.poison or timeout_ms is not None) else None
+    views = bool(source.views)
+    start = 0  # where the attempt's view writes start in ``viewed`` (cut there when it fails)
     for index, (id_b, fields) in enumerate(todo):
         ctx = None
+        if views:
+            start = len(viewed)
         try:
             if (
                 known is not None
@@ -202,7 +206,7 @@ def run_sync(
                 _call_in_thread(func, value, ctx, timeout_ms)
             new = UNCHANGED if ctx.loaded is None else state_result(ctx)
         except Exception as exc:
-            _cut_views(ctx)
+            del viewed[start:]  # a deadline's own source (``_ChainSource``) is dropped whole
             errors[index] = exc
             if stop(index, exc):
                 return index + 1, errors
@@ -218,12 +222,6 @@ def run_sync(
         if passed is not None:
             passed(id_b)
     return len(todo), errors
-
-
-def _cut_views(ctx: Context | None) -> None:
-    """Drop the view writes of a failed attempt (None: it failed before its context was made)."""
-    if ctx is not None and ctx.viewed is not None:
-        del ctx.source.viewed[ctx.viewed :]
 
 
 def _join_more(ctx: Context, source: StateSource, viewed: list[ViewWrite]) -> None:

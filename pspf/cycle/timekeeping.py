@@ -194,6 +194,7 @@ class TimeKeeping:
             topic, entry_id = call.source
             ctx = Context(topic, batch.owned.partition, entry_id, call.key, 1, None, batch)
             ctx.due_ms = call.at_ms
+            start = len(batch.viewed)  # where its view writes start: cut there if it fails
             try:
                 if callback is None:
                     raise ConfigError(f"the app has no @app.on_schedule({call.name!r}) any more")
@@ -202,8 +203,7 @@ class TimeKeeping:
             except Exception as exc:
                 if batch.broken is not None:
                     raise batch.broken from exc
-                if ctx.viewed is not None:  # its view writes are cut off
-                    del batch.viewed[ctx.viewed :]
+                del batch.viewed[start:]
                 result.callbacks_failed += 1
                 log.error(
                     "scheduled callback %s for key %r failed, dropped: %r",

@@ -145,14 +145,23 @@ def encode_value(value: Any) -> str | bytes:
         raise TypeError(f"a view's value must be text, bytes or JSON-encodable: {exc}") from None
 
 
-def bind(kinds: Mapping[str, ViewKind], writes: list[ViewWrite]) -> dict[str, View]:
+class Views(dict[str, "View"]):
+    """A source's views by name: ``ctx.view(name)`` is its ``__getitem__`` (C, no frame per write)."""
+
+    __slots__ = ()
+
+    def __missing__(self, name: str) -> View:
+        raise ConfigError(f"ctx.view: the app has no view {name!r} (declare it with app.view({name!r}))")
+
+
+def bind(kinds: Mapping[str, ViewKind], writes: list[ViewWrite]) -> Views:
     """The views ``ctx.view`` hands out, each appending to ``writes``.
 
     One ``View`` per view and source (a batch, an async chain), not per entry: a handler's writes
-    land in the source's list at once, and the runner cuts them off again when the attempt fails
-    (``Attempt.viewed`` is where they start).
+    land in the source's list at once, and the runner that ran the attempt cuts them off again
+    when it fails (it knows where they start: the list's length before the attempt).
     """
-    return {name: _VIEWS[kind](name, writes) for name, kind in kinds.items()}
+    return Views({name: _VIEWS[kind](name, writes) for name, kind in kinds.items()})
 
 
 #: The bounds of a hash's ints sent as numbers (precomputed: checked on every write)

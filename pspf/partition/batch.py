@@ -121,7 +121,7 @@ class PartitionBatch:
         #: view writes of the attempts that returned, in the order they ran
         self.viewed: list[ViewWrite] = []
         #: the app's views by name (``ctx.view``), appending to ``viewed``
-        self.views = {} if owned.views is None else bind(owned.views.kinds, self.viewed)
+        self.views = bind({} if owned.views is None else owned.views.kinds, self.viewed)
         #: the partition's open windows (None: the app has none), read by each windowed entry twice:
         #: an attribute, not a property
         self.windows: PartitionWindows | None = owned.windows

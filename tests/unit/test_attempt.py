@@ -14,6 +14,7 @@ from pspf.codec import StateDecoder, state_encoder
 from pspf.context import Context
 from pspf.cycle.execution import UNCHANGED, state_result
 from pspf.outbox.emit import Emitter
+from pspf.outbox.views import ViewWrite, bind
 from pspf.windows.timers import PartitionTimers
 
 
@@ -26,6 +27,8 @@ class Source:
         self.windows: Any = None
         self.timers: PartitionTimers | None = None
         self.state_decoder = StateDecoder()
+        self.viewed: list[ViewWrite] = []
+        self.views = bind({}, self.viewed)
 
     def topic_layout(self, topic: str) -> tuple[int, str, bool]:
         return 1, "0", False

@@ -118,11 +118,6 @@ def _field(what: str, field: Any) -> str | bytes:
     raise TypeError(f"{what} must be a str, bytes or int, got {kind.__name__}")
 
 
-#: The largest int a double holds exactly: a hash's ints up to it go to Redis as numbers
-#: (``lua/view_write.lua``), larger ones as their digits.
-EXACT_INT = 2**53
-
-
 def encode_value(value: Any) -> str | bytes:
     """A hash field's value as Redis keeps it.
 
@@ -164,8 +159,9 @@ def bind(kinds: Mapping[str, ViewKind], writes: list[ViewWrite]) -> Views:
     return Views({name: _VIEWS[kind](name, writes) for name, kind in kinds.items()})
 
 
-#: The bounds of a hash's ints sent as numbers (precomputed: checked on every write)
-_LOWEST, _HIGHEST = -EXACT_INT, EXACT_INT
+#: The ints a hash view keeps as ints: those a commit's store row (msgpack) holds; larger ones are
+#: kept as their digits. Redis holds either as the same digits. Precomputed: checked on every write.
+_LOWEST, _HIGHEST = -(2**63), 2**63 - 1
 
 
 class View:

@@ -220,8 +220,8 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
     rclient: redis.Redis,
     tmp_path: Path,
 ) -> None:
-    """Ints beyond a double's exact range, scores needing 17 digits, JSON, bytes that are not
-    UTF-8 (written by plain commands), and more fields in one batch than one command takes."""
+    """Ints beyond a double's exact range and at a store row's 64-bit edges, scores needing 17
+    digits, JSON, bytes that are not UTF-8, and a batch of thousands of fields."""
     topic, app_name = make_topic(1), names.app()
     kept, board, raw = f"{app_name}:kept", f"{app_name}:board", f"{app_name}:raw"
     raw_board = f"{app_name}:raw-board"
@@ -232,6 +232,10 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
         "nedge": -(2**53),
         "big": 2**53 + 1,
         "huge": -(10**30),
+        "top": 2**63 - 1,
+        "past": 2**63,
+        "bottom": -(2**63),
+        "below": -(2**63) - 1,
         "text": "héllo",
         "utf8": b"ok",
         "json": {"a": [1, 2.5]},
@@ -278,6 +282,10 @@ def test_view_values_reach_redis_exactly_whatever_their_type_and_count(
         "nedge": str(-(2**53)),
         "big": str(2**53 + 1),
         "huge": str(-(10**30)),
+        "top": str(2**63 - 1),
+        "past": str(2**63),
+        "bottom": str(-(2**63)),
+        "below": str(-(2**63) - 1),
         "text": "héllo",
         "utf8": "ok",
         "json": '{"a":[1,2.5]}',

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -192,6 +192,15 @@ def entry_fields_of(flat: list[bytes]) -> dict[bytes, bytes]:
             break
         seen.add(name)
     return RepeatedFields(fields, name, names.count(name))
+
+
+def interleaved(head: Sequence[Any], firsts: Collection[Any], seconds: Iterable[Any]) -> list[Any]:
+    """``head``, then each of ``firsts`` followed by its partner in ``seconds`` (C speed, no pairs)."""
+    start = len(head)
+    flat = [*head, *[None] * (2 * len(firsts))]
+    flat[start::2] = firsts
+    flat[start + 1 :: 2] = seconds
+    return flat
 
 
 def decode_headers(raw: bytes | None) -> dict[str, str]:

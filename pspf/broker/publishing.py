@@ -13,7 +13,6 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from itertools import chain
 from typing import Any, NamedTuple
 
 import redis
@@ -22,6 +21,7 @@ from redis.exceptions import NoScriptError
 from pspf import keys
 from pspf.broker.connection import Connection
 from pspf.broker.records import MEMORY_CHECK_S, MEMORY_PAUSE_S, Fields, _text, send_packed
+from pspf.codec import interleaved
 from pspf.errors import BrokerError, BrokerUnavailable, MemoryFull
 
 log = logging.getLogger(__name__)
@@ -302,8 +302,9 @@ def _view_commands(view: str, kind: str, fields: Mapping[Any, Any]) -> list[tupl
     kept = fields if not removed else {field: value for field, value in fields.items() if value is not None}
     commands: list[tuple[Any, ...]] = []
     if kept:
-        pairs = kept.items() if hash_ else zip(kept.values(), kept, strict=True)
-        commands.append(("HSET" if hash_ else "ZADD", view, *chain.from_iterable(pairs)))
+        head = ("HSET", view) if hash_ else ("ZADD", view)
+        flat = interleaved(head, kept, kept.values()) if hash_ else interleaved(head, kept.values(), kept)
+        commands.append(tuple(flat))
     if removed:
         gone = [field for field, value in fields.items() if value is None]
         commands.append(("HDEL" if hash_ else "ZREM", view, *gone))

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from itertools import chain
 from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
 
 from pspf import keys
+from pspf.codec import interleaved
 from pspf.errors import ConfigError
 
 ViewKind = Literal["hash", "zset"]
@@ -69,7 +69,7 @@ def latest(writes: Sequence[ViewWrite], views: Collection[str]) -> Writes:
 
 def encode_row(writes: Writes) -> bytes:
     """A commit's store row: per view, its name and its fields and values in turn."""
-    return _encode([(view, list(chain.from_iterable(fields.items()))) for view, fields in writes.items()])
+    return _encode([(view, interleaved((), fields, fields.values())) for view, fields in writes.items()])
 
 
 def decode_row(raw: bytes) -> Writes:

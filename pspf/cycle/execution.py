@@ -186,7 +186,6 @@ def run_sync(
     views = bool(source.views)
     start = 0  # where the attempt's view writes start in ``viewed`` (cut there when it fails)
     for index, (id_b, fields) in enumerate(todo):
-        ctx = None
         if views:
             start = len(viewed)
         try:

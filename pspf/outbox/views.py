@@ -141,7 +141,7 @@ def encode_value(value: Any) -> str | bytes:
 
 
 class Views(dict[str, "View"]):
-    """A source's views by name: ``ctx.view(name)`` is its ``__getitem__`` (C, no frame per write)."""
+    """A source's views by name: ``ctx.view(name)`` is one lookup; a name it lacks is a ConfigError."""
 
     __slots__ = ()
 

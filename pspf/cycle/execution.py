@@ -179,15 +179,12 @@ def run_sync(
     decode = handler.decoder.decode
     timeout_ms, topic, partition = meta.timeout_ms, meta.topic, meta.partition
     func, passed, make = sync_run(meta.tracing, handler.func, passed)  # per run, not per entry
-    # The common entry (delivered once, not poison, a key checked before, no headers) gets its
-    # context built here; ``_context`` checks every other, and gives a handler with a deadline a
-    # source of its own (what it writes into views after its deadline must not reach the batch).
+    # The common entry (delivered once, not poison, a key checked before, no headers) gets its context
+    # here; ``_context`` checks the rest, and gives a deadline a source of its own (late writes stay out).
     known = meta.known if not (meta.counts or meta.poison or timeout_ms is not None) else None
     views = bool(source.views)
-    start = 0  # where the attempt's view writes start in ``viewed`` (cut there when it fails)
     for index, (id_b, fields) in enumerate(todo):
-        if views:
-            start = len(viewed)
+        start = len(viewed) if views else 0  # the attempt's view writes start here: cut if it fails
         try:
             if (
                 known is not None
